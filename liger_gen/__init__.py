@@ -1,0 +1,13 @@
+"""liger-gen: Triton kernels for LLM training, generated from templates and tuned per GPU.
+
+    import liger_gen
+    liger_gen.apply_to(model)                      # patch a transformers model in place
+    y = liger_gen.functional.rms_norm(x, weight)   # or call the ops directly
+"""
+
+from liger_gen import functional, nn
+from liger_gen.runtime import ops as _ops  # registers the torch.library ops  # noqa: F401
+from liger_gen.runtime.integrations.transformers import apply_to
+
+__version__ = "0.1.0"
+__all__ = ["apply_to", "functional", "nn", "__version__"]

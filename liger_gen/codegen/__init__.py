@@ -1,0 +1,1 @@
+"""Code generation: render templates, describe search spaces, build variants, tune them."""

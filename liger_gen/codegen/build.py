@@ -1,0 +1,108 @@
+"""Write rendered kernel modules to a content-addressed cache and import them.
+
+A variant's module lives at ``<cache>/<op>_<sha256 of its source>.py``. The file is written atomically (a
+temporary file in the same directory, then ``os.replace``), so two processes that render the same variant at
+once both end up importing one complete file. Before a cached file is imported its bytes are compared with what
+the renderer produces now; a file that does not match is re-written, never imported. The cache directory must
+belong to the current user and must not be writable by others (``PermissionError`` otherwise).
+
+Cache directory: ``$LIGER_GEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/liger_gen/kernels`` (default
+``~/.cache/liger_gen/kernels``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+from liger_gen.codegen.render import render, source_hash
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType] = {}
+
+
+def cache_dir() -> Path:
+    """The kernel cache directory (created with mode 0700 if missing)."""
+    env = os.environ.get("LIGER_GEN_CACHE_DIR")
+    if env:
+        root = Path(env)
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "liger_gen" / "kernels"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_owner(root)
+    return root
+
+
+def _check_owner(path: Path) -> None:
+    """Refuse a cache directory that another user owns or that others may write: its files get imported."""
+    if not hasattr(os, "getuid"):
+        return
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"kernel cache {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"kernel cache {path} is writable by group or others (mode {oct(st.st_mode)})")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old file or the whole new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def materialize(op: str, params: Mapping[str, Any]) -> Path:
+    """Render the variant and make sure its file exists in the cache with exactly that content."""
+    source = render(op, params)
+    path = cache_dir() / f"{op}_{source_hash(source)}.py"
+    try:
+        current = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, UnicodeDecodeError):
+        current = None
+    if current != source:
+        _write_atomic(path, source)
+    return path
+
+
+def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:
+    """Render, cache and import one variant of ``op``; returns the module (kernels and launchers).
+
+    Modules are memoised per process by content hash, so calling this again is a dict lookup after the
+    render. Raises jinja2.UndefinedError for missing params and SyntaxError if the rendered text is broken;
+    Triton compile errors surface at the first launch.
+    """
+    path = materialize(op, params)
+    name = f"liger_gen_kernels.{path.stem}"
+    with _lock:
+        module = _modules.get(name)
+        if module is not None:
+            return module
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import kernel module {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # triton.jit reads the source through inspect, which needs this
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        _modules[name] = module
+        return module

@@ -1,0 +1,60 @@
+"""Render Triton kernel modules from the Jinja templates in ``liger_gen/templates``.
+
+Rendering is a pure function of (template source, params): the environment uses ``StrictUndefined`` so a
+missing variable is an error, the params are embedded as sorted JSON, and nothing time- or host-dependent is
+written. The template's source hash is part of every tuned-table key, so editing a template invalidates the
+entries tuned with the old text.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import resources
+from typing import Any, Mapping
+
+import jinja2
+
+TEMPLATE_SUFFIX = ".py.jinja"
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    """The one Jinja environment: templates from the package, undefined variables are errors."""
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("liger_gen", "templates"),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def template_source(op: str) -> str:
+    """Source text of the template family for ``op`` (e.g. ``"rms_norm"``); FileNotFoundError if absent."""
+    path = resources.files("liger_gen") / "templates" / f"{op}{TEMPLATE_SUFFIX}"
+    return path.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=None)
+def template_hash(op: str) -> str:
+    """sha256 (hex, 16 chars) of the template source; tuned tables record it."""
+    return hashlib.sha256(template_source(op).encode("utf-8")).hexdigest()[:16]
+
+
+def source_hash(source: str) -> str:
+    """sha256 (hex, 32 chars) of a rendered module; names the module in the kernel cache."""
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:32]
+
+
+def render(op: str, params: Mapping[str, Any]) -> str:
+    """Render one variant of ``op`` as Python source.
+
+    ``params`` must hold every variable the template uses (JSON-serialisable scalars); jinja2.UndefinedError
+    names a missing one. The same params always give the same text.
+    """
+    variant = dict(sorted(params.items()))
+    variant_json = json.dumps(variant, sort_keys=True, separators=(",", ":"))
+    template = _environment().get_template(f"{op}{TEMPLATE_SUFFIX}")
+    return template.render(**variant, variant_json=variant_json)

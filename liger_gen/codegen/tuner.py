@@ -1,0 +1,191 @@
+"""Optuna search over an op's space, one study per (op, phase, dtype, n_cols, rows bucket).
+
+For each phase (forward and backward kernels are tuned separately):
+  1. the analytic heuristic is enqueued first, so it is always measured;
+  2. TPE samples the space; a sample that violates a constraint is pruned before anything compiles;
+  3. each sample is built, checked against the float64 reference on the device (a wrong variant is pruned,
+     never kept), then timed (median kernel time, L2 flushed); compile or launch errors prune the trial;
+  4. the best few and the heuristic are re-timed in alternation, and the winner must beat the heuristic's
+     re-timed median or the heuristic is kept — so a tuned entry is never slower than the default.
+Every trial's params, status and time are kept in the table entry. With ``storage`` (an Optuna storage URL,
+e.g. ``sqlite:///tune.db`` or a journal file) an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Callable, Mapping
+
+import optuna
+
+from liger_gen.codegen.build import load_variant
+from liger_gen.codegen.render import template_hash
+from liger_gen.codegen.spaces import dtype_name
+from liger_gen.codegen.timing import Timer, gpu_timer
+
+Builder = Callable[[str, Mapping[str, Any]], Any]
+
+
+class _TrialFailed(Exception):
+    pass
+
+
+class Tuner:
+    """Tunes one op for given problems and returns table entries.
+
+    Args:
+        n_trials: trials per phase and shape (the heuristic counts as one).
+        timer: ``timer(launch, params) -> ms``; ``gpu_timer`` by default.
+        build: ``build(op, params) -> module``; ``load_variant`` by default (tests inject failures here).
+        storage: Optuna storage URL or object; None keeps studies in memory.
+        seed: TPE seed.
+        retime_top: how many of the best trials are re-timed against the heuristic.
+        retime_rounds: rounds of alternating re-timing.
+        on_trial: called after every finished trial (progress bars).
+    """
+
+    def __init__(self, *, n_trials: int = 24, timer: Timer | None = None, build: Builder | None = None,
+                 storage: Any = None, seed: int = 0, retime_top: int = 3, retime_rounds: int = 3,
+                 on_trial: Callable[[], None] | None = None):
+        if n_trials < 1:
+            raise ValueError(f"n_trials must be >= 1, got {n_trials}")
+        self.n_trials = n_trials
+        self.timer = timer or gpu_timer
+        self.build = build or load_variant
+        self.storage = storage
+        self.seed = seed
+        self.retime_top = retime_top
+        self.retime_rounds = retime_rounds
+        self.on_trial = on_trial
+
+    def study_name(self, problem, phase: str) -> str:
+        """Unique per op, phase, dtype, shape, casting mode and template text (so edits start fresh)."""
+        return (f"{problem.op}:{phase}:{dtype_name(problem.dtype)}:{problem.n_cols}:{problem.rows}:"
+                f"{problem.casting_mode}:{template_hash(problem.op)}")
+
+    def _evaluate(self, problem, config, phase: str) -> float:
+        """Build, check and time one variant; _TrialFailed with the status and reason if it cannot be kept."""
+        problems = problem.space.violations(config)
+        if problems:
+            raise _TrialFailed("invalid", "; ".join(problems))
+        params = config.template_params(problem.casting_mode)
+        try:
+            module = self.build(problem.op, params)
+            error = problem.check(module, phase)
+        except Exception as exc:  # compile, resource and launch errors: prune, keep tuning
+            raise _TrialFailed("error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if error is not None:
+            raise _TrialFailed("wrong", error)
+        return float(self.timer(problem.launcher(module, phase), params))
+
+    def _tune_phase(self, problem, phase: str, heuristic) -> tuple[optuna.Study, list[dict[str, Any]]]:
+        space = problem.space
+        study = optuna.create_study(
+            study_name=self.study_name(problem, phase), storage=self.storage, direction="minimize",
+            load_if_exists=True,
+            sampler=optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=max(1, min(8, self.n_trials // 3))),
+        )
+        study.enqueue_trial(space.phase_params(heuristic, phase), skip_if_exists=True)
+
+        def objective(trial: optuna.Trial) -> float:
+            config = space.suggest(trial, phase, heuristic)
+            try:
+                ms = self._evaluate(problem, config, phase)
+            except _TrialFailed as failed:
+                status, reason = failed.args
+                trial.set_user_attr("status", status)
+                trial.set_user_attr("reason", reason)
+                raise optuna.TrialPruned(reason) from None
+            trial.set_user_attr("status", "ok")
+            return ms
+
+        done = len([t for t in study.trials if t.state.is_finished()])
+        remaining = max(0, self.n_trials - done)
+        callbacks = [lambda _s, _t: self.on_trial()] if self.on_trial else []
+        if remaining:
+            study.optimize(objective, n_trials=remaining, callbacks=callbacks, gc_after_trial=False)
+        records = [
+            {"number": t.number, "params": t.params, "status": t.user_attrs.get("status", t.state.name.lower()),
+             "ms": t.value, **({"reason": t.user_attrs["reason"]} if "reason" in t.user_attrs else {})}
+            for t in study.trials if t.state.is_finished()
+        ]
+        return study, records
+
+    def _retime(self, problem, phase: str, configs: list) -> list[float]:
+        """Median time of each config over ``retime_rounds`` rounds, alternating, in a rotating order."""
+        modules = [self.build(problem.op, c.template_params(problem.casting_mode)) for c in configs]
+        times: list[list[float]] = [[] for _ in configs]
+        for r in range(self.retime_rounds):
+            order = list(range(len(configs)))
+            order = order[r % len(order):] + order[: r % len(order)]
+            for i in order:
+                params = configs[i].template_params(problem.casting_mode)
+                times[i].append(float(self.timer(problem.launcher(modules[i], phase), params)))
+        return [statistics.median(t) for t in times]
+
+    def tune(self, problem) -> dict[str, Any]:
+        """Tune both phases of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``)."""
+        space = problem.space
+        heuristic = space.heuristic()
+        best = heuristic
+        timing: dict[str, dict[str, float]] = {}
+        trials: dict[str, list] = {}
+        for phase in problem.phases:
+            study, records = self._tune_phase(problem, phase, heuristic)
+            trials[phase] = records
+            ok = sorted((t for t in study.trials if t.user_attrs.get("status") == "ok" and t.value is not None),
+                        key=lambda t: t.value)
+            candidates, seen = [heuristic], {tuple(sorted(space.phase_params(heuristic, phase).items()))}
+            for t in ok:
+                key = tuple(sorted(t.params.items()))
+                if key not in seen and len(candidates) <= self.retime_top:
+                    seen.add(key)
+                    candidates.append(dataclasses.replace(heuristic, **t.params))
+            medians = self._retime(problem, phase, candidates)
+            winner = min(range(len(candidates)), key=lambda i: (medians[i], i))  # ties keep the heuristic
+            best = dataclasses.replace(best, **space.phase_params(candidates[winner], phase))
+            timing[phase] = {"tuned": medians[winner], "heuristic": medians[0]}
+        return {
+            "dtype": dtype_name(problem.dtype),
+            "n_cols": problem.n_cols,
+            "rows": problem.rows,
+            "casting_mode": problem.casting_mode,
+            "config": best.to_dict(),
+            "heuristic": heuristic.to_dict(),
+            "timing_ms": timing,
+            "bytes": {phase: problem.bytes_moved(phase) for phase in problem.phases},
+            "trials": trials,
+        }
+
+
+def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """``table`` with ``entries`` added, replacing any entry of the same (dtype, n_cols, rows)."""
+    key = lambda e: (e["dtype"], e["n_cols"], e["rows"])  # noqa: E731
+    fresh = {key(e) for e in entries}
+    return {**table, "entries": [e for e in table["entries"] if key(e) not in fresh] + list(entries)}
+
+
+def tune_to_table(op: str, problems: list, out_root, *, gpu: str, device_name: str, compute_capability: str,
+                  tuner: Tuner) -> tuple[Any, list[dict[str, Any]]]:
+    """Tune every problem, merge the entries into ``<out_root>/<gpu>/<op>.json`` (atomic write), re-read it.
+
+    An existing table is kept and extended only if it belongs to this GPU, template and Triton version;
+    otherwise it is replaced. Returns (path, new entries).
+    """
+    from liger_gen.runtime import tables
+
+    path = tables.table_path(out_root, gpu, op)
+    table = tables.new_table(op, gpu, device_name, compute_capability)
+    if path.exists():
+        try:
+            old = tables.load_table(path)
+            if not tables.foreign_reasons(old, op=op, gpu=gpu):
+                table["entries"] = old["entries"]
+        except tables.TableError:
+            pass
+    entries = [tuner.tune(problem) for problem in problems]
+    tables.write_table(path, merge_entries(table, entries))
+    tables.load_table(path)  # re-read: what was written must parse
+    tables.clear_caches()
+    return path, entries

@@ -1,0 +1,1 @@
+"""Runtime: device names, tuned-table lookup, custom ops and model integrations."""

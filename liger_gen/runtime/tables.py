@@ -1,0 +1,265 @@
+"""Tuned tables: file name → load → validate → nearest entry → heuristic.
+
+One JSON file per GPU and op, ``<root>/<gpu>/<op>.json``. The file records its key fields inside::
+
+    {"format_version": 1, "op": "rms_norm", "gpu": "h200", "device_name": "NVIDIA H200",
+     "compute_capability": "9.0", "triton_version": "3.6.0", "torch_version": "2.11.0+cu130",
+     "template_hash": "...", "created": "2026-11-29T23:10:00Z",
+     "entries": [{"dtype": "bfloat16", "n_cols": 4096, "rows": 16384,
+                  "config": {...}, "heuristic": {...}, "timing_ms": {...}, "trials": {...}}, ...]}
+
+Lookup contract (``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables packaged in ``liger_gen/tuned``,
+then the op's analytic heuristic. A table is used only if its op, GPU, template hash and Triton major.minor
+version match the running ones; otherwise it is skipped with one warning and the next source is tried. Feature
+dims and dtype must match exactly; rows pick the nearest tuned bucket in log distance. A corrupt or ill-formed
+file warns and is skipped: training never crashes, and never runs a wrong kernel, because of a table. Every
+config taken from a table is re-checked against the space's constraints before use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import functools
+import json
+import os
+import tempfile
+import threading
+import warnings
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import triton
+
+from liger_gen.codegen.render import template_hash
+from liger_gen.codegen.spaces import DeviceLimits, dtype_name, log_distance, space_for
+
+FORMAT_VERSION = 1
+ENV_TUNED_DIR = "LIGER_GEN_TUNED_DIR"
+
+
+class TunedTableWarning(UserWarning):
+    """A tuned table was missing, foreign or corrupt; the heuristic (or the next table) is used instead."""
+
+
+class TableError(ValueError):
+    """A table file cannot be read or does not have the expected structure."""
+
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+_heuristic_only_depth = 0  # process-wide: autograd runs backward ops on its own threads
+
+
+def _warn_once(message: str) -> None:
+    with _warn_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, TunedTableWarning, stacklevel=3)
+
+
+def reset_warnings() -> None:
+    """Forget which warnings were given (tests use this)."""
+    with _warn_lock:
+        _warned.clear()
+
+
+def triton_major_minor(version: str | None = None) -> str:
+    """'3.6' for Triton 3.6.0: tables are valid across patch releases, not across minor ones."""
+    parts = (version or triton.__version__).split(".")
+    return ".".join(parts[:2])
+
+
+def packaged_root() -> Path:
+    """Folder of the tables shipped inside the package (``liger_gen/tuned``)."""
+    return Path(str(resources.files("liger_gen") / "tuned"))
+
+
+def table_roots() -> list[tuple[str, Path]]:
+    """Where tables are looked for, in order: ('user', $LIGER_GEN_TUNED_DIR) if set, then ('packaged', ...)."""
+    roots = []
+    env = os.environ.get(ENV_TUNED_DIR)
+    if env:
+        roots.append(("user", Path(env)))
+    roots.append(("packaged", packaged_root()))
+    return roots
+
+
+def table_path(root: Path, gpu: str, op: str) -> Path:
+    """``<root>/<gpu>/<op>.json``."""
+    return Path(root) / gpu / f"{op}.json"
+
+
+def load_table(path: Path) -> dict[str, Any]:
+    """Read and structurally check a table; TableError (with the path) if it is not valid JSON of our format."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TableError(f"cannot read tuned table {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TableError(f"tuned table {path}: top level is {type(data).__name__}, expected an object")
+    for field in ("format_version", "op", "gpu", "template_hash", "triton_version", "entries"):
+        if field not in data:
+            raise TableError(f"tuned table {path}: missing field {field!r}")
+    if data["format_version"] != FORMAT_VERSION:
+        raise TableError(f"tuned table {path}: format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
+    if not isinstance(data["entries"], list):
+        raise TableError(f"tuned table {path}: 'entries' is not a list")
+    for i, entry in enumerate(data["entries"]):
+        if not isinstance(entry, dict) or not {"dtype", "n_cols", "rows", "config"} <= set(entry):
+            raise TableError(f"tuned table {path}: entry {i} lacks dtype/n_cols/rows/config")
+        if not isinstance(entry["rows"], int) or entry["rows"] < 1 or not isinstance(entry["n_cols"], int):
+            raise TableError(f"tuned table {path}: entry {i} has bad rows/n_cols")
+    return data
+
+
+def foreign_reasons(table: dict[str, Any], *, op: str, gpu: str) -> list[str]:
+    """Why a table does not belong to this op, GPU, template and Triton version (empty when it does)."""
+    reasons = []
+    if table["op"] != op:
+        reasons.append(f"op {table['op']!r} != {op!r}")
+    if table["gpu"] != gpu:
+        reasons.append(f"tuned on GPU {table['gpu']!r}, running on {gpu!r}")
+    if table["template_hash"] != template_hash(op):
+        reasons.append(f"template hash {table['template_hash']} != current {template_hash(op)} (template changed)")
+    if triton_major_minor(str(table["triton_version"])) != triton_major_minor():
+        reasons.append(f"tuned with Triton {table['triton_version']}, running Triton {triton.__version__}")
+    return reasons
+
+
+def nearest_entry(table: dict[str, Any], dtype: torch.dtype, n_cols: int, rows: int) -> dict[str, Any] | None:
+    """Entry with the same dtype and n_cols whose rows bucket is nearest to ``rows`` in log2 distance.
+
+    Ties go to the larger bucket. None when no entry has this dtype and n_cols.
+    """
+    name = dtype_name(dtype)
+    candidates = [e for e in table["entries"] if e["dtype"] == name and e["n_cols"] == n_cols]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda e: (log_distance(e["rows"], rows), -e["rows"]))
+
+
+def write_table(path: Path, table: dict[str, Any]) -> None:
+    """Write a table atomically (temp file in the same folder + rename), keys sorted, entries in key order."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = dict(table)
+    table["entries"] = sorted(table["entries"], key=lambda e: (e["dtype"], e["n_cols"], e["rows"]))
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # tables are shipped data: readable by everyone (mkstemp makes 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def new_table(op: str, gpu: str, device_name: str, compute_capability: str) -> dict[str, Any]:
+    """An empty table stamped with this process's versions and the current template hash."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "op": op,
+        "gpu": gpu,
+        "device_name": device_name,
+        "compute_capability": compute_capability,
+        "triton_version": triton.__version__,
+        "torch_version": torch.__version__,
+        "template_hash": template_hash(op),
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+        "entries": [],
+    }
+
+
+@contextlib.contextmanager
+def heuristic_only() -> Iterator[None]:
+    """Inside this block the runtime ignores tuned tables and launches the heuristic config.
+
+    The switch is process-wide, not per thread, because autograd runs backward ops on worker threads.
+    """
+    global _heuristic_only_depth
+    with _warn_lock:
+        _heuristic_only_depth += 1
+    try:
+        yield
+    finally:
+        with _warn_lock:
+            _heuristic_only_depth -= 1
+
+
+def heuristic_only_enabled() -> bool:
+    """True inside ``heuristic_only()``."""
+    return _heuristic_only_depth > 0
+
+
+@functools.lru_cache(maxsize=64)
+def _load_for(path: str, op: str, gpu: str) -> dict[str, Any] | None:
+    """Cached: the table at ``path`` if it exists, parses and belongs to (op, gpu, template, triton); else None."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        table = load_table(p)
+    except TableError as exc:
+        _warn_once(f"liger-gen: ignoring corrupt tuned table: {exc}")
+        return None
+    reasons = foreign_reasons(table, op=op, gpu=gpu)
+    if reasons:
+        _warn_once(f"liger-gen: ignoring tuned table {p}: " + "; ".join(reasons))
+        return None
+    return table
+
+
+def lookup(op: str, dtype: torch.dtype, n_cols: int, rows: int, gpu: str | None,
+           limits: DeviceLimits | None = None) -> dict[str, Any]:
+    """Pick the launch config for one call shape; never raises because of a table.
+
+    Returns ``{"source": "user"|"packaged"|"heuristic", "path": str|None, "rows": tuned bucket or None,
+    "config": <space config object>}``. ``gpu`` is the canonical GPU name, or None (interpreter / no GPU),
+    in which case only the heuristic applies.
+    """
+    space = space_for(op, n_cols, dtype, limits)
+    if gpu is not None and not heuristic_only_enabled():
+        for source, root in table_roots():
+            path = table_path(root, gpu, op)
+            table = _load_for(str(path), op, gpu)
+            if table is None:
+                continue
+            entry = nearest_entry(table, dtype, n_cols, rows)
+            if entry is None:
+                continue
+            try:
+                config = space.config_cls.from_dict(entry["config"])
+                problems = space.violations(config)
+            except (ValueError, TypeError) as exc:
+                problems = [str(exc)]
+            if problems:
+                _warn_once(f"liger-gen: ignoring entry {dtype_name(dtype)}/{n_cols}/{entry['rows']} of {path}: "
+                           + "; ".join(problems))
+                continue
+            return {"source": source, "path": str(path), "rows": entry["rows"], "config": config}
+        if not heuristic_only_enabled():
+            _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, n_cols={n_cols}); "
+                       f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
+    return {"source": "heuristic", "path": None, "rows": None, "config": space.heuristic()}
+
+
+def describe_lookup(op: str, dtype: torch.dtype, n_cols: int, rows: int, gpu: str | None = None) -> dict[str, Any]:
+    """Like ``lookup`` for the current GPU, with the config as a plain dict (for reports)."""
+    if gpu is None and torch.cuda.is_available():
+        from liger_gen.runtime.devices import current_gpu
+
+        gpu = current_gpu()[0]
+    found = lookup(op, dtype, n_cols, rows, gpu)
+    return {**found, "config": found["config"].to_dict()}
+
+
+def clear_caches() -> None:
+    """Forget loaded tables (after writing one, or when $LIGER_GEN_TUNED_DIR changes)."""
+    _load_for.cache_clear()

@@ -1,0 +1,82 @@
+"""The liger-gen command line on a machine without a GPU."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from liger_gen.cli import main
+from liger_gen.models import PRESETS, resolve_model
+from liger_gen.runtime import tables
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_help_lists_commands(runner):
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0
+    assert "tune" in result.output and "show" in result.output
+    result = runner.invoke(main, ["tune", "--help"])
+    assert result.exit_code == 0 and "--gpu" in result.output and "--model" in result.output
+
+
+def test_unknown_gpu_is_a_usage_error(runner):
+    result = runner.invoke(main, ["tune", "--gpu", "h9000"])
+    assert result.exit_code == 2
+    assert "unknown GPU 'h9000'" in result.output and "h200" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_no_gpu_says_what_to_run(runner):
+    result = runner.invoke(main, ["tune", "--gpu", "h200", "--model", "llama3-8b"])
+    assert result.exit_code == 1
+    assert "no CUDA GPU is visible" in result.output
+    assert "liger-gen tune --gpu h200 --model llama3-8b" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_show_without_gpu_needs_a_name(runner):
+    result = runner.invoke(main, ["show"])
+    assert result.exit_code == 1 and "--gpu" in result.output
+
+
+def test_bad_model_and_ops_are_usage_errors(runner):
+    result = runner.invoke(main, ["tune", "--gpu", "h200", "--model", "gpt-17"])
+    assert result.exit_code == 2 and "unknown model 'gpt-17'" in result.output
+    result = runner.invoke(main, ["tune", "--gpu", "h200", "--ops", "rms_norm,softmax9"])
+    assert result.exit_code == 2 and "softmax9" in result.output
+    result = runner.invoke(main, ["tune", "--gpu", "h200", "--rows", "4096,abc"])
+    assert result.exit_code == 2 and "integers" in result.output
+
+
+def test_show_lists_a_user_table(runner, tmp_path, monkeypatch):
+    from liger_gen.codegen.spaces import RMSNormSpace
+
+    monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
+    t = tables.new_table("rms_norm", "h200", "NVIDIA H200", "9.0")
+    cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
+    t["entries"] = [{"dtype": "bfloat16", "n_cols": 4096, "rows": 16384, "config": cfg, "heuristic": cfg,
+                     "timing_ms": {"fwd": {"tuned": 0.05, "heuristic": 0.06}, "bwd": {"tuned": 0.1, "heuristic": 0.1}},
+                     "bytes": {"fwd": 268_500_000, "bwd": 402_800_000}}]
+    tables.write_table(tables.table_path(tmp_path, "h200", "rms_norm"), t)
+    result = runner.invoke(main, ["show", "--gpu", "h200"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "16384 x 4096" in result.output and "1.07x" in result.output and "in use" in result.output
+
+
+def test_model_presets_and_hf_config(tmp_path):
+    for name in ("llama3-8b", "llama3.2-1b", "qwen2.5-7b", "mistral-7b"):
+        assert name in PRESETS
+    assert resolve_model("llama3-8b").hidden_size == 4096
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
+                                "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6}))
+    model = resolve_model(str(path))
+    assert (model.hidden_size, model.head_dim, model.num_key_value_heads) == (1536, 128, 2)
+    path.write_text(json.dumps({"hidden_size": 1536}))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        resolve_model(str(path))
