@@ -99,9 +99,25 @@ def test_study_resumes_from_storage(problem, tmp_path):
     first = len(calls)
     calls.clear()
     entry = Tuner(n_trials=5, timer=counting_timer, storage=storage, retime_rounds=1).tune(problem)
-    # the second run finds 5 finished trials per phase and only re-times the candidates
+    # the second run finds 5 measured trials per phase and only re-times the candidates
     assert len(calls) < first
-    assert len(entry["trials"]["fwd"]) == 5
+    measured = [r for r in entry["trials"]["fwd"] if r["status"] in Tuner.MEASURED]
+    assert len(measured) == 5
+
+
+def test_repeated_points_are_not_measured_twice(problem):
+    ticks = []
+    entry = Tuner(n_trials=12, timer=cost_model, retime_rounds=1, on_trial=lambda: ticks.append(1)).tune(problem)
+    for phase in ("fwd", "bwd"):
+        records = entry["trials"][phase]
+        measured = [r for r in records if r["status"] in Tuner.MEASURED]
+        assert len(measured) == 12
+        keys = [tuple(sorted(r["params"].items())) for r in measured]
+        assert len(set(keys)) == len(keys)  # every measured point is distinct
+        for r in records:
+            if r["status"] == "duplicate":
+                assert tuple(sorted(r["params"].items())) in keys
+    assert len(ticks) == 24  # the progress bar advances once per measured variant
 
 
 def test_wrong_reference_is_caught(problem):

@@ -34,8 +34,11 @@ class _TrialFailed(Exception):
 class Tuner:
     """Tunes one op for given problems and returns table entries.
 
+    ``n_trials`` counts measured variants (built, checked, and timed or rejected); constraint violations
+    and repeats of an earlier point are not counted, up to ``MAX_TRIALS_FACTOR × n_trials`` Optuna trials.
+
     Args:
-        n_trials: trials per phase and shape (the heuristic counts as one).
+        n_trials: measured variants per phase and shape (the heuristic counts as one).
         timer: ``timer(launch, params) -> ms``; ``gpu_timer`` by default.
         build: ``build(op, params) -> module``; ``load_variant`` by default (tests inject failures here).
         storage: Optuna storage URL or object; None keeps studies in memory.
@@ -44,6 +47,9 @@ class Tuner:
         retime_rounds: rounds of alternating re-timing.
         on_trial: called after every finished trial (progress bars).
     """
+
+    MEASURED = ("ok", "wrong", "error")
+    MAX_TRIALS_FACTOR = 4
 
     def __init__(self, *, n_trials: int = 24, timer: Timer | None = None, build: Builder | None = None,
                  storage: Any = None, seed: int = 0, retime_top: int = 3, retime_rounds: int = 3,
@@ -88,23 +94,48 @@ class Tuner:
         )
         study.enqueue_trial(space.phase_params(heuristic, phase), skip_if_exists=True)
 
+        # TPE re-proposes points of small categorical spaces; a repeat reuses the recorded outcome instead of
+        # re-measuring, and does not count against the budget of ``n_trials`` measured variants.
+        outcomes: dict[tuple, tuple[str, Any]] = {}
+        for t in study.trials:
+            if t.state.is_finished() and t.user_attrs.get("status") not in (None, "duplicate"):
+                outcomes[tuple(sorted(t.params.items()))] = (t.user_attrs["status"], t.value)
+
         def objective(trial: optuna.Trial) -> float:
             config = space.suggest(trial, phase, heuristic)
+            key = tuple(sorted(trial.params.items()))
+            if key in outcomes:
+                status, value = outcomes[key]
+                trial.set_user_attr("status", "duplicate")
+                if status == "ok":
+                    return value
+                raise optuna.TrialPruned(f"repeat of a {status} variant")
             try:
                 ms = self._evaluate(problem, config, phase)
             except _TrialFailed as failed:
                 status, reason = failed.args
+                outcomes[key] = (status, None)
                 trial.set_user_attr("status", status)
                 trial.set_user_attr("reason", reason)
                 raise optuna.TrialPruned(reason) from None
+            outcomes[key] = ("ok", ms)
             trial.set_user_attr("status", "ok")
             return ms
 
-        done = len([t for t in study.trials if t.state.is_finished()])
-        remaining = max(0, self.n_trials - done)
-        callbacks = [lambda _s, _t: self.on_trial()] if self.on_trial else []
-        if remaining:
-            study.optimize(objective, n_trials=remaining, callbacks=callbacks, gc_after_trial=False)
+        def measured() -> int:
+            return sum(1 for status, _ in outcomes.values() if status in self.MEASURED)
+
+        def progress(_study, trial) -> None:
+            if self.on_trial and trial.user_attrs.get("status") in self.MEASURED:
+                self.on_trial()
+
+        max_trials = self.MAX_TRIALS_FACTOR * self.n_trials
+        already = measured()
+        while measured() < self.n_trials and len(study.trials) < max_trials:
+            study.optimize(objective, n_trials=min(self.n_trials - measured(), max_trials - len(study.trials)),
+                           callbacks=[progress], gc_after_trial=False)
+        for _ in range(max(0, self.n_trials - (measured() - already)) if self.on_trial else 0):
+            self.on_trial()  # budget not reached (space exhausted or resumed study): keep the bar's total honest
         records = [
             {"number": t.number, "params": t.params, "status": t.user_attrs.get("status", t.state.name.lower()),
              "ms": t.value, **({"reason": t.user_attrs["reason"]} if "reason" in t.user_attrs else {})}
