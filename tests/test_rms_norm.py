@@ -235,3 +235,26 @@ def test_heuristic_only_context_restores_state():
     with tables.heuristic_only():
         assert tables.heuristic_only_enabled()
     assert not tables.heuristic_only_enabled()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting_mode", ["llama", "gemma", "none"])
+@pytest.mark.parametrize("changes", [
+    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 1, "BLOCK_M_BWD": 1},
+    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 4, "BLOCK_M_BWD": 2, "BWD_PREFETCH": 1},
+    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 1, "BWD_PREFETCH": 1, "BLOCK_M_FWD": 4},
+    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 2, "BLOCK_M_BWD": 4, "num_warps_bwd": 2},
+])
+def test_every_template_branch_passes_the_tuners_gate(changes, casting_mode, dtype, device):
+    """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each structural variant."""
+    import dataclasses
+
+    from liger_gen.codegen.build import load_variant
+    from liger_gen.codegen.problems import RMSNormProblem
+
+    problem = RMSNormProblem(dtype, 150, 37, device, casting_mode=casting_mode, seed=5)
+    config = dataclasses.replace(problem.space.heuristic(), **changes)
+    assert not problem.space.violations(config)
+    module = load_variant("rms_norm", config.template_params(casting_mode))
+    assert problem.check(module, "fwd") is None
+    assert problem.check(module, "bwd") is None

@@ -95,7 +95,8 @@ class RMSNormConfig:
     BLOCK_M_FWD rows per program. The backward kernel walks tiles of BLOCK_M_BWD rows; with
     ``dw_strategy="blocked"`` each program takes TILES_PER_PROGRAM consecutive tiles, with ``"persistent"``
     PROGRAMS_PER_SM × num_sms programs stride over all tiles. Each backward program writes one fp32 partial
-    row of dW, summed by a second pass.
+    row of dW, summed by a second pass. BWD_PREFETCH=1 issues the next tile's loads before the current tile's
+    reductions (software pipelining written out, at the cost of a second tile of registers).
     """
 
     BLOCK_N: int
@@ -106,6 +107,7 @@ class RMSNormConfig:
     dw_strategy: str = "persistent"
     TILES_PER_PROGRAM: int = 1
     PROGRAMS_PER_SM: int = 1
+    BWD_PREFETCH: int = 0
     num_warps_bwd: int = 4
     num_stages_bwd: int = 1
 
@@ -125,6 +127,9 @@ class RMSNormConfig:
             if key == "dw_strategy":
                 if value not in ("blocked", "persistent"):
                     raise ValueError(f"RMSNormConfig: dw_strategy must be 'blocked' or 'persistent', got {value!r}")
+            elif key == "BWD_PREFETCH":
+                if value not in (0, 1) or isinstance(value, bool):
+                    raise ValueError(f"RMSNormConfig: BWD_PREFETCH must be 0 or 1, got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"RMSNormConfig: {key} must be a positive int, got {value!r}")
             values[key] = value
@@ -154,6 +159,7 @@ class RMSNormSpace:
         Param("dw_strategy", ("blocked", "persistent"), "bwd"),
         Param("TILES_PER_PROGRAM", (1, 2, 4, 8, 16, 32, 64), "bwd", when=("dw_strategy", "blocked")),
         Param("PROGRAMS_PER_SM", (1, 2, 4, 8), "bwd", when=("dw_strategy", "persistent")),
+        Param("BWD_PREFETCH", (0, 1), "bwd"),
         Param("num_warps_bwd", (1, 2, 4, 8, 16, 32), "bwd"),
         Param("num_stages_bwd", (1, 2, 3, 4), "bwd"),
     )
@@ -212,7 +218,9 @@ class RMSNormSpace:
             problems.append(f"dw_strategy={config.dw_strategy!r}")
         for phase, block_m, warps, stages, max_elems in (
             ("fwd", config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd, self.MAX_ELEMS_PER_THREAD_FWD),
-            ("bwd", config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd, self.MAX_ELEMS_PER_THREAD_BWD),
+            # prefetching holds a second tile of x and dy in registers
+            ("bwd", config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd,
+             self.MAX_ELEMS_PER_THREAD_BWD // (2 if config.BWD_PREFETCH else 1)),
         ):
             threads = warps * 32
             tile = block_m * config.BLOCK_N

@@ -36,7 +36,8 @@ On a CPU, a tiny model in float32 (a few seconds)::
 
     python -m liger_gen.examples.train_llama --preset tiny --steps 20 --seq-len 128 --batch-size 4
 
-Measured figures, with the command that produced them, are in the README.
+Measured figures, with the command that produced them, are in the README. Timings on a shared CPU machine
+swing by several times between identical runs: read CPU tokens/s as a smoke test, not a comparison.
 
 With ``TRITON_INTERPRET=1`` on a CPU, liger-gen runs its Triton kernels in the interpreter instead of plain
 PyTorch (slow; keep the model tiny and the steps few). Library use: ``run(["--steps", "10"])`` returns the
@@ -187,6 +188,18 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if args.vocab_size < 257:
         # Byte-level BPE starts from the 256 byte symbols; fewer would not cover the alphabet.
         parser.error(f"--vocab-size must be >= 257 (byte alphabet + merges), got {args.vocab_size}")
+    if not Path(args.text).is_file():
+        parser.error(f"--text {args.text}: no such file")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as exc:
+            parser.error(f"--device {args.device!r}: {exc}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: this PyTorch build sees no CUDA GPU (use --device cpu)")
+    if args.steps <= args.warmup_steps:
+        print(f"note: --steps {args.steps} <= --warmup-steps {args.warmup_steps}: no step is timed, "
+              "tokens/s will read n/a", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------------------------
