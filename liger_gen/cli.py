@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from liger_gen import __version__
 from liger_gen.runtime.devices import KNOWN_GPUS
 
 OPS = ("rms_norm",)
@@ -44,7 +45,7 @@ def _gpu_name(ctx, param, value: str | None) -> str | None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="liger-gen")
+@click.version_option(version=__version__, prog_name="liger-gen")
 def main() -> None:
     """liger-gen: Triton kernels for LLM training, generated from templates and tuned per GPU."""
 

@@ -40,12 +40,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     path only.
 
     Raises:
-        TypeError: x or weight is not a tensor or has a non-floating dtype, or float64 on the kernel path.
+        TypeError: x or weight is not a tensor or has a non-floating dtype, float64 on the kernel path, or eps /
+            offset is not a number.
         ValueError: weight is not (hidden,), the tensors are on different devices, hidden exceeds the kernel's
             limit (65536), or casting_mode is unknown.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"rms_norm: x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
+    for name, value in (("eps", eps), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"rms_norm: {name} must be a Python float, got {type(value).__name__} {value!r}")
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"rms_norm: casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
     if x.dim() < 1:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from liger_gen import functional as F
+from liger_gen.reference import CASTING_MODES
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +25,8 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
                  init_value: float = 1.0, device=None, dtype=None):
         super().__init__()
+        if casting_mode not in CASTING_MODES:
+            raise ValueError(f"RMSNorm: casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
         self.weight = nn.Parameter(torch.full((hidden_size,), float(init_value), device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.offset = offset

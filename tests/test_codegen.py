@@ -35,13 +35,16 @@ def test_variants_render_each_strategy(strategy):
 
 def test_cache_rewrites_tampered_file_before_import(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGER_GEN_CACHE_DIR", str(tmp_path / "k"))
-    path = build.materialize("rms_norm", _params(BLOCK_M_FWD=2))
+    path, source = build.materialize("rms_norm", _params(BLOCK_M_FWD=2))
     good = path.read_text()
+    assert good == source
     path.write_text("raise SystemExit('tampered')\n")
-    assert build.materialize("rms_norm", _params(BLOCK_M_FWD=2)) == path
+    assert build.materialize("rms_norm", _params(BLOCK_M_FWD=2))[0] == path
     assert path.read_text() == good
     module = build.load_variant("rms_norm", _params(BLOCK_M_FWD=2))
     assert module.BLOCK_M_FWD == 2
+    # executed from the verified text in memory: no bytecode cache that could be swapped behind our back
+    assert not (path.parent / "__pycache__").exists()
 
 
 def test_cache_refuses_group_writable_dir(tmp_path, monkeypatch):
@@ -56,7 +59,7 @@ def test_cache_refuses_group_writable_dir(tmp_path, monkeypatch):
 def _materialize(args):
     cache, n = args
     os.environ["LIGER_GEN_CACHE_DIR"] = cache
-    return [str(build.materialize("rms_norm", _params(BLOCK_M_FWD=1 + i % 2))) for i in range(n)]
+    return [str(build.materialize("rms_norm", _params(BLOCK_M_FWD=1 + i % 2))[0]) for i in range(n)]
 
 
 def test_concurrent_writers_leave_complete_files(tmp_path):

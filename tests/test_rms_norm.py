@@ -258,3 +258,30 @@ def test_every_template_branch_passes_the_tuners_gate(changes, casting_mode, dty
     module = load_variant("rms_norm", config.template_params(casting_mode))
     assert problem.check(module, "fwd") is None
     assert problem.check(module, "bwd") is None
+
+
+def test_double_backward_raises_instead_of_dropping_a_term(device):
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    w = torch.randn(32, device=device)
+    y = liger_gen.functional.rms_norm(x, w)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad((liger_gen.functional.rms_norm(x, w) ** 2).sum(), x)  # first order still works
+    assert gx.shape == x.shape
+
+
+def test_inference_mode_input_with_trained_weight(device):
+    with torch.inference_mode():
+        x = torch.randn(4, 16, device=device)
+    w = torch.randn(16, device=device, requires_grad=True)
+    liger_gen.functional.rms_norm(x, w).sum().backward()
+    w64 = w.detach().double().requires_grad_()
+    rms_norm_float64(x.clone(), w64, 1e-6).sum().backward()
+    assert rel_l2(w.grad, w64.grad) < REL_TOL[torch.float32]
+
+
+def test_scalar_arguments_are_type_checked():
+    with pytest.raises(TypeError, match="eps"):
+        liger_gen.functional.rms_norm(torch.ones(2, 4), torch.ones(4), eps="1e-6")
+    with pytest.raises(ValueError, match="casting_mode"):
+        liger_gen.nn.RMSNorm(8, casting_mode="foo")

@@ -90,7 +90,8 @@ def test_foreign_table_warns_and_falls_back(user_dir, override, reason):
     assert found["source"] == "heuristic"
 
 
-@pytest.mark.parametrize("text", ["{not json", "[]", '{"format_version": 1}', "",
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"format_version": 1}', "", "[" * 100000 + "]" * 100000,
+                                  '{"format_version": ' + "9" * 5000 + "}",
                                   json.dumps({"format_version": 1, "op": OP, "gpu": GPU, "template_hash": "x",
                                               "triton_version": "3", "entries": [{"dtype": "bfloat16"}]})])
 def test_corrupt_table_warns_and_falls_back(user_dir, text):
@@ -102,11 +103,25 @@ def test_corrupt_table_warns_and_falls_back(user_dir, text):
     assert found["source"] == "heuristic"
 
 
-def test_entry_with_invalid_config_is_not_used(user_dir):
-    bad = _tuned_config().to_dict() | {"BLOCK_N": 64}  # too narrow for 256 columns: would compute garbage
+@pytest.mark.parametrize("changes,words", [
+    ({"BLOCK_N": 64}, "BLOCK_N"),                       # too narrow for 256 columns: would compute garbage
+    ({"TILES_PER_PROGRAM": 10**6, "dw_strategy": "blocked"}, "TILES_PER_PROGRAM"),  # would spin for minutes
+    ({"BLOCK_M_FWD": 3}, "BLOCK_M_FWD"),                 # not a power of two: fails at launch
+    ({"num_warps_bwd": 3}, "num_warps_bwd"),
+    ({"BWD_PREFETCH": True}, "BWD_PREFETCH"),
+])
+def test_entry_with_invalid_config_is_not_used(user_dir, changes, words):
+    bad = _tuned_config().to_dict() | changes
     t = _table([{"dtype": "bfloat16", "n_cols": N, "rows": 4096, "config": bad}])
     _write(user_dir, t)
-    with pytest.warns(tables.TunedTableWarning, match="BLOCK_N"):
+    with pytest.warns(tables.TunedTableWarning, match=words):
+        assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
+
+
+def test_entry_whose_config_is_not_an_object_is_rejected(user_dir):
+    t = _table([{"dtype": "bfloat16", "n_cols": N, "rows": 4096, "config": []}])
+    _write(user_dir, t)
+    with pytest.warns(tables.TunedTableWarning, match="corrupt"):
         assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
 
 

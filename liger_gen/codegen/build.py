@@ -12,7 +12,7 @@ Cache directory: ``$LIGER_GEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/liger_g
 
 from __future__ import annotations
 
-import importlib.util
+import linecache
 import os
 import stat
 import sys
@@ -68,8 +68,11 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def materialize(op: str, params: Mapping[str, Any]) -> Path:
-    """Render the variant and make sure its file exists in the cache with exactly that content."""
+def materialize(op: str, params: Mapping[str, Any]) -> tuple[Path, str]:
+    """Render the variant and make sure its file exists in the cache with exactly that content.
+
+    Returns the path and the rendered source.
+    """
     source = render(op, params)
     path = cache_dir() / f"{op}_{source_hash(source)}.py"
     try:
@@ -78,29 +81,32 @@ def materialize(op: str, params: Mapping[str, Any]) -> Path:
         current = None
     if current != source:
         _write_atomic(path, source)
-    return path
+    return path, source
 
 
 def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:
     """Render, cache and import one variant of ``op``; returns the module (kernels and launchers).
 
-    Modules are memoised per process by content hash, so calling this again is a dict lookup after the
-    render. Raises jinja2.UndefinedError for missing params and SyntaxError if the rendered text is broken;
-    Triton compile errors surface at the first launch.
+    The module is executed from the source text just rendered, compiled in memory: no bytecode cache is read
+    or written, so nothing in the cache directory but the verified ``.py`` file (which Triton reads back for
+    its source) takes part. Modules are memoised per process by content hash. Raises jinja2.UndefinedError
+    for missing params and SyntaxError if the rendered text is broken; Triton compile errors surface at the
+    first launch.
     """
-    path = materialize(op, params)
+    path, source = materialize(op, params)
     name = f"liger_gen_kernels.{path.stem}"
     with _lock:
         module = _modules.get(name)
         if module is not None:
             return module
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot import kernel module {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # triton.jit reads the source through inspect, which needs this
+        code = compile(source, str(path), "exec", dont_inherit=True)
+        module = ModuleType(name)
+        module.__file__ = str(path)
+        # triton.jit reads the kernel source through inspect/linecache: serve it the verified text
+        linecache.cache[str(path)] = (len(source), None, source.splitlines(keepends=True), str(path))
+        sys.modules[name] = module
         try:
-            spec.loader.exec_module(module)
+            exec(code, module.__dict__)
         except BaseException:
             sys.modules.pop(name, None)
             raise

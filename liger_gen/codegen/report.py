@@ -73,9 +73,9 @@ def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
                 continue
             reasons = tables.foreign_reasons(table, op=table["op"], gpu=gpu)
             status = "[green]in use[/green]" if not reasons else "[yellow]not used: " + "; ".join(reasons) + "[/yellow]"
-            console.print(f"[bold]{path}[/bold] ({source}) — {table['device_name']}, Triton "
-                          f"{table['triton_version']}, torch {table['torch_version']}, created {table['created']}; "
-                          f"{status}")
+            console.print(f"[bold]{path}[/bold] ({source}) — {table.get('device_name', '?')}, Triton "
+                          f"{table['triton_version']}, torch {table.get('torch_version', '?')}, created "
+                          f"{table.get('created', '?')}; {status}")
             if table["entries"] and "timing_ms" in table["entries"][0]:
                 console.print(summary_table(table["op"], table["entries"]))
             cfg = Table(title="configs")

@@ -214,8 +214,10 @@ class RMSNormSpace:
             problems.append(f"BLOCK_N={config.BLOCK_N} < n_cols={n}: the single-pass kernel needs the whole row")
         if config.BLOCK_N != self.block_n:
             problems.append(f"BLOCK_N={config.BLOCK_N} is not next_power_of_2(n_cols)={self.block_n}")
-        if config.dw_strategy not in ("blocked", "persistent"):
-            problems.append(f"dw_strategy={config.dw_strategy!r}")
+        for param in self.PARAMS:  # bounds every value: a table cannot ask for 10^6 tiles or a 3-row arange
+            value = getattr(config, param.name)
+            if value not in param.choices or isinstance(value, bool):
+                problems.append(f"{param.name}={value!r} is not one of {param.choices}")
         for phase, block_m, warps, stages, max_elems in (
             ("fwd", config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd, self.MAX_ELEMS_PER_THREAD_FWD),
             # prefetching holds a second tile of x and dy in registers

@@ -160,7 +160,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting_mode):
         y, rstd = _rms_norm_fwd_impl(x, weight, eps, offset, casting_mode)
-        ctx.save_for_backward(x, weight, rstd)
+        # inference-mode tensors cannot be saved for backward (e.g. x made under inference_mode, weight trained)
+        ctx.save_for_backward(*(t.clone() if t.is_inference() else t for t in (x, weight)), rstd)
         ctx.offset = offset
         ctx.casting_mode = casting_mode
         return y
@@ -168,6 +169,10 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # the kernels have no second derivative; a graph built through them would silently miss a term
+            raise RuntimeError("liger_gen rms_norm: double backward (create_graph=True) is not supported; use "
+                               "liger_gen.reference.rms_norm_torch where second derivatives are needed")
         dx, dw = _rms_norm_bwd_impl(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
         return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
 

@@ -97,13 +97,17 @@ def load_table(path: Path) -> dict[str, Any]:
     """Read and structurally check a table; TableError (with the path) if it is not valid JSON of our format."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TableError(f"cannot read tuned table {path}: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError covers JSON and int-size errors
+        raise TableError(f"cannot read tuned table {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise TableError(f"tuned table {path}: top level is {type(data).__name__}, expected an object")
-    for field in ("format_version", "op", "gpu", "template_hash", "triton_version", "entries"):
+    for field, kind in (("format_version", int), ("op", str), ("gpu", str), ("template_hash", str),
+                        ("triton_version", str), ("entries", list)):
         if field not in data:
             raise TableError(f"tuned table {path}: missing field {field!r}")
+        if type(data[field]) is not kind:
+            raise TableError(f"tuned table {path}: field {field!r} is {type(data[field]).__name__}, "
+                             f"expected {kind.__name__}")
     if data["format_version"] != FORMAT_VERSION:
         raise TableError(f"tuned table {path}: format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
     if not isinstance(data["entries"], list):
@@ -111,8 +115,9 @@ def load_table(path: Path) -> dict[str, Any]:
     for i, entry in enumerate(data["entries"]):
         if not isinstance(entry, dict) or not {"dtype", "n_cols", "rows", "config"} <= set(entry):
             raise TableError(f"tuned table {path}: entry {i} lacks dtype/n_cols/rows/config")
-        if not isinstance(entry["rows"], int) or entry["rows"] < 1 or not isinstance(entry["n_cols"], int):
-            raise TableError(f"tuned table {path}: entry {i} has bad rows/n_cols")
+        if (type(entry["rows"]) is not int or entry["rows"] < 1 or type(entry["n_cols"]) is not int
+                or not isinstance(entry["dtype"], str) or not isinstance(entry["config"], dict)):
+            raise TableError(f"tuned table {path}: entry {i} has a bad dtype/n_cols/rows/config")
     return data
 
 
@@ -237,8 +242,8 @@ def lookup(op: str, dtype: torch.dtype, n_cols: int, rows: int, gpu: str | None,
             try:
                 config = space.config_cls.from_dict(entry["config"])
                 problems = space.violations(config)
-            except (ValueError, TypeError) as exc:
-                problems = [str(exc)]
+            except Exception as exc:  # whatever a hand-edited entry holds, it must not reach training
+                problems = [f"{type(exc).__name__}: {exc}"]
             if problems:
                 _warn_once(f"liger-gen: ignoring entry {dtype_name(dtype)}/{n_cols}/{entry['rows']} of {path}: "
                            + "; ".join(problems))
