@@ -97,6 +97,10 @@ class RMSNormConfig:
     PROGRAMS_PER_SM × num_sms programs stride over all tiles. Each backward program writes one fp32 partial
     row of dW, summed by a second pass. BWD_PREFETCH=1 issues the next tile's loads before the current tile's
     reductions (software pipelining written out, at the cost of a second tile of registers).
+
+    Measured on an H200 (Triton 3.6, bf16, tuned table of 2026-11-29): every tuned entry with 16384 or more
+    rows chose persistent + prefetch (backward 0.132 → 0.114 ms at 16384×4096), every 4096-row entry chose
+    blocked without prefetch.
     """
 
     BLOCK_N: int
