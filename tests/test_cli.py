@@ -80,3 +80,23 @@ def test_model_presets_and_hf_config(tmp_path):
     path.write_text(json.dumps({"hidden_size": 1536}))
     with pytest.raises(ValueError, match="intermediate_size"):
         resolve_model(str(path))
+
+
+def test_gpu_that_is_not_the_visible_one_is_refused(runner, monkeypatch):
+    from liger_gen.runtime import devices
+
+    monkeypatch.setattr(devices, "current_gpu", lambda device=None: ("h100", "NVIDIA H100 80GB HBM3"))
+    result = runner.invoke(main, ["tune", "--gpu", "h200", "--model", "llama3-8b"])
+    assert result.exit_code == 1
+    assert "--gpu h200 does not match the visible GPU 'NVIDIA H100 80GB HBM3' (h100)" in result.output
+
+
+def test_canonical_gpu_names():
+    from liger_gen.runtime.devices import canonical_gpu_name
+
+    assert canonical_gpu_name("NVIDIA H200") == "h200"
+    assert canonical_gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert canonical_gpu_name("NVIDIA GH200 480GB") == "gh200"
+    assert canonical_gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert canonical_gpu_name("NVIDIA L4") == "l4" and canonical_gpu_name("NVIDIA L40S") == "l40s"
+    assert canonical_gpu_name("Some Future GPU X1") == "some-future-gpu-x1"

@@ -43,25 +43,31 @@ def _device_info(device: torch.device) -> tuple[str | None, DeviceLimits]:
     return None, DeviceLimits.interpreter()
 
 
+@functools.lru_cache(maxsize=None)
+def _rms_norm_module(config, casting_mode: str) -> ModuleType:
+    """Rendered and imported kernel module of one config (rendering happens once per distinct config)."""
+    return load_variant("rms_norm", config.template_params(casting_mode))
+
+
 @functools.lru_cache(maxsize=4096)
 def _rms_norm_variant(device: torch.device, dtype: torch.dtype, n_cols: int, rows: int, casting_mode: str,
                       heuristic_only: bool) -> tuple[ModuleType, int]:
-    """The kernel module for one call shape and the device's SM count (memoised)."""
+    """The kernel module for one call shape and the device's SM count (memoised per shape)."""
     gpu, limits = _device_info(device)
     found = tables.lookup("rms_norm", dtype, n_cols, rows, gpu, limits)
-    return load_variant("rms_norm", found["config"].template_params(casting_mode)), limits.num_sms
+    return _rms_norm_module(found["config"], casting_mode), limits.num_sms
 
 
 def rms_norm_variant(x: torch.Tensor, casting_mode: str) -> tuple[ModuleType, int]:
-    """Kernel module and SM count for a 2-D ``x``."""
-    device = x.device if x.device.index is not None or x.device.type != "cuda" else \
-        torch.device("cuda", torch.cuda.current_device())
-    return _rms_norm_variant(device, x.dtype, x.shape[1], x.shape[0], casting_mode, tables.heuristic_only_enabled())
+    """Kernel module and SM count for a 2-D ``x`` (CUDA tensors always carry their device index)."""
+    return _rms_norm_variant(x.device, x.dtype, x.shape[1], x.shape[0], casting_mode,
+                             tables.heuristic_only_enabled())
 
 
 def clear_caches() -> None:
     """Forget chosen variants (after writing tables or changing $LIGER_GEN_TUNED_DIR)."""
     _rms_norm_variant.cache_clear()
+    _rms_norm_module.cache_clear()
     tables.clear_caches()
 
 
