@@ -110,8 +110,6 @@ def load_table(path: Path) -> dict[str, Any]:
                              f"expected {kind.__name__}")
     if data["format_version"] != FORMAT_VERSION:
         raise TableError(f"tuned table {path}: format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
-    if not isinstance(data["entries"], list):
-        raise TableError(f"tuned table {path}: 'entries' is not a list")
     for i, entry in enumerate(data["entries"]):
         if not isinstance(entry, dict) or not {"dtype", "n_cols", "rows", "config"} <= set(entry):
             raise TableError(f"tuned table {path}: entry {i} lacks dtype/n_cols/rows/config")
