@@ -408,7 +408,7 @@ def build_providers(names: list[str], eps: float) -> list[Provider]:
     def lookup(dtype, rows, cols):
         # Called inside the provider's own context (heuristic_only() for the heuristic one),
         # never re-entering it: a flag-style context manager must not be nested.
-        return lg_tables.describe_lookup(op="rms_norm", dtype=dtype, n_cols=cols, rows=rows)
+        return lg_tables.describe_lookup(op="rms_norm", dtype=dtype, dims=cols, rows=rows)
 
     for name in names:
         if name == "liger-gen":

@@ -6,7 +6,6 @@
 """
 
 from liger_gen import functional, nn
-from liger_gen.runtime import ops as _ops  # registers the torch.library ops  # noqa: F401
 from liger_gen.runtime.integrations.transformers import apply_to
 
 __version__ = "0.1.0"

@@ -11,9 +11,10 @@ from pathlib import Path
 import click
 
 from liger_gen import __version__
+from liger_gen.ops import available_ops
 from liger_gen.runtime.devices import KNOWN_GPUS
 
-OPS = ("rms_norm",)
+OPS = available_ops()
 DEFAULT_ROWS = "4096,16384,65536"
 
 

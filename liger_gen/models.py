@@ -20,12 +20,6 @@ class ModelShape:
     vocab_size: int
     rms_norm_eps: float
 
-    def op_shapes(self, op: str) -> list[int]:
-        """Feature widths (n_cols) that ``op`` sees in this model."""
-        if op == "rms_norm":
-            return [self.hidden_size]
-        raise KeyError(f"no shapes for op {op!r}")
-
 
 # From the models' published config.json files.
 PRESETS: dict[str, ModelShape] = {

@@ -54,18 +54,18 @@ def test_bad_model_and_ops_are_usage_errors(runner):
 
 
 def test_show_lists_a_user_table(runner, tmp_path, monkeypatch):
-    from liger_gen.codegen.spaces import RMSNormSpace
+    from liger_gen.ops.rms_norm import RMSNormSpace
 
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
     t = tables.new_table("rms_norm", "h200", "NVIDIA H200", "9.0")
     cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
-    t["entries"] = [{"dtype": "bfloat16", "n_cols": 4096, "rows": 16384, "config": cfg, "heuristic": cfg,
+    t["entries"] = [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384, "config": cfg, "heuristic": cfg,
                      "timing_ms": {"fwd": {"tuned": 0.05, "heuristic": 0.06}, "bwd": {"tuned": 0.1, "heuristic": 0.1}},
                      "bytes": {"fwd": 268_500_000, "bwd": 402_800_000}}]
     tables.write_table(tables.table_path(tmp_path, "h200", "rms_norm"), t)
     result = runner.invoke(main, ["show", "--gpu", "h200"], terminal_width=200)
     assert result.exit_code == 0, result.output
-    assert "16384 x 4096" in result.output and "1.07x" in result.output and "in use" in result.output
+    assert "n_cols=4096" in result.output and "16384" in result.output and "1.07x" in result.output and "in use" in result.output
 
 
 def test_model_presets_and_hf_config(tmp_path):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from liger_gen.codegen import build, render
-from liger_gen.codegen.spaces import RMSNormSpace
+from liger_gen.ops.rms_norm import RMSNormSpace
 
 
 def _params(**changes):
-    return {**RMSNormSpace(200, torch.float32).heuristic().template_params("llama"), **changes}
+    return {**RMSNormSpace(200, torch.float32).heuristic().to_dict(), "casting_mode": "llama", **changes}
 
 
 def test_render_is_deterministic_and_strict():

@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from liger_gen.codegen.spaces import RMSNormSpace
+from liger_gen.ops.rms_norm import RMSNormSpace
 from liger_gen.runtime import tables
 
 OP, GPU, N = "rms_norm", "h200", 256
 
 
 def _entry(rows, config, dtype="bfloat16", n_cols=N):
-    return {"dtype": dtype, "n_cols": n_cols, "rows": rows, "config": config.to_dict()}
+    return {"dtype": dtype, "dims": {"n_cols": n_cols}, "rows": rows, "config": config.to_dict()}
 
 
 def _tuned_config(**changes):
@@ -112,14 +112,14 @@ def test_corrupt_table_warns_and_falls_back(user_dir, text):
 ])
 def test_entry_with_invalid_config_is_not_used(user_dir, changes, words):
     bad = _tuned_config().to_dict() | changes
-    t = _table([{"dtype": "bfloat16", "n_cols": N, "rows": 4096, "config": bad}])
+    t = _table([{"dtype": "bfloat16", "dims": {"n_cols": N}, "rows": 4096, "config": bad}])
     _write(user_dir, t)
     with pytest.warns(tables.TunedTableWarning, match=words):
         assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
 
 
 def test_entry_whose_config_is_not_an_object_is_rejected(user_dir):
-    t = _table([{"dtype": "bfloat16", "n_cols": N, "rows": 4096, "config": []}])
+    t = _table([{"dtype": "bfloat16", "dims": {"n_cols": N}, "rows": 4096, "config": []}])
     _write(user_dir, t)
     with pytest.warns(tables.TunedTableWarning, match="corrupt"):
         assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
@@ -157,5 +157,5 @@ def test_packaged_tables_parse_and_belong_to_their_gpu():
         table = tables.load_table(path)
         assert table["gpu"] == path.parent.name and table["op"] == path.stem
         for e in table["entries"]:
-            space = RMSNormSpace(e["n_cols"], getattr(torch, e["dtype"]))
+            space = RMSNormSpace(e["dims"], getattr(torch, e["dtype"]))
             assert not space.violations(space.config_cls.from_dict(e["config"]))

@@ -69,17 +69,17 @@ class _LigerOpCounter:
         self.calls: dict[str, int] = {}
 
     def __enter__(self):
-        self._original = ops.rms_norm_variant
+        self._original = ops._variant
 
-        def counting(x, casting_mode):
-            self.calls["rms_norm"] = self.calls.get("rms_norm", 0) + 1
-            return self._original(x, casting_mode)
+        def counting(op, *args):
+            self.calls[op] = self.calls.get(op, 0) + 1
+            return self._original(op, *args)
 
-        ops.rms_norm_variant = counting
+        ops._variant = counting
         return self
 
     def __exit__(self, *exc):
-        ops.rms_norm_variant = self._original
+        ops._variant = self._original
 
 
 def _interpreter_on() -> bool:

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from liger_gen.codegen.problems import PROBLEMS
-from liger_gen.codegen.spaces import dtype_name
+from liger_gen.ops import get_op
 from liger_gen.codegen.tuner import Tuner, tune_to_table
+from liger_gen.runtime.tables import entry_sort_key
 
 console = Console()
 
@@ -21,18 +21,16 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
     """Tune ``ops`` at the model's shapes, write one table per op, print a summary."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    jobs = [(op, dtype, n_cols, r) for op in ops for dtype in dtypes for n_cols in model.op_shapes(op) for r in rows]
-    total = sum(trials * len(PROBLEMS[op].phases) for op, *_ in jobs)
     summary = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task(f"tuning {model.name} on {device_name}", total=total)
+        task = progress.add_task(f"tuning {model.name} on {device_name}", total=None)
         tuner = Tuner(n_trials=trials, storage=storage, seed=seed, on_trial=lambda: progress.advance(task))
         for op in ops:
-            problems = []
-            for o, dtype, n_cols, r in jobs:
-                if o == op:
-                    problems.append(PROBLEMS[op](dtype, n_cols, r, device, seed=seed))
+            # problems allocate their inputs on the GPU: build one op's at a time
+            problems = [p for dtype in dtypes for p in get_op(op).tuning_problems(model, rows, dtype, device, seed)]
+            total = (progress.tasks[0].total or 0) + sum(trials * len(p.phases) for p in problems)
+            progress.update(task, total=total, description=f"tuning {op} for {model.name} on {device_name}")
             path, entries = tune_to_table(op, problems, Path(out_root), gpu=gpu, device_name=device_name,
                                           compute_capability=cc, tuner=tuner)
             summary.append((op, path, entries))
@@ -43,16 +41,23 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
         console.print(f"wrote {path}")
 
 
+def _dims(entry: dict) -> str:
+    """'n_cols=4096' / 'hidden=4096 vocab=128256': an entry's feature dims and variant options, short."""
+    parts = [f"{k}={v}" for k, v in entry["dims"].items()]
+    parts += [f"{k}={v}" for k, v in sorted(entry.get("variant", {}).items())]
+    return " ".join(parts)
+
+
 def summary_table(op: str, entries: list[dict]) -> Table:
     """Shape, heuristic ms, tuned ms, speed-up and GB/s (forward + backward) for each tuned entry."""
     table = Table(title=f"{op}: forward + backward kernel time (median, L2 flushed)")
-    for col in ("dtype", "rows x n_cols", "heuristic ms", "tuned ms", "speed-up", "tuned GB/s"):
+    for col in ("dtype", "rows", "dims", "heuristic ms", "tuned ms", "speed-up", "tuned GB/s"):
         table.add_column(col, justify="right")
-    for e in sorted(entries, key=lambda e: (e["dtype"], e["n_cols"], e["rows"])):
+    for e in sorted(entries, key=entry_sort_key):
         heur = sum(t["heuristic"] for t in e["timing_ms"].values())
         tuned = sum(t["tuned"] for t in e["timing_ms"].values())
         gbps = sum(e["bytes"].values()) / (tuned * 1e-3) / 1e9 if "bytes" in e else float("nan")
-        table.add_row(e["dtype"], f"{e['rows']} x {e['n_cols']}", f"{heur:.4f}", f"{tuned:.4f}",
+        table.add_row(e["dtype"], str(e["rows"]), _dims(e), f"{heur:.4f}", f"{tuned:.4f}",
                       f"{heur / tuned:.2f}x", f"{gbps:,.0f}")
     return table
 
@@ -79,15 +84,15 @@ def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
             if table["entries"] and "timing_ms" in table["entries"][0]:
                 console.print(summary_table(table["op"], table["entries"]))
             cfg = Table(title="configs")
-            cfg.add_column("dtype"), cfg.add_column("rows x n_cols"), cfg.add_column("config")
+            cfg.add_column("dtype"), cfg.add_column("rows"), cfg.add_column("dims"), cfg.add_column("config")
             for e in table["entries"]:
-                cfg.add_row(e["dtype"], f"{e['rows']} x {e['n_cols']}",
+                cfg.add_row(e["dtype"], str(e["rows"]), _dims(e),
                             " ".join(f"{k}={v}" for k, v in sorted(e["config"].items())))
             console.print(cfg)
             if show_trials:
                 for e in table["entries"]:
                     for phase, records in e.get("trials", {}).items():
-                        console.print(f"{e['dtype']} {e['rows']}x{e['n_cols']} {phase}: " + ", ".join(
+                        console.print(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
                             f"#{r['number']} {r['status']} {r['ms']:.4f}ms" if r.get("ms") else
                             f"#{r['number']} {r['status']}" for r in records))
     if not found:

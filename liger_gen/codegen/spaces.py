@@ -1,17 +1,21 @@
 """Search spaces: typed params, hard constraints checked before compiling, and an analytic heuristic.
 
-A space owns everything about an op's launch settings: which params exist and which values they may take
-(``Param``), which combinations are invalid on a device (``violations``, checked before anything compiles), and
-a heuristic default that is valid for every supported shape (``heuristic``). The tuner samples the space; the
-runtime falls back to the heuristic when no tuned table applies.
+A space owns everything about an op's launch settings at one feature shape (``dims``, e.g. ``{"n_cols": 4096}``
+for a norm or ``{"n_q_heads": 32, "n_kv_heads": 8, "head_dim": 128, "rotary_dim": 128}`` for RoPE) and dtype:
+which params exist and which values they may take (``Param``), which combinations are invalid on a device
+(``violations``, checked before anything compiles), and a heuristic default that is valid for every supported
+shape (``heuristic``). The tuner samples the space; the runtime falls back to the heuristic when no tuned table
+applies. Each op's space lives in its module under ``liger_gen/ops``; this module holds the shared machinery.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -84,176 +88,124 @@ def dtype_from_name(name: str) -> torch.dtype:
     return table[key]
 
 
-# ---------------------------------------------------------------------------------------------- RMSNorm
+def log_distance(a: int, b: int) -> float:
+    """|log2(a) − log2(b)|: how far apart two row counts are, for nearest-bucket lookup."""
+    return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
 
 
-@dataclass(frozen=True)
-class RMSNormConfig:
-    """Launch settings of one RMSNorm variant (``templates/rms_norm.py.jinja``).
+def warps_for(elements: int, max_warps: int = 32, per_thread: int = 8) -> int:
+    """Power-of-two warp count that gives each thread about ``per_thread`` of ``elements`` (1..max_warps)."""
+    warps = 1
+    while warps < max_warps and warps * 32 * per_thread < elements:
+        warps *= 2
+    return warps
 
-    BLOCK_N is the single-pass row width (a power of two >= n_cols). The forward kernel normalises a tile of
-    BLOCK_M_FWD rows per program. The backward kernel walks tiles of BLOCK_M_BWD rows; with
-    ``dw_strategy="blocked"`` each program takes TILES_PER_PROGRAM consecutive tiles, with ``"persistent"``
-    PROGRAMS_PER_SM × num_sms programs stride over all tiles. Each backward program writes one fp32 partial
-    row of dW, summed by a second pass. BWD_PREFETCH=1 issues the next tile's loads before the current tile's
-    reductions (software pipelining written out, at the cost of a second tile of registers).
 
-    Measured on an H200 (Triton 3.6, bf16, tuned table of 2026-11-29): every tuned entry with 16384 or more
-    rows chose persistent + prefetch (backward 0.132 → 0.114 ms at 16384×4096), every 4096-row entry chose
-    blocked without prefetch.
+class KernelConfig:
+    """Base of an op's launch-settings dataclass (``@dataclass(frozen=True)`` subclasses).
+
+    Field types are ``int`` or ``str``; ``from_dict`` checks them, the space's ``violations`` checks the values.
     """
-
-    BLOCK_N: int
-    BLOCK_M_FWD: int = 1
-    num_warps_fwd: int = 4
-    num_stages_fwd: int = 1
-    BLOCK_M_BWD: int = 1
-    dw_strategy: str = "persistent"
-    TILES_PER_PROGRAM: int = 1
-    PROGRAMS_PER_SM: int = 1
-    BWD_PREFETCH: int = 0
-    num_warps_bwd: int = 4
-    num_stages_bwd: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, as stored in tables."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RMSNormConfig":
-        """Build from a table dict; ValueError on unknown or ill-typed fields."""
-        names = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = set(data) - set(names)
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Build from a table dict; ValueError on unknown, missing or ill-typed fields."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(fields)
         if unknown:
-            raise ValueError(f"RMSNormConfig: unknown fields {sorted(unknown)}")
-        values = {}
+            raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
         for key, value in data.items():
-            if key == "dw_strategy":
-                if value not in ("blocked", "persistent"):
-                    raise ValueError(f"RMSNormConfig: dw_strategy must be 'blocked' or 'persistent', got {value!r}")
-            elif key == "BWD_PREFETCH":
-                if value not in (0, 1) or isinstance(value, bool):
-                    raise ValueError(f"RMSNormConfig: BWD_PREFETCH must be 0 or 1, got {value!r}")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"RMSNormConfig: {key} must be a positive int, got {value!r}")
-            values[key] = value
-        return cls(**values)
-
-    def template_params(self, casting_mode: str) -> dict[str, Any]:
-        """Everything the template needs to render this variant."""
-        return {**self.to_dict(), "casting_mode": casting_mode}
+            kind = fields[key]
+            if kind is int and (type(value) is not int or value < 0):
+                raise ValueError(f"{cls.__name__}: {key} must be a non-negative int, got {value!r}")
+            if kind is str and not isinstance(value, str):
+                raise ValueError(f"{cls.__name__}: {key} must be a string, got {value!r}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a required field is missing
+            raise ValueError(f"{cls.__name__}: {exc}") from None
 
 
-class RMSNormSpace:
-    """Search space, constraints and heuristic of RMSNorm for one row width and dtype."""
+class Space:
+    """Search space, constraints and heuristic of one op at one feature shape and dtype.
 
-    op = "rms_norm"
-    config_cls = RMSNormConfig
-    MAX_N_COLS = 65536  # one row per single pass; past this a row no longer fits in registers
-    CASTING_MODES = ("llama", "gemma", "none")
-    # fp32 values one thread may hold per live tile before the compiler spills (measured ranges, not limits)
-    MAX_ELEMS_PER_THREAD_FWD = 128
-    MAX_ELEMS_PER_THREAD_BWD = 64
+    Subclasses set ``op``, ``template`` (the template family, often ``op``), ``config_cls``, ``DIMS`` (names of
+    the feature dims, in order), ``PARAMS``, and implement ``heuristic`` and ``shape_violations``.
+    """
 
-    PARAMS = (
-        Param("BLOCK_M_FWD", (1, 2, 4, 8, 16, 32), "fwd"),
-        Param("num_warps_fwd", (1, 2, 4, 8, 16, 32), "fwd"),
-        Param("num_stages_fwd", (1, 2, 3), "fwd"),
-        Param("BLOCK_M_BWD", (1, 2, 4, 8, 16), "bwd"),
-        Param("dw_strategy", ("blocked", "persistent"), "bwd"),
-        Param("TILES_PER_PROGRAM", (1, 2, 4, 8, 16, 32, 64), "bwd", when=("dw_strategy", "blocked")),
-        Param("PROGRAMS_PER_SM", (1, 2, 4, 8), "bwd", when=("dw_strategy", "persistent")),
-        Param("BWD_PREFETCH", (0, 1), "bwd"),
-        Param("num_warps_bwd", (1, 2, 4, 8, 16, 32), "bwd"),
-        Param("num_stages_bwd", (1, 2, 3, 4), "bwd"),
-    )
+    op: ClassVar[str]
+    template: ClassVar[str]
+    config_cls: ClassVar[type]
+    DIMS: ClassVar[tuple[str, ...]]
+    PARAMS: ClassVar[tuple[Param, ...]]
+    phases: ClassVar[tuple[str, ...]] = PHASES
 
-    def __init__(self, n_cols: int, dtype: torch.dtype, limits: DeviceLimits | None = None):
-        if not 1 <= n_cols <= self.MAX_N_COLS:
-            raise ValueError(f"rms_norm supports 1 <= n_cols <= {self.MAX_N_COLS}, got n_cols={n_cols}")
-        self.n_cols = int(n_cols)
+    def __init__(self, dims: Mapping[str, int] | int, dtype: torch.dtype, limits: DeviceLimits | None = None):
+        dims = normalize_dims(self.DIMS, dims)
+        for name, value in dims.items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{self.op}: dim {name} must be a positive int, got {value!r}")
+        self.dims = dims
         self.dtype = dtype
         self.limits = limits or DeviceLimits()
-        self.block_n = next_power_of_2(self.n_cols)
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.check_dims()
+
+    def check_dims(self) -> None:
+        """Raise ValueError if the kernel family cannot handle these dims at all (subclasses extend)."""
 
     def params(self, phase: str) -> tuple[Param, ...]:
         """The tunables of one phase ("fwd" or "bwd")."""
         return tuple(p for p in self.PARAMS if p.phase == phase)
 
-    def heuristic(self) -> RMSNormConfig:
-        """Analytic default, valid for every n_cols in range: ~2K-element tiles, warps grow with the row."""
-        block_n = self.block_n
-        warps = 1 if block_n <= 256 else 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16 if block_n <= 16384 else 32
-        block_m_fwd = max(1, min(16, 2048 // block_n))
-        block_m_bwd = max(1, min(8, 1024 // block_n))
-        config = RMSNormConfig(
-            BLOCK_N=block_n,
-            BLOCK_M_FWD=block_m_fwd,
-            num_warps_fwd=self._fit_warps(warps, block_m_fwd),
-            num_stages_fwd=1,
-            BLOCK_M_BWD=block_m_bwd,
-            dw_strategy="persistent",
-            TILES_PER_PROGRAM=1,
-            PROGRAMS_PER_SM=2,
-            num_warps_bwd=self._fit_warps(warps, block_m_bwd),
-            num_stages_bwd=1,
-        )
-        problems = self.violations(config)
-        assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
-        return config
+    def heuristic(self):
+        """Analytic default config, valid for every supported shape."""
+        raise NotImplementedError
 
-    def _fit_warps(self, warps: int, block_m: int) -> int:
-        """Fewest of ``warps`` and what the tile can feed (one element per thread at least)."""
-        tile = block_m * self.block_n
-        while warps > 1 and tile < warps * 32:
-            warps //= 2
-        return max(1, min(warps, self.limits.max_threads_per_block // 32))
+    def shape_violations(self, config) -> list[str]:
+        """Op-specific reasons ``config`` cannot run here (threads, registers, shared memory, block ≥ dim)."""
+        return []
 
-    def violations(self, config: RMSNormConfig) -> list[str]:
+    def violations(self, config) -> list[str]:
         """Reasons ``config`` cannot run (or cannot run sensibly) on this device; empty when valid."""
-        problems: list[str] = []
-        n, lim = self.n_cols, self.limits
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        if config.BLOCK_N < n:
-            problems.append(f"BLOCK_N={config.BLOCK_N} < n_cols={n}: the single-pass kernel needs the whole row")
-        if config.BLOCK_N != self.block_n:
-            problems.append(f"BLOCK_N={config.BLOCK_N} is not next_power_of_2(n_cols)={self.block_n}")
+        problems = []
         for param in self.PARAMS:  # bounds every value: a table cannot ask for 10^6 tiles or a 3-row arange
             value = getattr(config, param.name)
             if value not in param.choices or isinstance(value, bool):
                 problems.append(f"{param.name}={value!r} is not one of {param.choices}")
-        for phase, block_m, warps, stages, max_elems in (
-            ("fwd", config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd, self.MAX_ELEMS_PER_THREAD_FWD),
-            # prefetching holds a second tile of x and dy in registers
-            ("bwd", config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd,
-             self.MAX_ELEMS_PER_THREAD_BWD // (2 if config.BWD_PREFETCH else 1)),
-        ):
-            threads = warps * 32
-            tile = block_m * config.BLOCK_N
-            if threads > lim.max_threads_per_block:
-                problems.append(f"{phase}: {threads} threads > device limit {lim.max_threads_per_block}")
-            if tile < threads and warps > 1:
-                problems.append(f"{phase}: tile of {tile} elements is smaller than {threads} threads")
-            if tile / threads > max_elems:
-                problems.append(f"{phase}: {tile / threads:.0f} elements per thread > {max_elems} (spills)")
-            # pipelined loads keep (stages - 1) tiles of each streamed input in shared memory, plus the
-            # cross-warp reduction scratch (one fp32 per warp per row)
-            n_streams = 1 if phase == "fwd" else 2
-            smem = (stages - 1) * n_streams * tile * elem + block_m * warps * 4
-            if smem > lim.max_shared_memory_per_block:
-                problems.append(f"{phase}: ~{smem} B shared memory > device limit {lim.max_shared_memory_per_block}")
+        if problems:
+            return problems
+        return self.shape_violations(config)
+
+    def threads_violations(self, phase: str, num_warps: int, tile: int, max_elems_per_thread: int) -> list[str]:
+        """The common register/thread checks of a kernel holding a ``tile`` of fp32 values per program."""
+        problems = []
+        threads = num_warps * 32
+        if threads > self.limits.max_threads_per_block:
+            problems.append(f"{phase}: {threads} threads > device limit {self.limits.max_threads_per_block}")
+        if tile < threads and num_warps > 1:
+            problems.append(f"{phase}: tile of {tile} elements is smaller than {threads} threads")
+        if tile / threads > max_elems_per_thread:
+            problems.append(f"{phase}: {tile / threads:.0f} elements per thread > {max_elems_per_thread} (spills)")
         return problems
 
-    def suggest(self, trial, phase: str, base: RMSNormConfig) -> RMSNormConfig:
+    def suggest(self, trial, phase: str, base):
         """Sample the ``phase`` params from an Optuna trial, keeping the other phase's params from ``base``."""
         values: dict[str, Any] = {}
         for param in self.params(phase):
-            if param.when is not None and values.get(param.when[0]) != param.when[1]:
+            if param.when is not None and values.get(param.when[0], getattr(base, param.when[0])) != param.when[1]:
                 continue
             values[param.name] = trial.suggest_categorical(param.name, list(param.choices))
         return dataclasses.replace(base, **values)
 
-    def phase_params(self, config: RMSNormConfig, phase: str) -> dict[str, Any]:
+    def phase_params(self, config, phase: str) -> dict[str, Any]:
         """The ``phase`` params of ``config`` as Optuna would sample them (for ``enqueue_trial``)."""
         data = config.to_dict()
         out: dict[str, Any] = {}
@@ -264,16 +216,19 @@ class RMSNormSpace:
         return out
 
 
-SPACES = {"rms_norm": RMSNormSpace}
+def normalize_dims(names: tuple[str, ...], dims: Mapping[str, int] | int) -> dict[str, int]:
+    """``dims`` as a dict with exactly ``names`` as keys; a bare int is allowed for one-dim ops."""
+    if isinstance(dims, int) and not isinstance(dims, bool):
+        if len(names) != 1:
+            raise ValueError(f"expected dims {names}, got the single value {dims}")
+        return {names[0]: dims}
+    if not isinstance(dims, Mapping) or set(dims) != set(names):
+        raise ValueError(f"expected dims with keys {names}, got {dims!r}")
+    return {name: dims[name] for name in names}
 
 
-def space_for(op: str, n_cols: int, dtype: torch.dtype, limits: DeviceLimits | None = None):
-    """The search space of ``op`` at one feature width; KeyError names the known ops."""
-    if op not in SPACES:
-        raise KeyError(f"unknown op {op!r}; known: {sorted(SPACES)}")
-    return SPACES[op](n_cols, dtype, limits)
+def space_for(op: str, dims: Mapping[str, int] | int, dtype: torch.dtype, limits: DeviceLimits | None = None):
+    """The search space of ``op`` at one feature shape; KeyError names the known ops."""
+    from liger_gen.ops import get_op
 
-
-def log_distance(a: int, b: int) -> float:
-    """|log2(a) − log2(b)|: how far apart two row counts are, for nearest-bucket lookup."""
-    return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
+    return get_op(op).SPACE(dims, dtype, limits)

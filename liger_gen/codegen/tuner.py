@@ -1,4 +1,4 @@
-"""Optuna search over an op's space, one study per (op, phase, dtype, n_cols, rows bucket).
+"""Optuna search over an op's space, one study per (op, phase, dtype, dims, variant, rows bucket).
 
 For each phase (forward and backward kernels are tuned separately):
   1. the analytic heuristic is enqueued first, so it is always measured;
@@ -66,18 +66,17 @@ class Tuner:
         self.on_trial = on_trial
 
     def study_name(self, problem, phase: str) -> str:
-        """Unique per op, phase, dtype, shape, casting mode and template text (so edits start fresh)."""
-        return (f"{problem.op}:{phase}:{dtype_name(problem.dtype)}:{problem.n_cols}:{problem.rows}:"
-                f"{problem.casting_mode}:{template_hash(problem.op)}")
+        """Unique per op, phase, dtype, shape, variant options and template text (so edits start fresh)."""
+        return f"{problem.op}:{phase}:{problem.key()}:{template_hash(problem.template)}"
 
     def _evaluate(self, problem, config, phase: str) -> float:
         """Build, check and time one variant; _TrialFailed with the status and reason if it cannot be kept."""
         problems = problem.space.violations(config)
         if problems:
             raise _TrialFailed("invalid", "; ".join(problems))
-        params = config.template_params(problem.casting_mode)
+        params = problem.template_params(config)
         try:
-            module = self.build(problem.op, params)
+            module = self.build(problem.template, params)
             error = problem.check(module, phase)
         except Exception as exc:  # compile, resource and launch errors: prune, keep tuning
             raise _TrialFailed("error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -145,13 +144,13 @@ class Tuner:
 
     def _retime(self, problem, phase: str, configs: list) -> list[float]:
         """Median time of each config over ``retime_rounds`` rounds, alternating, in a rotating order."""
-        modules = [self.build(problem.op, c.template_params(problem.casting_mode)) for c in configs]
+        modules = [self.build(problem.template, problem.template_params(c)) for c in configs]
         times: list[list[float]] = [[] for _ in configs]
         for r in range(self.retime_rounds):
             order = list(range(len(configs)))
             order = order[r % len(order):] + order[: r % len(order)]
             for i in order:
-                params = configs[i].template_params(problem.casting_mode)
+                params = problem.template_params(configs[i])
                 times[i].append(float(self.timer(problem.launcher(modules[i], phase), params)))
         return [statistics.median(t) for t in times]
 
@@ -179,9 +178,9 @@ class Tuner:
             timing[phase] = {"tuned": medians[winner], "heuristic": medians[0]}
         return {
             "dtype": dtype_name(problem.dtype),
-            "n_cols": problem.n_cols,
+            "dims": dict(problem.dims),
             "rows": problem.rows,
-            "casting_mode": problem.casting_mode,
+            "variant": dict(problem.variant),
             "config": best.to_dict(),
             "heuristic": heuristic.to_dict(),
             "timing_ms": timing,
@@ -191,8 +190,8 @@ class Tuner:
 
 
 def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """``table`` with ``entries`` added, replacing any entry of the same (dtype, n_cols, rows)."""
-    key = lambda e: (e["dtype"], e["n_cols"], e["rows"])  # noqa: E731
+    """``table`` with ``entries`` added, replacing any entry of the same (dtype, dims, variant, rows)."""
+    from liger_gen.runtime.tables import entry_sort_key as key
     fresh = {key(e) for e in entries}
     return {**table, "entries": [e for e in table["entries"] if key(e) not in fresh] + list(entries)}
 

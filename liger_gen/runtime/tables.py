@@ -2,16 +2,18 @@
 
 One JSON file per GPU and op, ``<root>/<gpu>/<op>.json``. The file records its key fields inside::
 
-    {"format_version": 1, "op": "rms_norm", "gpu": "h200", "device_name": "NVIDIA H200",
+    {"format_version": 2, "op": "rms_norm", "gpu": "h200", "device_name": "NVIDIA H200",
      "compute_capability": "9.0", "triton_version": "3.6.0", "torch_version": "2.11.0+cu130",
      "template_hash": "...", "created": "2026-11-29T23:10:00Z",
-     "entries": [{"dtype": "bfloat16", "n_cols": 4096, "rows": 16384,
-                  "config": {...}, "heuristic": {...}, "timing_ms": {...}, "trials": {...}}, ...]}
+     "entries": [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384,
+                  "variant": {"casting_mode": "llama"}, "config": {...}, "heuristic": {...},
+                  "timing_ms": {...}, "trials": {...}}, ...]}
 
 Lookup contract (``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables packaged in ``liger_gen/tuned``,
 then the op's analytic heuristic. A table is used only if its op, GPU, template hash and Triton major.minor
 version match the running ones; otherwise it is skipped with one warning and the next source is tried. Feature
-dims and dtype must match exactly; rows pick the nearest tuned bucket in log distance. A corrupt or ill-formed
+dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype must match exactly; entries tuned with the same render-time
+options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance. A corrupt or ill-formed
 file warns and is skipped: training never crashes, and never runs a wrong kernel, because of a table. Every
 config taken from a table is re-checked against the space's constraints before use.
 """
@@ -36,7 +38,7 @@ import triton
 from liger_gen.codegen.render import template_hash
 from liger_gen.codegen.spaces import DeviceLimits, dtype_name, log_distance, space_for
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ENV_TUNED_DIR = "LIGER_GEN_TUNED_DIR"
 
 
@@ -65,6 +67,16 @@ def reset_warnings() -> None:
     """Forget which warnings were given (tests use this)."""
     with _warn_lock:
         _warned.clear()
+
+
+def op_template_hash(op: str) -> str:
+    """Hash of the template family that renders ``op`` ("?" for an op this installation does not have)."""
+    from liger_gen.ops import template_of
+
+    try:
+        return template_hash(template_of(op))
+    except KeyError:
+        return "?"
 
 
 def triton_major_minor(version: str | None = None) -> str:
@@ -111,11 +123,13 @@ def load_table(path: Path) -> dict[str, Any]:
     if data["format_version"] != FORMAT_VERSION:
         raise TableError(f"tuned table {path}: format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
     for i, entry in enumerate(data["entries"]):
-        if not isinstance(entry, dict) or not {"dtype", "n_cols", "rows", "config"} <= set(entry):
-            raise TableError(f"tuned table {path}: entry {i} lacks dtype/n_cols/rows/config")
-        if (type(entry["rows"]) is not int or entry["rows"] < 1 or type(entry["n_cols"]) is not int
+        if not isinstance(entry, dict) or not {"dtype", "dims", "rows", "config"} <= set(entry):
+            raise TableError(f"tuned table {path}: entry {i} lacks dtype/dims/rows/config")
+        if (type(entry["rows"]) is not int or entry["rows"] < 1 or not isinstance(entry["dims"], dict)
+                or not all(type(v) is int for v in entry["dims"].values())
+                or not isinstance(entry.get("variant", {}), dict)
                 or not isinstance(entry["dtype"], str) or not isinstance(entry["config"], dict)):
-            raise TableError(f"tuned table {path}: entry {i} has a bad dtype/n_cols/rows/config")
+            raise TableError(f"tuned table {path}: entry {i} has a bad dtype/dims/rows/variant/config")
     return data
 
 
@@ -126,20 +140,25 @@ def foreign_reasons(table: dict[str, Any], *, op: str, gpu: str) -> list[str]:
         reasons.append(f"op {table['op']!r} != {op!r}")
     if table["gpu"] != gpu:
         reasons.append(f"tuned on GPU {table['gpu']!r}, running on {gpu!r}")
-    if table["template_hash"] != template_hash(op):
-        reasons.append(f"template hash {table['template_hash']} != current {template_hash(op)} (template changed)")
+    current = op_template_hash(op)
+    if table["template_hash"] != current:
+        reasons.append(f"template hash {table['template_hash']} != current {current} (template changed)")
     if triton_major_minor(str(table["triton_version"])) != triton_major_minor():
         reasons.append(f"tuned with Triton {table['triton_version']}, running Triton {triton.__version__}")
     return reasons
 
 
-def nearest_entry(table: dict[str, Any], dtype: torch.dtype, n_cols: int, rows: int) -> dict[str, Any] | None:
-    """Entry with the same dtype and n_cols whose rows bucket is nearest to ``rows`` in log2 distance.
+def nearest_entry(table: dict[str, Any], dtype: torch.dtype, dims: dict[str, int], rows: int,
+                  variant: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Entry with the same dtype and dims whose rows bucket is nearest to ``rows`` in log2 distance.
 
-    Ties go to the larger bucket. None when no entry has this dtype and n_cols.
+    Entries tuned with the same ``variant`` options are preferred over others. Ties go to the larger bucket.
+    None when no entry has this dtype and dims.
     """
     name = dtype_name(dtype)
-    candidates = [e for e in table["entries"] if e["dtype"] == name and e["n_cols"] == n_cols]
+    candidates = [e for e in table["entries"] if e["dtype"] == name and e["dims"] == dims]
+    same_variant = [e for e in candidates if e.get("variant", {}) == (variant or {})]
+    candidates = same_variant or candidates
     if not candidates:
         return None
     return min(candidates, key=lambda e: (log_distance(e["rows"], rows), -e["rows"]))
@@ -150,7 +169,7 @@ def write_table(path: Path, table: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = dict(table)
-    table["entries"] = sorted(table["entries"], key=lambda e: (e["dtype"], e["n_cols"], e["rows"]))
+    table["entries"] = sorted(table["entries"], key=entry_sort_key)
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -164,6 +183,12 @@ def write_table(path: Path, table: dict[str, Any]) -> None:
         raise
 
 
+def entry_sort_key(entry: dict[str, Any]) -> tuple:
+    """Order of entries in a file: dtype, dims, variant, rows."""
+    return (entry["dtype"], tuple(sorted(entry["dims"].items())),
+            tuple(sorted((k, str(v)) for k, v in entry.get("variant", {}).items())), entry["rows"])
+
+
 def new_table(op: str, gpu: str, device_name: str, compute_capability: str) -> dict[str, Any]:
     """An empty table stamped with this process's versions and the current template hash."""
     return {
@@ -174,7 +199,7 @@ def new_table(op: str, gpu: str, device_name: str, compute_capability: str) -> d
         "compute_capability": compute_capability,
         "triton_version": triton.__version__,
         "torch_version": torch.__version__,
-        "template_hash": template_hash(op),
+        "template_hash": op_template_hash(op),
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         "entries": [],
     }
@@ -219,22 +244,23 @@ def _load_for(path: str, op: str, gpu: str) -> dict[str, Any] | None:
     return table
 
 
-def lookup(op: str, dtype: torch.dtype, n_cols: int, rows: int, gpu: str | None,
-           limits: DeviceLimits | None = None) -> dict[str, Any]:
+def lookup(op: str, dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None,
+           limits: DeviceLimits | None = None, *, variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """Pick the launch config for one call shape; never raises because of a table.
 
     Returns ``{"source": "user"|"packaged"|"heuristic", "path": str|None, "rows": tuned bucket or None,
     "config": <space config object>}``. ``gpu`` is the canonical GPU name, or None (interpreter / no GPU),
     in which case only the heuristic applies.
     """
-    space = space_for(op, n_cols, dtype, limits)
+    space = space_for(op, dims, dtype, limits)
+    dims = space.dims
     if gpu is not None and not heuristic_only_enabled():
         for source, root in table_roots():
             path = table_path(root, gpu, op)
             table = _load_for(str(path), op, gpu)
             if table is None:
                 continue
-            entry = nearest_entry(table, dtype, n_cols, rows)
+            entry = nearest_entry(table, dtype, dims, rows, variant)
             if entry is None:
                 continue
             try:
@@ -243,23 +269,24 @@ def lookup(op: str, dtype: torch.dtype, n_cols: int, rows: int, gpu: str | None,
             except Exception as exc:  # whatever a hand-edited entry holds, it must not reach training
                 problems = [f"{type(exc).__name__}: {exc}"]
             if problems:
-                _warn_once(f"liger-gen: ignoring entry {dtype_name(dtype)}/{n_cols}/{entry['rows']} of {path}: "
+                _warn_once(f"liger-gen: ignoring entry {dtype_name(dtype)}/{dims}/{entry['rows']} of {path}: "
                            + "; ".join(problems))
                 continue
             return {"source": source, "path": str(path), "rows": entry["rows"], "config": config}
         if not heuristic_only_enabled():
-            _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, n_cols={n_cols}); "
+            _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, {dims}); "
                        f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
     return {"source": "heuristic", "path": None, "rows": None, "config": space.heuristic()}
 
 
-def describe_lookup(op: str, dtype: torch.dtype, n_cols: int, rows: int, gpu: str | None = None) -> dict[str, Any]:
+def describe_lookup(op: str, dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None = None,
+                    variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """Like ``lookup`` for the current GPU, with the config as a plain dict (for reports)."""
     if gpu is None and torch.cuda.is_available():
         from liger_gen.runtime.devices import current_gpu
 
         gpu = current_gpu()[0]
-    found = lookup(op, dtype, n_cols, rows, gpu)
+    found = lookup(op, dtype, dims, rows, gpu, variant=variant)
     return {**found, "config": found["config"].to_dict()}
 
 
