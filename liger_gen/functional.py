@@ -4,6 +4,8 @@ Each function is defined in its op's module under ``liger_gen/ops`` (with its do
 formula it follows and the errors it raises) and re-exported here.
 """
 
+from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm
+from liger_gen.ops.layer_norm import layer_norm
 from liger_gen.ops.rms_norm import rms_norm
 
-__all__ = ["rms_norm"]
+__all__ = ["fused_add_rms_norm", "layer_norm", "rms_norm"]

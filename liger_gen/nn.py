@@ -1,4 +1,4 @@
-"""nn.Module drop-ins for transformers' modules."""
+"""nn.Module drop-ins for transformers' and PyTorch's modules."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from liger_gen import functional as F
+from liger_gen.ops.layer_norm import LayerNorm
 from liger_gen.reference import CASTING_MODES
 
 
@@ -38,3 +39,6 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
                 f"casting_mode={self.casting_mode!r}")
+
+
+__all__ = ["LayerNorm", "RMSNorm"]

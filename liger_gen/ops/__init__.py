@@ -26,6 +26,8 @@ OP_MODULES: dict[str, str] = {
     "geglu": "liger_gen.ops.geglu",
     "cross_entropy": "liger_gen.ops.cross_entropy",
     "fused_linear_cross_entropy": "liger_gen.ops.fused_linear_cross_entropy",
+    "kl_div": "liger_gen.ops.kl_div",
+    "jsd": "liger_gen.ops.jsd",
 }
 
 

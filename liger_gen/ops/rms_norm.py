@@ -85,7 +85,11 @@ class RMSNormConfig(KernelConfig):
 
 
 class RMSNormSpace(Space):
-    """Search space, constraints and heuristic of RMSNorm for one row width (dims ``{"n_cols": N}``) and dtype."""
+    """Search space, constraints and heuristic of RMSNorm for one row width (dims ``{"n_cols": N}``) and dtype.
+
+    The other single-pass row norms (LayerNorm, fused add + RMSNorm) subclass it: they share the params, the
+    heuristic and the constraints, and differ in the streams each kernel pipelines and its reduction scratch.
+    """
 
     op = "rms_norm"
     template = "rms_norm"
@@ -95,6 +99,8 @@ class RMSNormSpace(Space):
     # fp32 values one thread may hold per live tile before the compiler spills (measured ranges, not limits)
     MAX_ELEMS_PER_THREAD_FWD = 128
     MAX_ELEMS_PER_THREAD_BWD = 64
+    STREAMS = {"fwd": 1, "bwd": 2}  # row-sized inputs each kernel streams through shared memory when pipelined
+    REDUCTIONS_PER_ROW = 1  # cross-warp reductions in flight per row (scratch of one fp32 per warp each)
 
     PARAMS = (
         Param("BLOCK_M_FWD", (1, 2, 4, 8, 16, 32), "fwd"),
@@ -115,13 +121,13 @@ class RMSNormSpace(Space):
             raise ValueError(f"{self.op} supports 1 <= n_cols <= {self.MAX_N_COLS}, got n_cols={self.n_cols}")
         self.block_n = next_power_of_2(self.n_cols)
 
-    def heuristic(self) -> RMSNormConfig:
+    def heuristic(self):
         """Analytic default, valid for every n_cols in range: ~2K-element tiles, warps grow with the row."""
         block_n = self.block_n
         warps = 1 if block_n <= 256 else 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16 if block_n <= 16384 else 32
         block_m_fwd = max(1, min(16, 2048 // block_n))
         block_m_bwd = max(1, min(8, 1024 // block_n))
-        config = RMSNormConfig(
+        config = self.config_cls(
             BLOCK_N=block_n,
             BLOCK_M_FWD=block_m_fwd,
             num_warps_fwd=self._fit_warps(warps, block_m_fwd),
@@ -144,7 +150,7 @@ class RMSNormSpace(Space):
             warps //= 2
         return max(1, min(warps, self.limits.max_threads_per_block // 32))
 
-    def shape_violations(self, config: RMSNormConfig) -> list[str]:
+    def shape_violations(self, config) -> list[str]:
         """Row width, threads, registers and shared memory of both kernels."""
         problems: list[str] = []
         n, elem = self.n_cols, self.element_size
@@ -161,9 +167,8 @@ class RMSNormSpace(Space):
             tile = block_m * config.BLOCK_N
             problems += self.threads_violations(phase, warps, tile, max_elems)
             # pipelined loads keep (stages - 1) tiles of each streamed input in shared memory, plus the
-            # cross-warp reduction scratch (one fp32 per warp per row)
-            n_streams = 1 if phase == "fwd" else 2
-            smem = (stages - 1) * n_streams * tile * elem + block_m * warps * 4
+            # cross-warp reduction scratch (one fp32 per warp per row and reduction)
+            smem = (stages - 1) * self.STREAMS[phase] * tile * elem + self.REDUCTIONS_PER_ROW * block_m * warps * 4
             if smem > self.limits.max_shared_memory_per_block:
                 problems.append(f"{phase}: ~{smem} B shared memory > device limit "
                                 f"{self.limits.max_shared_memory_per_block}")

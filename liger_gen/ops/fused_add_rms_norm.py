@@ -1,0 +1,408 @@
+"""Residual add fused into RMSNorm: references, search space, tuning problem, custom ops and the public op.
+
+The pre-norm decoder block (transformers' ``hidden_states = residual + hidden_states`` followed by the next
+RMSNorm) in one pass over each row:
+
+    s_ij    = x_ij + r_ij                          (rounded to s's dtype, as PyTorch's add)
+    rstd_i  = 1 / sqrt(mean_j(s_ij²) + eps)        (always fp32)
+    y_ij    = s_ij · rstd_i · (offset + w_j)
+
+Backward: both x and r receive dsum = (gradient of y through the norm) + (upstream gradient of s), written
+as two buffers (one per input, each in its input's dtype): a single buffer returned for both inputs can end up
+as two aliasing ``.grad`` tensors, which the next backward's in-place accumulation corrupts.
+Kernels: ``templates/fused_add_rms_norm.py.jinja``. Structure follows ``liger_gen/ops/rms_norm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
+from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_out_dtype,
+                                    rms_norm_torch)
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+                                   no_double_backward, saveable, uses_triton)
+
+OP = "fused_add_rms_norm"
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             offset: float, casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in plain PyTorch, differentiable by autograd.
+
+    Exactly transformers' decoder: ``hidden = residual + hidden`` (PyTorch's add: dtype promotion, one rounding),
+    then ``rms_norm_torch`` of the sum with the given casting mode.
+    """
+    s = x + residual
+    return rms_norm_torch(s, weight, eps, offset, casting_mode), s
+
+
+def fused_add_rms_norm_float64(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact (y, s) in float64 (no intermediate rounding).
+
+    ``s = x + residual``; ``y = s / sqrt(mean(s²) + eps) · (offset + w)``.
+    """
+    s64 = x.double() + residual.double()
+    rstd = torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps)
+    return s64 * rstd * (offset + weight.double()), s64
+
+
+# ------------------------------------------------------------------------------------------------ search space
+
+
+@dataclass(frozen=True)
+class FusedAddRMSNormConfig(RMSNormConfig):
+    """Launch settings of one fused add + RMSNorm variant (``templates/fused_add_rms_norm.py.jinja``): RMSNorm's
+    fields, same meanings. BWD_PREFETCH=1 prefetches the next tile's dy, s and rstd (not ds, which feeds no
+    reduction). No H200 measurement of this op is recorded here yet.
+    """
+
+
+class FusedAddRMSNormSpace(RMSNormSpace):
+    """Search space, constraints and heuristic of fused add + RMSNorm for one row width (dims ``{"n_cols": N}``).
+
+    RMSNorm's params, heuristic and constraints (the kernels have the same structure), counting the extra
+    streams: the forward streams two row-sized inputs (x, r) instead of one, the backward three (dy, ds, s)
+    instead of two.
+    """
+
+    op = OP
+    template = OP
+    config_cls = FusedAddRMSNormConfig
+    STREAMS = {"fwd": 2, "bwd": 3}
+    # fp32 values per thread and streamed tile before the compiler spills: RMSNorm's budgets, kept as totals
+    # (unmeasured for this op; the tuner's timing judges). Forward: x and r die into s as soon as they are added,
+    # so the live set is RMSNorm's, 128. Backward: RMSNorm's 64 for each of two tiles (128 in all) shared by
+    # three (dy, s and, at the end of a tile, ds) → 42; BWD_PREFETCH halves it (RMSNormSpace.shape_violations).
+    MAX_ELEMS_PER_THREAD_BWD = RMSNormSpace.MAX_ELEMS_PER_THREAD_BWD * RMSNormSpace.STREAMS["bwd"] // STREAMS["bwd"]
+    # one row per single pass: with 1024 threads the backward holds 32 of each of its 3 tiles' values per thread
+    # (65536 would need 64 > 42)
+    MAX_N_COLS = 32768
+
+
+SPACE = FusedAddRMSNormSpace
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class FusedAddRMSNormProblem(Problem):
+    """Fused add + RMSNorm at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks, launchers.
+
+    The backward is tuned with the sum's upstream gradient present (the residual stream continues in every
+    decoder layer but the last).
+    """
+
+    op = OP
+    SPACE = FusedAddRMSNormSpace
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
+                 eps: float = 1e-6, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
+                         variant={"casting_mode": casting_mode})
+        self.casting_mode, self.eps = casting_mode, eps
+        self.n_cols = self.dims["n_cols"]
+        m, n = self.rows, self.n_cols
+        x, r, w = self.randn(m, n), self.randn(m, n), self.randn(n, scale=0.1, shift=1.0)
+        dy, ds = self.randn(m, n), self.randn(m, n)
+        out_dtype = rms_norm_out_dtype(dtype, dtype, casting_mode)
+        s_in = x + r  # the backward's input: the sum as PyTorch rounds it
+        self.buffers = {
+            "x": x, "r": r, "w": w, "dy": dy, "ds": ds, "s_in": s_in,
+            "rstd_in": torch.rsqrt(s_in.float().pow(2).mean(-1) + eps),
+            "y": torch.empty((m, n), dtype=out_dtype, device=self.device),
+            "s": torch.empty((m, n), dtype=dtype, device=self.device),
+            "rstd": torch.empty(m, dtype=torch.float32, device=self.device),
+            "dx": torch.empty((m, n), dtype=dtype, device=self.device),
+            "dr": torch.empty((m, n), dtype=dtype, device=self.device),
+            "dw": torch.empty(n, dtype=dtype, device=self.device),
+            "dw_partial": torch.empty((m, n), dtype=torch.float32, device=self.device),
+        }
+        # float64 truth. Forward from the exact sum; backward from the rounded sum it is given:
+        # n = s·rstd, dsum = rstd·(g − n·mean(g·n)) + ds with g = dy·w, dW = Σ dy·n
+        x64, r64, w64 = x.double(), r.double(), w.double()
+        s64 = x64 + r64
+        rstd64 = torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps)
+        sb64, dy64 = s_in.double(), dy.double()
+        rstdb64 = torch.rsqrt(sb64.pow(2).mean(-1, keepdim=True) + eps)
+        nb64, g64 = sb64 * rstdb64, dy64 * w64
+        dsum64 = (g64 - nb64 * (g64 * nb64).mean(-1, keepdim=True)) * rstdb64 + ds.double()
+        self.ref = {
+            "y": s64 * rstd64 * w64,
+            "s": s64,
+            "rstd": rstd64.squeeze(-1),
+            "dx": dsum64,
+            "dr": dsum64,
+            "dw": (dy64 * nb64).sum(0),
+        }
+        tol = REL_TOL[dtype]
+        # rstd against the exact sum: the rounding of s moves it by ~ the dtype's roundoff, hence the dtype's
+        # tolerance here; ``check`` also holds rstd to FP32_OUT_TOL against the kernel's own rounded s
+        self.tol = {"y": tol, "s": tol, "rstd": tol, "dx": tol, "dr": tol, "dw": tol}
+        self.outputs = {"fwd": ("y", "s", "rstd"), "bwd": ("dx", "dr", "dw")}
+
+    def check(self, module, phase: str) -> str | None:
+        """The base check, plus: the forward's rstd equals 1/sqrt(mean(s²) + eps) of the s it wrote (fp32 tol)."""
+        error = super().check(module, phase)
+        if error is None and phase == "fwd":
+            s64 = self.buffers["s"].double()
+            err = rel_l2(self.buffers["rstd"], torch.rsqrt(s64.pow(2).mean(-1) + self.eps))
+            if not err <= FP32_OUT_TOL:
+                return f"rstd: relative L2 error {err:.3g} > {FP32_OUT_TOL:.1g} against the kernel's own s"
+        return error
+
+    def launcher(self, module, phase: str):
+        b = self.buffers
+        if phase == "fwd":
+            return lambda: module.forward(b["x"], b["r"], b["w"], b["y"], b["s"], b["rstd"], self.eps, 0.0)
+        if phase == "bwd":
+            return lambda: module.backward(b["dy"], b["ds"], b["s_in"], b["w"], b["rstd_in"], b["dx"], b["dr"],
+                                           b["dw"], b["dw_partial"], 0.0, self.limits.num_sms)
+        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+
+    def bytes_moved(self, phase: str) -> int:
+        e, ey = self.buffers["x"].element_size(), self.buffers["y"].element_size()
+        mn, m, n = self.rows * self.n_cols, self.rows, self.n_cols
+        if phase == "fwd":  # read x, r, w; write y, s, rstd
+            return 2 * mn * e + n * e + mn * ey + mn * e + m * 4
+        # read dy, ds, s, w, rstd; write dx, dr, dW
+        return mn * ey + 2 * mn * e + n * e + m * 4 + 2 * mn * e + n * e
+
+
+PROBLEM = FusedAddRMSNormProblem
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The model's residual adds before each decoder norm: one problem per token count at ``hidden_size``."""
+    return [FusedAddRMSNormProblem(dtype, model.hidden_size, r, device, seed=seed, eps=model.rms_norm_eps)
+            for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+
+def _fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+              casting_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y, s (rows, n_cols) and rstd (rows,) fp32 for 2-D x and residual of one shape with unit column stride."""
+    rows, n_cols = x.shape
+    s_dtype = torch.promote_types(x.dtype, residual.dtype)
+    s = torch.empty((rows, n_cols), dtype=s_dtype, device=x.device)
+    y = torch.empty((rows, n_cols), dtype=rms_norm_out_dtype(s_dtype, weight.dtype, casting_mode), device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, s, rstd.fill_(float("inf"))
+    if uses_triton(x):
+        module, _, _ = kernel_module(OP, s, n_cols, rows, casting_mode=casting_mode)
+        module.forward(x, residual, weight, y, s, rstd, eps, offset)
+    else:  # CPU without the interpreter: plain PyTorch (only reached when the op is called directly)
+        torch.add(x, residual, out=s)
+        y.copy_(rms_norm_torch(s, weight, eps, offset, casting_mode))
+        rstd.copy_(torch.rsqrt(s.float().pow(2).mean(-1) + eps))
+    return y, s, rstd
+
+
+def _bwd_impl(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
+              rstd: torch.Tensor, offset: float, casting_mode: str, x_dtype: torch.dtype,
+              residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dresidual (rows, n_cols; each in its input's dtype; equal values: the gradient reaching s) and dW
+    (n_cols,) in weight's dtype. ``ds`` is the sum's upstream gradient, or None when the sum was not used."""
+    rows, n_cols = s.shape
+    dx = torch.empty((rows, n_cols), dtype=x_dtype, device=s.device)
+    dr = torch.empty((rows, n_cols), dtype=residual_dtype, device=s.device)
+    if s.numel() == 0:
+        return dx, dr, torch.zeros_like(weight)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    if ds is not None and ds.stride(-1) != 1:
+        ds = ds.contiguous()
+    dw = torch.empty_like(weight)
+    if uses_triton(s):
+        module, _, limits = kernel_module(OP, s, n_cols, rows, casting_mode=casting_mode)
+        dw_partial = torch.empty((module.num_bwd_programs(rows, limits.num_sms), n_cols), dtype=torch.float32,
+                                 device=s.device)
+        module.backward(dy, ds, s, weight, rstd, dx, dr, dw, dw_partial, offset, limits.num_sms)
+    else:  # the kernel's formulas in PyTorch (only reached when the op is called directly on the CPU)
+        normed = s.float() * rstd[:, None]
+        g = dy.float() * (weight.float() + offset)
+        dsum = (g - normed * (g * normed).mean(-1, keepdim=True)) * rstd[:, None]
+        if ds is not None:
+            dsum = dsum + ds.float()
+        dx.copy_(dsum)
+        dr.copy_(dsum)
+        normed_w = normed if casting_mode == "gemma" else normed.to(s.dtype).float()
+        dw.copy_((dy.float() * normed_w).sum(0))
+    return dx, dr, dw
+
+
+@torch.library.custom_op("liger_gen::fused_add_rms_norm_fwd", mutates_args=())
+def fused_add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           offset: float, casting_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y, s = x + residual (rows, n_cols) and rstd (rows,) fp32 for 2-D inputs with unit column stride."""
+    return _fwd_impl(x, residual, weight, eps, offset, casting_mode)
+
+
+@fused_add_rms_norm_fwd.register_fake
+def _(x, residual, weight, eps, offset, casting_mode):
+    rows, n_cols = x.shape
+    s_dtype = torch.promote_types(x.dtype, residual.dtype)
+    y = x.new_empty((rows, n_cols), dtype=rms_norm_out_dtype(s_dtype, weight.dtype, casting_mode))
+    return y, x.new_empty((rows, n_cols), dtype=s_dtype), x.new_empty((rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("liger_gen::fused_add_rms_norm_bwd", mutates_args=())
+def fused_add_rms_norm_bwd(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
+                           rstd: torch.Tensor, offset: float, casting_mode: str, x_dtype: torch.dtype,
+                           residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dresidual (rows, n_cols) in x_dtype / residual_dtype and dW (n_cols,) in weight's dtype; ds may be None."""
+    return _bwd_impl(dy, ds, s, weight, rstd, offset, casting_mode, x_dtype, residual_dtype)
+
+
+@fused_add_rms_norm_bwd.register_fake
+def _(dy, ds, s, weight, rstd, offset, casting_mode, x_dtype, residual_dtype):
+    return (s.new_empty(s.shape, dtype=x_dtype), s.new_empty(s.shape, dtype=residual_dtype),
+            torch.empty_like(weight))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, _eps, offset, casting_mode = inputs
+    _, s, rstd = output
+    ctx.save_for_backward(s, weight, rstd)
+    ctx.offset = offset
+    ctx.casting_mode = casting_mode
+    ctx.dtypes = (x.dtype, residual.dtype)
+
+
+def _backward(ctx, dy, ds, _drstd):
+    # the custom op's autograd materialises unused outputs' gradients as zeros, so dy and ds are tensors here
+    s, weight, rstd = ctx.saved_tensors
+    dx, dr, dw = torch.ops.liger_gen.fused_add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode,
+                                                            *ctx.dtypes)
+    return dx, dr, (dw if ctx.needs_input_grad[2] else None), None, None, None
+
+
+fused_add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FusedAddRMSNormFunction(torch.autograd.Function):
+    """Eager-mode binding of the same kernels (less host time per call than the custom-op dispatcher; see
+    ``rms_norm._RMSNormFunction``). Gradients are not materialised, so an unused sum costs nothing in the
+    backward (the kernel skips the ds stream) and an unused y skips the kernel."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting_mode):
+        y, s, rstd = _fwd_impl(x, residual, weight, eps, offset, casting_mode)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(s, *saveable(weight), rstd)
+        ctx.offset = offset
+        ctx.casting_mode = casting_mode
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        no_double_backward(OP, "liger_gen.reference.fused_add_rms_norm_torch")
+        s, weight, rstd = ctx.saved_tensors
+        x_dtype, residual_dtype = ctx.dtypes
+        if dy is None:
+            # only the sum was used: its gradient passes straight through (a distinct buffer per input, see the
+            # module docstring); weight gets no gradient, as in PyTorch
+            if ds is None:
+                return None, None, None, None, None, None
+            return ds.to(x_dtype), ds.to(residual_dtype, copy=True), None, None, None, None
+        dx, dr, dw = _bwd_impl(dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode, x_dtype, residual_dtype)
+        return dx, dr, (dw if ctx.needs_input_grad[2] else None), None, None, None
+
+
+def fused_add_rms_norm_2d(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                          casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, s) for 2-D x and residual of one shape with unit column stride, differentiable: the custom op while
+    torch.compile traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
+    if torch.compiler.is_compiling():
+        y, s, _ = torch.ops.liger_gen.fused_add_rms_norm_fwd(x, residual, weight, eps, offset, casting_mode)
+        return y, s
+    return _FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting_mode)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       offset: float = 0.0, casting_mode: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm in one pass: the pre-norm decoder's ``hidden = residual + hidden; norm(hidden)``.
+
+    ``s = x + residual`` (PyTorch's add: computed in fp32, rounded once to s's dtype), then RMSNorm of s
+    (Zhang & Sennrich, 2019): ``y = s / sqrt(mean(s², dim=-1) + eps) · (offset + weight)``, statistics in fp32,
+    exactly as ``liger_gen.ops.rms_norm.rms_norm(s, ...)``.
+
+    Args:
+        x: (..., hidden) float32, bfloat16 or float16 (e.g. the attention or MLP output); any strides.
+        residual: the residual stream, same shape as x; any strides. Its dtype may differ from x's: like
+            PyTorch's ``x + residual``, s then has the promoted dtype (``torch.promote_types``), e.g. a bf16 x
+            with an fp32 residual gives an fp32 s, and each input's gradient comes back in its own dtype.
+        weight: (hidden,) floating, on x's device.
+        eps: added to the mean square before the reciprocal square root.
+        offset: added to weight (Gemma stores w − 1 and uses offset=1.0).
+        casting_mode: "llama", "gemma" or "none", as in ``rms_norm`` with s in place of x: "llama" — s·rstd in
+            fp32, rounded to s's dtype, times weight, output in the promoted dtype of s and weight; "gemma" —
+            everything in fp32, output in s's dtype; "none" — rstd in fp32, the products in s's dtype.
+
+    Returns:
+        (y, s): y = RMSNorm(s) of x's shape (dtype as above) and the sum s of x's shape, to be carried as the
+        next residual. Both are differentiable; x and residual both receive the gradient reaching s (through
+        the norm plus s's own upstream gradient, which may be absent), weight receives dW.
+
+    CUDA tensors run the tuned Triton kernel for the current GPU; CPU tensors run plain PyTorch, or the same
+    Triton kernel in Triton's interpreter when ``TRITON_INTERPRET=1``. float64 is accepted on the plain-PyTorch
+    path only. Values are not checked (no NaN/Inf scan: that would need a host sync).
+
+    Raises:
+        TypeError: x, residual or weight is not a tensor or has a non-floating dtype, float64 on the kernel path,
+            or eps / offset is not a number.
+        ValueError: residual's shape differs from x's (no broadcasting), weight is not (hidden,), the tensors are
+            on different devices, hidden exceeds the kernel's limit (32768), or casting_mode is unknown.
+    """
+    op = OP
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"{op}: casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
+    if residual.shape != x.shape:
+        raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)} (no broadcasting); "
+                         f"got {describe('residual', residual)} and {describe('x', x)}")
+    hidden = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != hidden:
+        raise ValueError(f"{op}: weight must have shape ({hidden},) to match x's last dim; "
+                         f"got {describe('weight', weight)} and {describe('x', x)}")
+    check_same_device(op, x=x, residual=residual, weight=weight)
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if not uses_triton(x):
+        return fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    if hidden > FusedAddRMSNormSpace.MAX_N_COLS:
+        raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
+                         f"{FusedAddRMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")
+    rows = math.prod(x.shape[:-1])
+    x2d, r2d = x.reshape(rows, hidden), residual.reshape(rows, hidden)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if r2d.stride(-1) != 1:
+        r2d = r2d.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y, s = fused_add_rms_norm_2d(x2d, r2d, weight, eps, offset, casting_mode)
+    return y.view(x.shape), s.view(x.shape)
