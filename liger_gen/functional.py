@@ -7,5 +7,6 @@ formula it follows and the errors it raises) and re-exported here.
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm
 from liger_gen.ops.layer_norm import layer_norm
 from liger_gen.ops.rms_norm import rms_norm
+from liger_gen.ops.rope import rope
 
-__all__ = ["fused_add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["fused_add_rms_norm", "layer_norm", "rms_norm", "rope"]

@@ -6,6 +6,8 @@ Each op's references are defined in its module under ``liger_gen/ops``; this mod
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm_float64, fused_add_rms_norm_torch
 from liger_gen.ops.layer_norm import layer_norm_float64, layer_norm_torch
 from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out_dtype, rms_norm_torch
+from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
 
 __all__ = ["CASTING_MODES", "fused_add_rms_norm_float64", "fused_add_rms_norm_torch", "layer_norm_float64",
-           "layer_norm_torch", "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch"]
+           "layer_norm_torch", "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch",
+           "rope_float64", "rope_out_dtype", "rope_torch", "rotate_half"]
