@@ -5,8 +5,11 @@ formula it follows and the errors it raises) and re-exported here.
 """
 
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm
+from liger_gen.ops.geglu import geglu, geglu_gate_up
 from liger_gen.ops.layer_norm import layer_norm
 from liger_gen.ops.rms_norm import rms_norm
 from liger_gen.ops.rope import rope
+from liger_gen.ops.swiglu import swiglu, swiglu_gate_up
 
-__all__ = ["fused_add_rms_norm", "layer_norm", "rms_norm", "rope"]
+__all__ = ["fused_add_rms_norm", "geglu", "geglu_gate_up", "layer_norm", "rms_norm", "rope", "swiglu",
+           "swiglu_gate_up"]

@@ -7,6 +7,7 @@ from torch import nn
 
 from liger_gen import functional as F
 from liger_gen.ops.layer_norm import LayerNorm
+from liger_gen.ops.swiglu import SwiGLUMLP
 from liger_gen.reference import CASTING_MODES
 
 
@@ -41,4 +42,4 @@ class RMSNorm(nn.Module):
                 f"casting_mode={self.casting_mode!r}")
 
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "SwiGLUMLP"]

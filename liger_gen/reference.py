@@ -4,10 +4,13 @@ Each op's references are defined in its module under ``liger_gen/ops``; this mod
 """
 
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm_float64, fused_add_rms_norm_torch
+from liger_gen.ops.geglu import geglu_float64, geglu_torch
 from liger_gen.ops.layer_norm import layer_norm_float64, layer_norm_torch
 from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out_dtype, rms_norm_torch
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
+from liger_gen.ops.swiglu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
 
-__all__ = ["CASTING_MODES", "fused_add_rms_norm_float64", "fused_add_rms_norm_torch", "layer_norm_float64",
-           "layer_norm_torch", "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch",
-           "rope_float64", "rope_out_dtype", "rope_torch", "rotate_half"]
+__all__ = ["CASTING_MODES", "fused_add_rms_norm_float64", "fused_add_rms_norm_torch", "geglu_float64", "geglu_torch",
+           "glu_float64", "glu_gate_up_torch", "glu_torch", "layer_norm_float64", "layer_norm_torch",
+           "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch", "rope_float64", "rope_out_dtype",
+           "rope_torch", "rotate_half", "swiglu_float64", "swiglu_torch"]

@@ -1,0 +1,591 @@
+"""SwiGLU (Shazeer, 2020, "GLU Variants Improve Transformer"): references, search space, tuning problem, custom
+ops, the public ops and the ``SwiGLUMLP`` module. GeGLU (``liger_gen.ops.geglu``) reuses everything here with
+another activation.
+
+    y = act(gate) · up          act = silu (SwiGLU) | gelu, gelu_tanh (GeGLU); elementwise over (..., n_cols)
+
+The value transformers' ``LlamaMLP`` / ``GemmaMLP`` compute as ``act_fn(gate_proj(x)) * up_proj(x)``; the
+``*_gate_up`` variants take Phi-3's packed ``gate_up`` (last dim 2·n_cols, gate first) and return its gradient as
+one tensor. Kernels: ``templates/glu.py.jinja``.
+
+Rounding (as PyTorch eager on half-precision tensors): the activation is computed in fp32 and rounded to the
+input dtype, the product is computed in fp32 and rounded again; the backward rounds dy·up to the input dtype
+before multiplying by act'(gate), as autograd's mul backward does. float32 inputs see no intermediate rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_gen.codegen.problems import REL_TOL, Problem
+from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, describe, kernel_module, no_double_backward,
+                                   saveable, uses_triton)
+
+# template activation → (op that owns its tables, how PyTorch spells it)
+ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu"}
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def _act_torch(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(gate)
+    if activation in ("gelu", "gelu_tanh"):
+        return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+    raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+
+
+def glu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` in plain PyTorch, exactly as transformers' MLPs write it (differentiable by autograd).
+
+    activation: "silu" (SwiGLU), "gelu" (GeGLU, erf) or "gelu_tanh" (GeGLU, tanh approximation).
+    """
+    return _act_torch(gate, activation) * up
+
+
+def glu_gate_up_torch(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``, as Phi-3's MLP splits its projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return glu_torch(gate, up, activation)
+
+
+def glu_float64(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Exact ``act(gate) · up`` in float64 (no intermediate rounding); differentiable by autograd."""
+    return _act_torch(gate.double(), activation) * up.double()
+
+
+def swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in plain PyTorch: transformers' ``LlamaMLP`` activation, bit for bit."""
+    return glu_torch(gate, up, "silu")
+
+
+def swiglu_float64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Exact ``silu(gate) · up`` in float64."""
+    return glu_float64(gate, up, "silu")
+
+
+# ------------------------------------------------------------------------------------------------ space
+
+
+@dataclass(frozen=True)
+class GLUConfig(KernelConfig):
+    """Launch settings of one GLU variant (``templates/glu.py.jinja``), forward and backward separately.
+
+    Each program covers TILES row tiles of BLOCK_M x BLOCK_N elements, walked in a loop (so num_stages can
+    pipeline the next tile's loads); a row of n_cols is split over ceil(n_cols / BLOCK_N) programs, so any
+    width works. The kernels are pure streaming (no reductions): the knobs trade bytes in flight per SM
+    against the tail of partial tiles. The heuristic is analytic (no GPU measurements yet). Compiled for sm_90
+    with Triton 3.9, the loads vectorise to 16-byte accesses (when pointers and row strides are multiples of
+    16 bytes) and the TILES loop gets no cp.async pipelining, so num_stages may well time flat.
+    """
+
+    BLOCK_N_FWD: int
+    BLOCK_M_FWD: int = 1
+    TILES_FWD: int = 1
+    num_warps_fwd: int = 4
+    num_stages_fwd: int = 1
+    BLOCK_N_BWD: int = 1024
+    BLOCK_M_BWD: int = 1
+    TILES_BWD: int = 1
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 1
+
+
+class GLUSpace(Space):
+    """Search space, constraints and heuristic of SwiGLU for one width (dims ``{"n_cols": intermediate}``) and
+    dtype. GeGLU's space is the same with ``op = "geglu"``."""
+
+    op = "swiglu"
+    template = "glu"
+    config_cls = GLUConfig
+    DIMS = ("n_cols",)
+    MIN_BLOCK_N = 16
+    TILE_TARGET = 2048  # elements per tile of the heuristic: 16 per thread at 4 warps (two 16-byte bf16 vectors)
+    # fp32 values one thread may hold per tile before the compiler spills: ~3 live per element forward (gate,
+    # up, a), ~5 backward (dy, gate, up, s, products) — estimates, not measurements
+    MAX_ELEMS_PER_THREAD_FWD = 64
+    MAX_ELEMS_PER_THREAD_BWD = 32
+    _BLOCK_N = tuple(2 ** k for k in range(4, 14))  # 16 .. 8192
+
+    PARAMS = (
+        Param("BLOCK_N_FWD", _BLOCK_N, "fwd"),
+        Param("BLOCK_M_FWD", (1, 2, 4, 8, 16), "fwd"),
+        Param("TILES_FWD", (1, 2, 4, 8), "fwd"),
+        Param("num_warps_fwd", (1, 2, 4, 8, 16), "fwd"),
+        Param("num_stages_fwd", (1, 2, 3), "fwd"),
+        Param("BLOCK_N_BWD", _BLOCK_N, "bwd"),
+        Param("BLOCK_M_BWD", (1, 2, 4, 8, 16), "bwd"),
+        Param("TILES_BWD", (1, 2, 4, 8), "bwd"),
+        Param("num_warps_bwd", (1, 2, 4, 8, 16), "bwd"),
+        Param("num_stages_bwd", (1, 2, 3), "bwd"),
+    )
+
+    def check_dims(self) -> None:
+        self.n_cols = self.dims["n_cols"]
+        # widest useful column block: a block past the padded row only adds masked-off lanes
+        self.max_block_n = max(self.MIN_BLOCK_N, next_power_of_2(self.n_cols))
+
+    def heuristic(self) -> GLUConfig:
+        """Analytic default, valid for every n_cols >= 1: tiles of ~2K elements, up to 1024 columns wide, 4 warps."""
+        block_n = min(self.max_block_n, 1024)
+        block_m = max(1, min(16, self.TILE_TARGET // block_n))
+        warps = self._fit_warps(4, block_m * block_n)
+        config = GLUConfig(
+            BLOCK_N_FWD=block_n, BLOCK_M_FWD=block_m, TILES_FWD=1, num_warps_fwd=warps, num_stages_fwd=1,
+            BLOCK_N_BWD=block_n, BLOCK_M_BWD=block_m, TILES_BWD=1, num_warps_bwd=warps, num_stages_bwd=1,
+        )
+        problems = self.violations(config)
+        assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
+        return config
+
+    def _fit_warps(self, warps: int, tile: int) -> int:
+        """Fewest of ``warps`` and what the tile can feed (one element per thread at least)."""
+        while warps > 1 and tile < warps * 32:
+            warps //= 2
+        return max(1, min(warps, self.limits.max_threads_per_block // 32))
+
+    def shape_violations(self, config: GLUConfig) -> list[str]:
+        """Block width, threads, registers and shared memory of both kernels."""
+        problems: list[str] = []
+        for phase, block_n, block_m, warps, stages, max_elems, n_streams in (
+            ("fwd", config.BLOCK_N_FWD, config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd,
+             self.MAX_ELEMS_PER_THREAD_FWD, 2),
+            ("bwd", config.BLOCK_N_BWD, config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd,
+             self.MAX_ELEMS_PER_THREAD_BWD, 3),
+        ):
+            if block_n > self.max_block_n:
+                problems.append(f"{phase}: BLOCK_N={block_n} > {self.max_block_n} (next_power_of_2(n_cols="
+                                f"{self.n_cols})): the extra columns are masked-off work")
+            tile = block_m * block_n
+            problems += self.threads_violations(phase, warps, tile, max_elems)
+            # pipelined loads keep (stages - 1) tiles of each streamed input (gate, up; + dy backward) in shared memory
+            smem = (stages - 1) * n_streams * tile * self.element_size
+            if smem > self.limits.max_shared_memory_per_block:
+                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
+                                f"{self.limits.max_shared_memory_per_block}")
+        return problems
+
+
+SPACE = GLUSpace
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class GLUProblem(Problem):
+    """SwiGLU at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
+
+    The truth is computed in float64 (row chunks, to bound the temporaries) and kept as float32: that rounding
+    (2^-24 relative) is far below every tolerance, and halves the memory of the 65536-row problems.
+    """
+
+    op = "swiglu"
+    SPACE = GLUSpace
+    ACTIVATION_CHOICES: tuple[str, ...] = ("silu",)
+    REF_CHUNK_ELEMENTS = 1 << 26
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, activation: str | None = None,
+                 seed: int = 0, limits=None):
+        activation = activation or self.ACTIVATION_CHOICES[0]
+        if activation not in self.ACTIVATION_CHOICES:
+            raise ValueError(f"{self.op}: activation must be one of {self.ACTIVATION_CHOICES}, got {activation!r}")
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits, variant={"activation": activation})
+        self.activation = activation
+        self.n_cols = self.dims["n_cols"]
+        m, n = self.rows, self.n_cols
+        gate, up, dy = self.randn(m, n, scale=2.0), self.randn(m, n), self.randn(m, n)
+        self.buffers = {
+            "gate": gate, "up": up, "dy": dy,
+            "y": torch.empty((m, n), dtype=dtype, device=self.device),
+            "dgate": torch.empty((m, n), dtype=dtype, device=self.device),
+            "dup": torch.empty((m, n), dtype=dtype, device=self.device),
+        }
+        self.ref = {name: torch.empty((m, n), dtype=torch.float32, device=self.device)
+                    for name in ("y", "dgate", "dup")}
+        step = max(1, self.REF_CHUNK_ELEMENTS // max(n, 1))
+        for start in range(0, m, step):
+            rows = slice(start, start + step)
+            g64 = gate[rows].double().requires_grad_()
+            u64 = up[rows].double().requires_grad_()
+            with torch.enable_grad():
+                y64 = glu_float64(g64, u64, activation)
+                dg64, du64 = torch.autograd.grad(y64, (g64, u64), dy[rows].double())
+            self.ref["y"][rows] = y64.detach()
+            self.ref["dgate"][rows] = dg64
+            self.ref["dup"][rows] = du64
+        tol = REL_TOL[dtype]
+        self.tol = {"y": tol, "dgate": tol, "dup": tol}
+        self.outputs = {"fwd": ("y",), "bwd": ("dgate", "dup")}
+
+    def launcher(self, module, phase: str):
+        b = self.buffers
+        if phase == "fwd":
+            return lambda: module.forward(b["gate"], b["up"], b["y"])
+        if phase == "bwd":
+            return lambda: module.backward(b["dy"], b["gate"], b["up"], b["dgate"], b["dup"])
+        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+
+    def bytes_moved(self, phase: str) -> int:
+        mn_bytes = self.rows * self.n_cols * self.buffers["gate"].element_size()
+        return 3 * mn_bytes if phase == "fwd" else 5 * mn_bytes
+
+
+PROBLEM = GLUProblem
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The model's MLP activation: one problem per token count at ``intermediate_size``."""
+    return [GLUProblem(dtype, model.intermediate_size, r, device, seed=seed) for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+def _glu_fwd_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: str) -> None:
+    """y = act(gate) · up for 2-D gate, up, y with unit column stride (any row strides, views allowed)."""
+    rows, n_cols = gate.shape
+    if gate.numel() == 0:
+        return
+    if uses_triton(gate):
+        module, _, _ = kernel_module(ACTIVATIONS[activation], gate, n_cols, rows, activation=activation)
+        module.forward(gate, up, y)
+    else:  # CPU without the interpreter: plain PyTorch (only reached when the custom op is called directly)
+        y.copy_(glu_torch(gate, up, activation))
+
+
+def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor, dup: torch.Tensor,
+                  activation: str) -> None:
+    """dgate, dup of y = act(gate) · up, written into the given (rows, n_cols) outputs (views allowed)."""
+    rows, n_cols = gate.shape
+    if gate.numel() == 0:
+        return
+    if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
+        dy = dy.contiguous()
+    if uses_triton(gate):
+        module, _, _ = kernel_module(ACTIVATIONS[activation], gate, n_cols, rows, activation=activation)
+        module.backward(dy, gate, up, dgate, dup)
+    else:  # the backward formulas autograd runs for act(gate) * up, which is what the kernel reproduces
+        dup.copy_(dy * _act_torch(gate, activation))
+        da = dy * up
+        if activation == "silu":
+            dgate.copy_(torch.ops.aten.silu_backward(da, gate))
+        else:
+            approximate = "tanh" if activation == "gelu_tanh" else "none"
+            dgate.copy_(torch.ops.aten.gelu_backward(da, gate, approximate=approximate))
+
+
+def _fwd_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _glu_fwd_into(gate, up, y, activation)
+    return y
+
+
+def _bwd_impl(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+              activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    _glu_bwd_into(dy, gate, up, dgate, dup, activation)
+    return dgate, dup
+
+
+def _split(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a (rows, 2·n_cols) tensor as views (no copy)."""
+    n_cols = gate_up.shape[-1] // 2
+    return gate_up[:, :n_cols], gate_up[:, n_cols:]
+
+
+def _gate_up_fwd_impl(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    gate, up = _split(gate_up)
+    return _fwd_impl(gate, up, activation)
+
+
+def _gate_up_bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gradient of the packed input as one (rows, 2·n_cols) tensor: the kernel writes both halves in place."""
+    d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    gate, up = _split(gate_up)
+    dgate, dup = _split(d_gate_up)
+    _glu_bwd_into(dy, gate, up, dgate, dup, activation)
+    return d_gate_up
+
+
+# ------------------------------------------------------------------------------------------------ binding
+# Custom ops (what torch.compile traces; no graph break) and autograd.Functions (eager, lower host overhead)
+# launch the same kernels. GeGLU registers its own custom ops in liger_gen.ops.geglu with these impls.
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(t.shape)
+
+
+@torch.library.custom_op("liger_gen::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for 2-D gate, up (rows, n_cols) with unit column stride."""
+    return _fwd_impl(gate, up, "silu")
+
+
+@swiglu_fwd.register_fake
+def _(gate, up):
+    return _fake_like(gate)
+
+
+@torch.library.custom_op("liger_gen::swiglu_bwd", mutates_args=())
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) of silu(gate) · up, recomputing silu from gate."""
+    return _bwd_impl(dy, gate, up, "silu")
+
+
+@swiglu_bwd.register_fake
+def _(dy, gate, up):
+    return _fake_like(gate), _fake_like(up)
+
+
+@torch.library.custom_op("liger_gen::swiglu_gate_up_fwd", mutates_args=())
+def swiglu_gate_up_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for a 2-D packed gate_up (rows, 2·n_cols) with unit column stride."""
+    return _gate_up_fwd_impl(gate_up, "silu")
+
+
+@swiglu_gate_up_fwd.register_fake
+def _(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.custom_op("liger_gen::swiglu_gate_up_bwd", mutates_args=())
+def swiglu_gate_up_bwd(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gradient of the packed gate_up, one (rows, 2·n_cols) tensor."""
+    return _gate_up_bwd_impl(dy, gate_up, "silu")
+
+
+@swiglu_gate_up_bwd.register_fake
+def _(dy, gate_up):
+    return _fake_like(gate_up)
+
+
+def save_gate_up(ctx, inputs, output):
+    """setup_context of the (gate, up, ...) custom ops: save gate and up only, never the activation."""
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def save_packed(ctx, inputs, output):
+    """setup_context of the packed (gate_up, ...) custom ops: save gate_up only."""
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return torch.ops.liger_gen.swiglu_bwd(dy, gate, up)
+
+
+def _swiglu_gate_up_backward(ctx, dy):
+    (gate_up,) = ctx.saved_tensors
+    return torch.ops.liger_gen.swiglu_gate_up_bwd(dy, gate_up)
+
+
+swiglu_fwd.register_autograd(_swiglu_backward, setup_context=save_gate_up)
+swiglu_gate_up_fwd.register_autograd(_swiglu_gate_up_backward, setup_context=save_packed)
+
+
+class _GLUFunction(torch.autograd.Function):
+    """Eager binding of act(gate) · up: saves gate and up only; the backward recomputes the activation."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.save_for_backward(*saveable(gate, up))
+        ctx.activation = activation
+        return _fwd_impl(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        no_double_backward(ACTIVATIONS[ctx.activation], "liger_gen.reference.glu_torch")
+        gate, up = ctx.saved_tensors
+        dgate, dup = _bwd_impl(dy, gate, up, ctx.activation)
+        return dgate, dup, None
+
+
+class _GLUGateUpFunction(torch.autograd.Function):
+    """Eager binding of the packed layout: saves gate_up only; returns its gradient as one tensor."""
+
+    @staticmethod
+    def forward(ctx, gate_up, activation):
+        ctx.save_for_backward(*saveable(gate_up))
+        ctx.activation = activation
+        return _gate_up_fwd_impl(gate_up, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        no_double_backward(ACTIVATIONS[ctx.activation], "liger_gen.reference.glu_gate_up_torch")
+        (gate_up,) = ctx.saved_tensors
+        return _gate_up_bwd_impl(dy, gate_up, ctx.activation), None
+
+
+def swiglu_2d(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of 2-D tensors with unit column stride, differentiable: the custom op while torch.compile
+    traces, the autograd.Function in eager mode. Both launch the same kernels."""
+    if torch.compiler.is_compiling():
+        return torch.ops.liger_gen.swiglu_fwd(gate, up)
+    return _GLUFunction.apply(gate, up, "silu")
+
+
+def swiglu_gate_up_2d(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of a 2-D packed gate_up with unit column stride, differentiable (see ``swiglu_2d``)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.liger_gen.swiglu_gate_up_fwd(gate_up)
+    return _GLUGateUpFunction.apply(gate_up, "silu")
+
+
+# ------------------------------------------------------------------------------------------------ input checks
+
+
+def _check_dtype(op: str, name: str, t: torch.Tensor, kernel: bool) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if kernel and t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got {describe(name, t)} "
+                        f"(float64 runs only on the plain-PyTorch CPU path)")
+
+
+def check_glu_inputs(op: str, gate, up) -> bool:
+    """Validate (gate, up) of a GLU op; returns whether the Triton kernels take them (else plain PyTorch).
+
+    TypeError: not tensors, non-floating or different dtypes, float64 on the kernel path. ValueError: 0-dim,
+    different shapes, different devices.
+    """
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        raise TypeError(f"{op}: gate and up must be tensors, got {type(gate).__name__} and {type(up).__name__}")
+    if gate.dim() < 1:
+        raise ValueError(f"{op}: gate must have at least one dim (..., intermediate); got {describe('gate', gate)}")
+    if gate.shape != up.shape:
+        raise ValueError(f"{op}: gate and up must have the same shape (no broadcasting); got "
+                         f"{describe('gate', gate)} and {describe('up', up)}")
+    check_same_device(op, gate=gate, up=up)
+    kernel = uses_triton(gate)
+    _check_dtype(op, "gate", gate, kernel)
+    _check_dtype(op, "up", up, kernel)
+    if gate.dtype != up.dtype:
+        raise TypeError(f"{op}: gate and up must have the same dtype; got {describe('gate', gate)} and "
+                        f"{describe('up', up)}")
+    return kernel
+
+
+def check_gate_up_input(op: str, gate_up) -> bool:
+    """Validate a packed gate_up (..., 2·intermediate); returns whether the Triton kernels take it."""
+    if not isinstance(gate_up, torch.Tensor):
+        raise TypeError(f"{op}: gate_up must be a tensor, got {type(gate_up).__name__}")
+    if gate_up.dim() < 1:
+        raise ValueError(f"{op}: gate_up must have at least one dim (..., 2·intermediate); got "
+                         f"{describe('gate_up', gate_up)}")
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"{op}: gate_up's last dim must be even (gate and up halves of 2·intermediate); got "
+                         f"{describe('gate_up', gate_up)}")
+    kernel = uses_triton(gate_up)
+    _check_dtype(op, "gate_up", gate_up, kernel)
+    return kernel
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """t as (rows, n_cols) with unit column stride: a view when the strides allow it (e.g. a column slice of a
+    bigger tensor), a copy otherwise (e.g. a transposed view)."""
+    t2d = t.reshape(math.prod(t.shape[:-1]), n_cols)
+    return t2d if t2d.stride(-1) == 1 or n_cols <= 1 else t2d.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ public ops
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer, 2020): ``silu(gate) * up``, elementwise — transformers' ``LlamaMLP`` computes
+    ``act_fn(gate_proj(x)) * up_proj(x)`` with ``act_fn = silu``; this is that product, one kernel.
+
+    ``silu(g) = g / (1 + exp(-g))``. Numerics as PyTorch eager: silu in fp32, rounded to the input dtype, times
+    up in fp32, rounded again; the backward matches autograd of that expression (dy·up rounded to the input
+    dtype before silu's derivative). It saves only gate and up and recomputes silu from gate.
+
+    Args:
+        gate: (..., intermediate) float32, bfloat16 or float16; any leading dims, any strides (non-contiguous
+            views such as column slices of a bigger tensor are read in place; transposed ones are copied).
+        up: the same shape, dtype and device as gate.
+
+    Returns:
+        y of gate's shape and dtype, contiguous. Differentiable in gate and up.
+
+    CUDA tensors run the tuned Triton kernel for the current GPU; CPU tensors run plain PyTorch (bit-identical
+    to transformers), or the same Triton kernel in Triton's interpreter when ``TRITON_INTERPRET=1``. float64 is
+    accepted on the plain-PyTorch path only.
+
+    Raises:
+        TypeError: gate or up is not a tensor, is not floating point, their dtypes differ, or float64 on the
+            kernel path.
+        ValueError: gate is 0-dim, the shapes differ (no broadcasting), or the tensors are on different devices.
+
+    Not checked: NaN/inf values (they propagate as in PyTorch).
+    """
+    op = "swiglu"
+    if not check_glu_inputs(op, gate, up):
+        return swiglu_torch(gate, up)
+    n_cols = gate.shape[-1]
+    return swiglu_2d(as_rows(gate, n_cols), as_rows(up, n_cols)).view(gate.shape)
+
+
+def swiglu_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a packed projection: ``gate, up = gate_up.chunk(2, dim=-1); silu(gate) * up`` (Phi-3's MLP).
+
+    The kernel reads the two halves in place and writes the gradient of gate_up as one (..., 2·intermediate)
+    tensor (no split, no concatenation). Numerics as ``swiglu``.
+
+    Args:
+        gate_up: (..., 2·intermediate) float32, bfloat16 or float16, any strides; the first half of the last dim
+            is gate, the second half up.
+
+    Returns:
+        y (..., intermediate) in gate_up's dtype, contiguous. Differentiable in gate_up.
+
+    Raises:
+        TypeError: gate_up is not a floating tensor, or float64 on the kernel path.
+        ValueError: gate_up is 0-dim or its last dim is odd.
+    """
+    op = "swiglu_gate_up"
+    if not check_gate_up_input(op, gate_up):
+        return glu_gate_up_torch(gate_up, "silu")
+    width = gate_up.shape[-1]
+    return swiglu_gate_up_2d(as_rows(gate_up, width)).view(*gate_up.shape[:-1], width // 2)
+
+
+# ------------------------------------------------------------------------------------------------ module
+
+
+class SwiGLUMLP(nn.Module):
+    """Drop-in for transformers' ``LlamaMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the product
+    in one liger_gen kernel.
+
+    Args:
+        config: a transformers config with ``hidden_size``, ``intermediate_size``, ``hidden_act`` ("silu" or
+            "swish") and optionally ``mlp_bias`` (bias of the three projections; False if absent).
+
+    Parameters ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) have LlamaMLP's names, shapes and state_dict
+    keys. Shape: (..., hidden_size) → (..., hidden_size).
+
+    Raises:
+        ValueError: ``config.hidden_act`` is not silu/swish (the module would compute another activation).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"SwiGLUMLP: config.hidden_act must be 'silu' or 'swish', got {act!r}")
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
