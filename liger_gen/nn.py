@@ -42,4 +42,32 @@ class RMSNorm(nn.Module):
                 f"casting_mode={self.casting_mode!r}")
 
 
-__all__ = ["LayerNorm", "RMSNorm", "SwiGLUMLP"]
+
+class CrossEntropyLoss(nn.Module):
+    """Drop-in for ``torch.nn.CrossEntropyLoss`` (classes in the last dim) running ``liger_gen.functional.cross_entropy``.
+
+    Args:
+        weight: optional (vocab,) class weights, kept as a buffer as torch does.
+        ignore_index, reduction, label_smoothing: as in ``torch.nn.CrossEntropyLoss``.
+        lse_square_scale: z-loss coefficient (PaLM): adds ``lse_square_scale · lse²`` per non-ignored row.
+        softcap: if given, logits become ``softcap · tanh(logits / softcap)`` first (Gemma-2).
+        return_z_loss: forward returns ``(loss, z_loss)``.
+
+    Shape: input (..., vocab) float32/bfloat16/float16, target (...) int64 or int32 → 0-dim float32 loss
+    ((...) for ``reduction="none"``).
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_z_loss: bool = False):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.lse_square_scale, self.softcap, self.return_z_loss = lse_square_scale, softcap, return_z_loss
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        return F.cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
+                               self.lse_square_scale, self.softcap, self.return_z_loss)
+
+
+__all__ = ["CrossEntropyLoss", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

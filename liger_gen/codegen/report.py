@@ -27,15 +27,21 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
         task = progress.add_task(f"tuning {model.name} on {device_name}", total=None)
         tuner = Tuner(n_trials=trials, storage=storage, seed=seed, on_trial=lambda: progress.advance(task))
         for op in ops:
-            # problems allocate their inputs on the GPU: build one op's at a time
-            problems = [p for dtype in dtypes for p in get_op(op).tuning_problems(model, rows, dtype, device, seed)]
-            total = (progress.tasks[0].total or 0) + sum(trials * len(p.phases) for p in problems)
-            progress.update(task, total=total, description=f"tuning {op} for {model.name} on {device_name}")
-            path, entries = tune_to_table(op, problems, Path(out_root), gpu=gpu, device_name=device_name,
+            progress.update(task, description=f"tuning {op} for {model.name} on {device_name}")
+
+            def problems(op=op):
+                # problems hold their inputs and float64 truth on the GPU: build one at a time, free it after
+                for dtype in dtypes:
+                    for r in rows:
+                        for problem in get_op(op).tuning_problems(model, [r], dtype, device, seed):
+                            progress.update(task, total=(progress.tasks[0].total or 0) + trials * len(problem.phases))
+                            yield problem
+                            del problem
+                            torch.cuda.empty_cache()
+
+            path, entries = tune_to_table(op, problems(), Path(out_root), gpu=gpu, device_name=device_name,
                                           compute_capability=cc, tuner=tuner)
             summary.append((op, path, entries))
-            del problems
-            torch.cuda.empty_cache()
     for op, path, entries in summary:
         console.print(summary_table(op, entries))
         console.print(f"wrote {path}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import optuna
 
@@ -196,7 +196,7 @@ def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[
     return {**table, "entries": [e for e in table["entries"] if key(e) not in fresh] + list(entries)}
 
 
-def tune_to_table(op: str, problems: list, out_root, *, gpu: str, device_name: str, compute_capability: str,
+def tune_to_table(op: str, problems: Iterable, out_root, *, gpu: str, device_name: str, compute_capability: str,
                   tuner: Tuner) -> tuple[Any, list[dict[str, Any]]]:
     """Tune every problem, merge the entries into ``<out_root>/<gpu>/<op>.json`` (atomic write), re-read it.
 
@@ -214,7 +214,10 @@ def tune_to_table(op: str, problems: list, out_root, *, gpu: str, device_name: s
                 table["entries"] = old["entries"]
         except tables.TableError:
             pass
-    entries = [tuner.tune(problem) for problem in problems]
+    entries = []
+    for problem in problems:  # may be a generator that builds each problem (GPU buffers) after the last is freed
+        entries.append(tuner.tune(problem))
+        del problem
     tables.write_table(path, merge_entries(table, entries))
     tables.load_table(path)  # re-read: what was written must parse
     tables.clear_caches()

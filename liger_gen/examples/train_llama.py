@@ -1,4 +1,4 @@
-"""Train a Llama twice — plain transformers, then with liger-gen's RMSNorm — and compare.
+"""Train a Llama twice — plain transformers, then with liger-gen's kernels — and compare.
 
 What it measures
 ----------------
@@ -10,7 +10,9 @@ for ``--steps`` AdamW steps on random windows of a tokenized text file. The same
                           floor of the stack itself (non-deterministic GPU kernels such as SDPA backward and
                           atomics in matmul reductions make two identical runs differ slightly on CUDA);
 3. ``liger_gen``        — after ``liger_gen.apply_to(model)``, which swaps every RMSNorm for
-                          ``liger_gen.nn.RMSNorm`` (the tuned Triton kernel on CUDA).
+                          ``liger_gen.nn.RMSNorm``, every MLP for ``liger_gen.nn.SwiGLUMLP``, RoPE for
+                          ``liger_gen.functional.rope`` and the LM-head loss for
+                          ``liger_gen.functional.fused_linear_cross_entropy`` (tuned Triton kernels on CUDA).
 
 All runs start from the same weights (the initial ``state_dict`` is copied before the first run and loaded
 before each run) and see the same batches in the same order (drawn up front from a ``torch.Generator``
@@ -331,14 +333,18 @@ def build_model(
 
 
 def norm_inventory(model: torch.nn.Module, liger_rmsnorm: type) -> dict[str, int]:
-    """Count ``transformers_rmsnorm`` (transformers' own ``*RMSNorm`` classes) and ``liger_gen_rmsnorm``
-    (instances of ``liger_rmsnorm``, i.e. ``liger_gen.nn.RMSNorm``) among the modules of ``model``."""
+    """Count ``transformers_rmsnorm`` (transformers' own ``*RMSNorm`` classes), ``liger_gen_rmsnorm`` (instances
+    of ``liger_rmsnorm``) and ``liger_gen_swiglu_mlp`` modules of ``model``, and say whether its loss is fused."""
     n_hf = n_liger = 0
     for m in model.modules():
         cls = type(m)
         n_hf += cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers.")
         n_liger += isinstance(m, liger_rmsnorm)
-    return {"transformers_rmsnorm": n_hf, "liger_gen_rmsnorm": n_liger}
+    import liger_gen
+
+    n_mlp = sum(isinstance(m, liger_gen.nn.SwiGLUMLP) for m in model.modules())
+    return {"transformers_rmsnorm": n_hf, "liger_gen_rmsnorm": n_liger, "liger_gen_swiglu_mlp": n_mlp,
+            "fused_linear_cross_entropy_loss": "forward" in vars(model)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -451,7 +457,8 @@ def print_report(results: dict[str, Any], console=None) -> None:
         f"[bold]{m['preset']}[/bold] Llama, {m['n_params'] / 1e6:.2f} M params, {m['dtype']} on "
         f"{results['environment']['device_name']}; batch {d['batch_size']} x seq {d['seq_len']}, {d['steps']} "
         f"steps, AdamW lr {cfg['lr']:g}; BPE vocab {d['tokenizer_vocab_size']}, {d['n_tokens']:,} tokens; "
-        f"liger_gen.apply_to swapped {results['patch']['liger_gen_rmsnorm']} RMSNorm modules"
+        f"liger_gen.apply_to swapped {results['patch']['liger_gen_rmsnorm']} RMSNorm and "
+        f"{results['patch'].get('liger_gen_swiglu_mlp', 0)} MLP modules, RoPE and the LM-head loss"
     )
 
     label = lambda n: _LABELS.get(n, n)  # noqa: E731

@@ -1,60 +1,166 @@
-"""Patch transformers models in place: one table maps model families to the liger-gen replacements."""
+"""Patch transformers models in place: one table maps model families to the liger-gen replacements.
+
+What ``apply_to`` replaces, per model family (``config.model_type``):
+
+- **RMSNorm modules** → ``liger_gen.nn.RMSNorm`` holding the same ``weight`` Parameter (every family below
+  computes LlamaRMSNorm's formula; Qwen3's per-head q/k norms included).
+- **The SwiGLU MLP** (``LlamaMLP`` and its copies, when ``config.hidden_act`` is SiLU) →
+  ``liger_gen.nn.SwiGLUMLP`` holding the same three ``nn.Linear`` modules.
+- **RoPE**: the family's ``apply_rotary_pos_emb`` function → ``liger_gen.functional.rope``. Attention modules
+  call that function through their modeling module's globals, so this patch is process-wide: every model of
+  that family in the process uses it afterwards (the function computes the same values);
+  ``restore_rope()`` puts transformers' functions back.
+- **The LM-head loss**: in training mode with ``labels``, the causal-LM ``forward`` computes the loss with
+  ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
+  without materialising the logits (``outputs.logits`` is None then). The loss equals transformers'
+  ``ForCausalLMLoss``: labels shifted left, ``ignore_index=-100``, mean over non-ignored tokens, or a sum
+  divided by ``num_items_in_batch`` when the trainer passes it. In eval mode, or without labels, the original
+  forward runs and returns logits.
+"""
 
 from __future__ import annotations
 
+import importlib
+import types
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from liger_gen.nn import RMSNorm
 
 
 @dataclass(frozen=True)
-class NormPatch:
-    """Which RMSNorm classes a family uses and the casting semantics they follow."""
+class ModelFamily:
+    """Where a family's modeling code lives and which of its classes liger-gen replaces."""
 
-    class_names: tuple[str, ...]
+    modeling_module: str
+    norm_classes: tuple[str, ...]
+    mlp_classes: tuple[str, ...]
+    causal_lm_classes: tuple[str, ...]
     casting_mode: str = "llama"
     offset: float = 0.0
 
 
-# model_type (config.model_type) → its norm classes; every one below computes LlamaRMSNorm's formula
-MODEL_FAMILIES: dict[str, NormPatch] = {
-    "llama": NormPatch(("LlamaRMSNorm",)),
-    "mistral": NormPatch(("MistralRMSNorm",)),
-    "qwen2": NormPatch(("Qwen2RMSNorm",)),
-    "qwen3": NormPatch(("Qwen3RMSNorm",)),
+def _family(name: str, prefix: str) -> ModelFamily:
+    return ModelFamily(f"transformers.models.{name}.modeling_{name}", (f"{prefix}RMSNorm",), (f"{prefix}MLP",),
+                       (f"{prefix}ForCausalLM",))
+
+
+# model_type (config.model_type) → its modeling module and classes; all four compute LlamaRMSNorm's formula,
+# the SwiGLU MLP and transformers' rotate_half RoPE.
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "llama": _family("llama", "Llama"),
+    "mistral": _family("mistral", "Mistral"),
+    "qwen2": _family("qwen2", "Qwen2"),
+    "qwen3": _family("qwen3", "Qwen3"),
 }
 
+_SILU = ("silu", "swish")
+_original_rope: dict[str, object] = {}  # modeling module name → transformers' apply_rotary_pos_emb
 
-def _replacement(module: nn.Module, patch: NormPatch) -> RMSNorm:
+
+def _replace_norm(module: nn.Module, family: ModelFamily) -> RMSNorm:
     """A liger-gen RMSNorm that shares ``module``'s weight Parameter (optimizer state and device stay put)."""
     weight = module.weight
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    new = RMSNorm(weight.shape[0], eps=eps, offset=patch.offset, casting_mode=patch.casting_mode, device="meta")
+    new = RMSNorm(weight.shape[0], eps=eps, offset=family.offset, casting_mode=family.casting_mode, device="meta")
     new.weight = weight
     new.train(module.training)
     return new
 
 
-def apply_to(model: nn.Module, *, rms_norm: bool = True) -> nn.Module:
-    """Replace the supported modules of a transformers model in place and return the model.
+def _replace_mlp(module: nn.Module) -> nn.Module:
+    """A liger-gen SwiGLUMLP that holds ``module``'s gate/up/down projections (no new parameters)."""
+    from liger_gen.nn import SwiGLUMLP
 
-    Supported ``config.model_type``: llama, mistral, qwen2, qwen3. Every RMSNorm module is swapped for
-    ``liger_gen.nn.RMSNorm`` holding the same ``weight`` Parameter, so the state_dict, the optimizer's
-    references and the device are unchanged. Calling it twice is harmless.
+    with torch.device("meta"):
+        new = SwiGLUMLP(module.config)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(new, name, getattr(module, name))
+    new.train(module.training)
+    return new
+
+
+def _swap_children(model: nn.Module, class_names: tuple[str, ...], make) -> int:
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in class_names:
+                setattr(parent, name, make(child))
+                count += 1
+    return count
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None,
+                       logits_to_keep=0, shift_labels=None, **kwargs):
+    """Causal-LM forward whose training loss never materialises the logits (see the module docstring)."""
+    original = type(self).forward
+    if args or not self.training or (labels is None and shift_labels is None):
+        return original(self, input_ids, attention_mask, position_ids, *args, labels=labels,
+                        logits_to_keep=logits_to_keep, shift_labels=shift_labels, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from liger_gen.functional import fused_linear_cross_entropy
+
+    num_items_in_batch = kwargs.get("num_items_in_batch")
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # tokens < n predict token n, as transformers' ForCausalLMLoss shifts them
+        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    head = self.get_output_embeddings()
+    loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                      shift_labels.reshape(-1).to(hidden.device), bias=head.bias,
+                                      ignore_index=-100, reduction=reduction)
+    if num_items_in_batch is not None:
+        loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                       else num_items_in_batch)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions)
+
+
+def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+             fused_linear_cross_entropy: bool = True) -> nn.Module:
+    """Replace the supported parts of a transformers model in place and return the model.
+
+    Supported ``config.model_type``: llama, mistral, qwen2, qwen3. Each flag switches one replacement (see the
+    module docstring for what each does): the state_dict, the Parameter objects (so an optimizer built before
+    still updates them) and the devices are unchanged. Calling it twice is harmless.
+
+    Args:
+        model: a transformers model of a supported family (a ``*ForCausalLM`` or its base ``*Model``).
+        rms_norm: swap RMSNorm modules for ``liger_gen.nn.RMSNorm``.
+        swiglu: swap the MLP modules for ``liger_gen.nn.SwiGLUMLP`` (only when the activation is SiLU).
+        rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
+        fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
 
     Raises:
         ValueError: the model has no ``config.model_type`` among the supported families.
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_FAMILIES:
         raise ValueError(f"liger_gen.apply_to: model_type {model_type!r} is not supported; "
                          f"supported: {sorted(MODEL_FAMILIES)}")
-    patch = MODEL_FAMILIES[model_type]
+    family = MODEL_FAMILIES[model_type]
     if rms_norm:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child).__name__ in patch.class_names:
-                    setattr(parent, name, _replacement(child, patch))
+        _swap_children(model, family.norm_classes, lambda m: _replace_norm(m, family))
+    if swiglu and getattr(config, "hidden_act", None) in _SILU:
+        _swap_children(model, family.mlp_classes, _replace_mlp)
+    if rope:
+        from liger_gen.functional import rope as liger_rope
+
+        modeling = importlib.import_module(family.modeling_module)
+        _original_rope.setdefault(family.modeling_module, modeling.apply_rotary_pos_emb)
+        modeling.apply_rotary_pos_emb = liger_rope
+    if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
+        model.forward = types.MethodType(_causal_lm_forward, model)
     return model
+
+
+def restore_rope() -> None:
+    """Undo the process-wide RoPE patch of every family ``apply_to`` patched."""
+    for name, function in _original_rope.items():
+        importlib.import_module(name).apply_rotary_pos_emb = function
+    _original_rope.clear()

@@ -1,0 +1,887 @@
+"""Cross-entropy loss: references, search space, tuning problem, custom ops, the public op and the row-level API
+that fused linear cross-entropy builds on.
+
+    z_ij   = softcap · tanh(x_ij / softcap)                      (Gemma-2 soft-capping; z = x without softcap)
+    lse_i  = log Σ_j exp(z_ij)                                    (fp32, online: one pass over the row)
+    ce_i   = (1 − ε) · w_{y_i} · (lse_i − z_{i,y_i}) + (ε / V) · Σ_j w_j · (lse_i − z_ij)
+    zl_i   = λ · lse_i²                                           (z-loss, PaLM)
+    loss   = mean: Σ ce_i / Σ w_{y_i} + Σ zl_i / n;  sum: Σ (ce_i + zl_i);  none: ce_i + zl_i
+             (sums over rows whose target is not ignore_index; n counts them; w = 1 without class weights)
+
+``ce`` is exactly ``torch.nn.functional.cross_entropy`` (class weights, ignore_index, label smoothing, the three
+reductions). Kernels: ``templates/cross_entropy.py.jinja``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
+from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+                                   no_double_backward, saveable, uses_triton)
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def _ce_rows(x: torch.Tensor, t: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+             label_smoothing: float, lse_square_scale: float, softcap: float | None):
+    """(ce_rows, zl_rows, lse, w_y, valid) of 2-D logits x (rows, V) in x's dtype, differentiable in x.
+
+    Ignored rows have ce = zl = w_y = 0. Targets out of range raise (index errors), as in torch.
+    """
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    n_cols = x.shape[-1]
+    t = t.long()
+    valid = t != ignore_index
+    t_safe = torch.where(valid, t, torch.zeros_like(t))
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x - lse[:, None]
+    w = weight.to(x.dtype) if weight is not None else None
+    w_y = (w[t_safe] if w is not None else torch.ones_like(lse)) * valid
+    ce = -logp.gather(1, t_safe[:, None]).squeeze(1) * w_y
+    if label_smoothing > 0.0:
+        smooth = -((logp * w).sum(-1) if w is not None else logp.sum(-1)) * valid
+        ce = (1.0 - label_smoothing) * ce + (label_smoothing / n_cols) * smooth
+    zl = lse_square_scale * lse.square() * valid
+    return ce, zl, lse, w_y, valid
+
+
+def cross_entropy_float64(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                          lse_square_scale: float = 0.0,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact (float64, no intermediate rounding) ``(loss, z_loss)`` from the formula in the module docstring.
+
+    logits (..., V), target of the leading shape. Differentiable in logits. ``loss`` includes ``z_loss``.
+    """
+    n_cols = logits.shape[-1]
+    ce, zl, _, w_y, valid = _ce_rows(logits.reshape(-1, n_cols).double(), target.reshape(-1), weight,
+                                     ignore_index, label_smoothing, lse_square_scale, softcap)
+    if reduction == "mean":
+        ce, zl = ce.sum() / w_y.sum(), zl.sum() / valid.sum()
+    elif reduction == "sum":
+        ce, zl = ce.sum(), zl.sum()
+    else:
+        ce, zl = ce.view(target.shape), zl.view(target.shape)
+    return ce + zl, zl
+
+
+def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                        ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                        lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False):
+    """The op in plain PyTorch (the CPU path; differentiable by autograd).
+
+    bf16/fp16 logits are upcast to fp32 and the loss is fp32, as the kernels return it; float32 and float64 stay.
+    The cross-entropy term is ``torch.nn.functional.cross_entropy`` itself; the z-loss adds λ·lse² per
+    non-ignored row (mean: divided by their count). Out-of-range targets raise, as in torch.
+    """
+    n_cols = logits.shape[-1]
+    x = logits.reshape(-1, n_cols)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    t = target.reshape(-1).long()
+    w = weight.to(x.dtype) if weight is not None else None
+    loss = F.cross_entropy(x, t, weight=w, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    if lse_square_scale == 0.0 and not return_z_loss:
+        return loss
+    valid = t != ignore_index
+    zl = lse_square_scale * torch.logsumexp(x, dim=-1).square() * valid
+    zl = zl.sum() / valid.sum() if reduction == "mean" else zl.sum() if reduction == "sum" else zl.view(target.shape)
+    if lse_square_scale != 0.0:
+        loss = loss + zl
+    return (loss, zl.detach()) if return_z_loss else loss
+
+
+# ------------------------------------------------------------------------------------------------ search space
+
+
+@dataclass(frozen=True)
+class CrossEntropyConfig(KernelConfig):
+    """Launch settings of one cross-entropy variant (``templates/cross_entropy.py.jinja``).
+
+    GRAD_IN_FWD=1: when a gradient is needed the forward kernel writes dlogits for a unit upstream gradient
+    while each row is still in L2, and the backward only rescales rows whose upstream gradient is not exactly 1
+    (decided on the device): about one read and one write of the logits per training step when the loss is
+    used as is, one more read and write when it is scaled (e.g. divided by gradient-accumulation steps).
+    GRAD_IN_FWD=0: the forward reads the logits once and stores lse; the backward reads them again and writes
+    dlogits (two reads and one write, whatever the upstream gradient). float16 always uses 0 (FP16_GRAD_IN_FWD).
+
+    *_FWD: the loss-only forward kernel (no gradient needed, and the forward of GRAD_IN_FWD=0).
+    *_BWD: the kernel that writes the gradient (the recompute backward, or the gradient-writing forward).
+    BLOCK_V is the vocab tile (a row is streamed in BLOCK_V tiles; one tile when BLOCK_V >= V, and then the
+    gradient-writing forward keeps the row in registers), BLOCK_M the rows per program.
+    """
+
+    GRAD_IN_FWD: int = 1
+    BLOCK_V_FWD: int = 4096
+    BLOCK_M_FWD: int = 1
+    num_warps_fwd: int = 8
+    num_stages_fwd: int = 1
+    BLOCK_V_BWD: int = 4096
+    BLOCK_M_BWD: int = 1
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 1
+
+
+BLOCK_V_CHOICES = tuple(2 ** k for k in range(4, 16))  # 16 .. 32768
+FP16_GRAD_IN_FWD = ("GRAD_IN_FWD=1 with float16: a gradient stored for a unit upstream gradient underflows fp16 "
+                    "(entries below 6e-8 flush to zero) before a loss scale (GradScaler) could lift it")
+
+
+class CrossEntropySpace(Space):
+    """Search space, constraints and heuristic of cross-entropy for one vocab size (dims ``{"vocab": V}``).
+
+    One tuning phase, named "fwd", times the whole training step (forward and backward): GRAD_IN_FWD moves the
+    gradient from the backward kernel into the forward one, so the two kernels can only be compared together.
+    The loss-only forward params are sampled only when GRAD_IN_FWD=0 (with 1 training never runs that kernel).
+    """
+
+    op = "cross_entropy"
+    template = "cross_entropy"
+    config_cls = CrossEntropyConfig
+    DIMS = ("vocab",)
+    phases = ("fwd",)
+    # fp32 values one thread may hold per tile: the gradient kernel spills past 32 (sm_90, 32768-column tile on
+    # 32 warps: 64 registers and a 96-byte stack; 16 per thread: no spill)
+    MAX_ELEMS_PER_THREAD = 32
+    # below this a long row is streamed in too many tiny tiles (one reduction per tile)
+    MIN_STREAM_TILE = 512
+
+    PARAMS = (
+        Param("GRAD_IN_FWD", (0, 1), "fwd"),
+        Param("BLOCK_V_FWD", BLOCK_V_CHOICES, "fwd", when=("GRAD_IN_FWD", 0)),
+        Param("BLOCK_M_FWD", (1, 2, 4, 8, 16, 32, 64), "fwd", when=("GRAD_IN_FWD", 0)),
+        Param("num_warps_fwd", (1, 2, 4, 8, 16, 32), "fwd", when=("GRAD_IN_FWD", 0)),
+        Param("num_stages_fwd", (1, 2, 3, 4), "fwd", when=("GRAD_IN_FWD", 0)),
+        Param("BLOCK_V_BWD", BLOCK_V_CHOICES, "fwd"),
+        Param("BLOCK_M_BWD", (1, 2, 4, 8, 16, 32, 64), "fwd"),
+        Param("num_warps_bwd", (1, 2, 4, 8, 16, 32), "fwd"),
+        Param("num_stages_bwd", (1, 2, 3, 4), "fwd"),
+    )
+
+    def check_dims(self) -> None:
+        self.vocab = self.dims["vocab"]
+        self.block_v_full = max(16, next_power_of_2(self.vocab))  # a whole row in one tile
+
+    def params(self, phase: str) -> tuple[Param, ...]:
+        """The tunables, with the vocab tiles narrowed to those this vocab allows (shape_violations rejects the
+        others; sampling them would spend the tuner's trial budget on pruned points)."""
+        lo, hi = min(self.block_v_full, self.MIN_STREAM_TILE), self.block_v_full
+        return tuple(dataclasses.replace(p, choices=tuple(c for c in p.choices if lo <= c <= hi))
+                     if p.name.startswith("BLOCK_V") else p for p in super().params(phase))
+
+    def heuristic(self) -> CrossEntropyConfig:
+        """Analytic default, valid for every vocab; ~16 fp32 values per thread.
+
+        Loss kernel: the whole row in one tile up to 8192 columns (several rows per program for small vocabs,
+        ~2K-element tiles), 8192-column tiles streamed beyond. Gradient kernel: tiles up to 16384 columns with
+        32 warps, so one program (one row) per SM is resident and the rows being re-read for the gradient
+        (132 x 256 KB at V = 128256 bf16 on an H200) stay within L2. The gradient is written in the forward,
+        except for float16 (FP16_GRAD_IN_FWD).
+        """
+        fwd_v = min(self.block_v_full, 8192)
+        fwd_m = max(1, min(64, 2048 // fwd_v))
+        bwd_v = min(self.block_v_full, 16384)
+        bwd_m = max(1, min(64, 2048 // bwd_v))
+        config = CrossEntropyConfig(
+            GRAD_IN_FWD=0 if self.dtype == torch.float16 else 1,
+            BLOCK_V_FWD=fwd_v, BLOCK_M_FWD=fwd_m, num_stages_fwd=1,
+            num_warps_fwd=self._fit_warps(warps_for(fwd_m * fwd_v, max_warps=16, per_thread=16), fwd_m * fwd_v),
+            BLOCK_V_BWD=bwd_v, BLOCK_M_BWD=bwd_m, num_stages_bwd=1,
+            num_warps_bwd=self._fit_warps(warps_for(bwd_m * bwd_v, max_warps=32, per_thread=16), bwd_m * bwd_v),
+        )
+        problems = self.violations(config)
+        assert not problems, f"heuristic is invalid for vocab={self.vocab}: {problems}"
+        return config
+
+    def _fit_warps(self, warps: int, tile: int) -> int:
+        """Fewest of ``warps`` and what the tile can feed, within the device's thread limit."""
+        while warps > 1 and tile < warps * 32:
+            warps //= 2
+        return max(1, min(warps, self.limits.max_threads_per_block // 32))
+
+    def shape_violations(self, config: CrossEntropyConfig) -> list[str]:
+        """Tile bounds, threads, registers and shared memory of the loss kernel and the gradient kernel."""
+        problems: list[str] = []
+        if config.GRAD_IN_FWD and self.dtype == torch.float16:
+            problems.append(FP16_GRAD_IN_FWD)
+        for phase, block_v, block_m, warps, stages in (
+            ("fwd", config.BLOCK_V_FWD, config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd),
+            ("bwd", config.BLOCK_V_BWD, config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd),
+        ):
+            if block_v > self.block_v_full:
+                problems.append(f"{phase}: BLOCK_V={block_v} > {self.block_v_full} (the whole row of vocab "
+                                f"{self.vocab} fits a smaller tile)")
+            if block_v < min(self.block_v_full, self.MIN_STREAM_TILE):
+                problems.append(f"{phase}: BLOCK_V={block_v} streams a row of {self.vocab} in tiles smaller than "
+                                f"{min(self.block_v_full, self.MIN_STREAM_TILE)}")
+            tile = block_m * block_v
+            problems += self.threads_violations(phase, warps, tile, self.MAX_ELEMS_PER_THREAD)
+            # pipelined loads keep (stages - 1) tiles of logits in shared memory, plus reduction scratch
+            smem = (stages - 1) * tile * self.element_size + block_m * warps * 4 * 4
+            if smem > self.limits.max_shared_memory_per_block:
+                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
+                                f"{self.limits.max_shared_memory_per_block}")
+        return problems
+
+
+SPACE = CrossEntropySpace
+
+# ------------------------------------------------------------------------------------------------ launches
+
+
+def _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                    softcap, *, loss_rows, zl_rows, lse, q, scale, dlogits, loss, zl):
+    """The forward as training runs it: mean denominators, the row kernel (writing dlogits when given), the
+    reduction. ``loss``/``zl`` are 0-dim outputs (ignored for reduction="none")."""
+    if reduction == "mean":
+        module.mean_scale(target, weight, scale, logits.shape[-1], ignore_index)
+    module.forward(logits, target, weight, loss_rows, zl_rows, lse, q, dlogits,
+                   scale if reduction == "mean" else None, None,
+                   ignore_index, label_smoothing, lse_square_scale, softcap)
+    if reduction != "none":
+        module.reduce(loss_rows, zl_rows, scale if reduction == "mean" else None, loss, zl)
+
+
+def _launch_backward(module, grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction,
+                     label_smoothing, lse_square_scale, softcap, dlogits):
+    """The recompute backward: dlogits (rows, V) from logits, lse and q."""
+    module.backward(logits, target, weight, lse, q, scale if reduction == "mean" else None, grad_loss, dlogits,
+                    ignore_index, label_smoothing, lse_square_scale, softcap)
+
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class CrossEntropyProblem(Problem):
+    """Cross-entropy at (rows, vocab) in ``dtype`` on ``device``: the training step (forward, then backward with
+    a unit upstream gradient) checked against float64 and timed as one phase, "fwd" (see CrossEntropySpace).
+
+    Inputs are drawn on the problem's device (seeded): the base class's CPU float64 draw would take minutes and
+    tens of GB at 16384 x 128256. The float64 gradient is computed in row chunks inside ``check`` rather than
+    stored, so a problem holds only its logits and dlogits.
+    """
+
+    op = "cross_entropy"
+    SPACE = CrossEntropySpace
+    CHUNK_ELEMENTS = 1 << 25  # float64 reference chunk: 32M elements (256 MB per float64 temporary)
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, reduction: str = "mean",
+                 ignore_fraction: float = 0.05, label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                 softcap: float | None = None, weighted: bool = False, ignore_index: int = -100,
+                 logit_scale: float = 2.0, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
+        self.vocab = v = self.dims["vocab"]
+        m = self.rows
+        self.reduction, self.ignore_index = reduction, ignore_index
+        self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
+        logits = torch.empty((m, v), dtype=dtype, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        step = max(1, self.CHUNK_ELEMENTS // v)
+        for start in range(0, m, step):
+            chunk = torch.randn((min(step, m - start), v), generator=gen, device=self.device, dtype=torch.float32)
+            logits[start:start + step] = (chunk * logit_scale).to(dtype)
+        target = torch.randint(0, v, (m,), generator=self.generator)
+        target[torch.rand(m, generator=self.generator) < ignore_fraction] = ignore_index
+        weight = (0.5 + torch.rand(v, generator=self.generator)).to(self.device) if weighted else None
+        grad_loss = (torch.randn(m, generator=self.generator) if reduction == "none" else torch.tensor(1.0))
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.weight = weight
+        self.buffers = {
+            "logits": logits, "target": target.to(self.device), "grad_loss": grad_loss.to(**f32),
+            "loss_rows": torch.empty(m, **f32), "zl_rows": torch.empty(m, **f32), "lse": torch.empty(m, **f32),
+            "q": torch.empty(m, **f32), "scale": torch.empty(2, **f32),
+            "loss": torch.empty((), **f32), "zl": torch.empty((), **f32),
+            "dlogits": torch.empty((m, v), dtype=dtype, device=self.device),
+        }
+        loss_ref, zl_ref, lse_ref, scales = self._reference_small()
+        self.ref = {"loss": loss_ref, "zl": zl_ref, "lse": lse_ref}
+        self._scales = scales
+        if reduction == "none":
+            self.ref["loss_rows"] = self.ref.pop("loss")
+            self.ref["zl_rows"] = self.ref.pop("zl")
+        self.tol = {name: FP32_OUT_TOL for name in self.ref}
+        self.tol["dlogits"] = REL_TOL[dtype]
+        out_names = ("loss_rows", "zl_rows") if reduction == "none" else ("loss", "zl")
+        self.outputs = {"fwd": (*out_names, "lse", "dlogits")}
+
+    def _options(self):
+        return dict(weight=self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+                    lse_square_scale=self.lse_square_scale, softcap=self.softcap)
+
+    def _reference_small(self):
+        """float64 loss, z-loss and lse (computed in row chunks), and the float64 mean denominators."""
+        b, v = self.buffers, self.vocab
+        step = max(1, self.CHUNK_ELEMENTS // v)
+        ce_parts, zl_parts, lse_parts, wy_sum, n_valid = [], [], [], 0.0, 0.0
+        for start in range(0, self.rows, step):
+            x = b["logits"][start:start + step].double()
+            ce, zl, lse, w_y, valid = _ce_rows(x, b["target"][start:start + step], self.weight, self.ignore_index,
+                                               self.label_smoothing, self.lse_square_scale, self.softcap)
+            ce_parts.append(ce)
+            zl_parts.append(zl)
+            lse_parts.append(lse)
+            wy_sum = wy_sum + w_y.sum()
+            n_valid = n_valid + valid.sum().double()
+        ce, zl, lse = torch.cat(ce_parts), torch.cat(zl_parts), torch.cat(lse_parts)
+        if self.reduction == "mean":
+            s_ce, s_z = 1.0 / wy_sum, 1.0 / n_valid
+            return ce.sum() * s_ce + zl.sum() * s_z, zl.sum() * s_z, lse, (s_ce, s_z)
+        if self.reduction == "sum":
+            return ce.sum() + zl.sum(), zl.sum(), lse, (1.0, 1.0)
+        return ce + zl, zl, lse, (1.0, 1.0)
+
+    def dlogits_error(self) -> float:
+        """Relative L2 error of buffers["dlogits"] against the float64 gradient, computed in row chunks."""
+        b, v = self.buffers, self.vocab
+        s_ce, s_z = self._scales
+        step = max(1, self.CHUNK_ELEMENTS // v)
+        num, den = 0.0, 0.0
+        for start in range(0, self.rows, step):
+            x = b["logits"][start:start + step].double().requires_grad_()
+            ce, zl, _, _, _ = _ce_rows(x, b["target"][start:start + step], self.weight, self.ignore_index,
+                                       self.label_smoothing, self.lse_square_scale, self.softcap)
+            g = b["grad_loss"][start:start + step].double() if self.reduction == "none" else b["grad_loss"].double()
+            (ref,) = torch.autograd.grad((g * (ce * s_ce + zl * s_z)).sum(), x)
+            actual = b["dlogits"][start:start + step].double()
+            num += (actual - ref).square().sum().item()
+            den += ref.square().sum().item()
+        return math.sqrt(num) / (math.sqrt(den) if den > 0 else 1.0)
+
+    def check(self, module, phase: str) -> str | None:
+        """Run the step once on NaN-poisoned outputs; None if every output is within tolerance, else why not."""
+        self.prepare(phase)
+        for name in self.outputs[phase]:
+            self.buffers[name].fill_(float("nan"))
+        self.launcher(module, phase)()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for name in self.outputs[phase]:
+            err = self.dlogits_error() if name == "dlogits" else rel_l2(self.buffers[name], self.ref[name])
+            if not err <= self.tol[name]:
+                return f"{name}: relative L2 error {err:.3g} > {self.tol[name]:.1g}"
+        return None
+
+    def launcher(self, module, phase: str):
+        """The training step: forward (writing dlogits when GRAD_IN_FWD=1), then the backward."""
+        if phase != "fwd":
+            raise ValueError(f"cross_entropy tunes one phase, 'fwd' (the training step); got {phase!r}")
+        b, opts = self.buffers, self._options()
+        args = (b["logits"], b["target"], opts["weight"], self.ignore_index, self.reduction, self.label_smoothing,
+                self.lse_square_scale, self.softcap)
+        grad_loss = b["grad_loss"]
+
+        def step():
+            grad_in_fwd = bool(module.GRAD_IN_FWD)
+            _launch_forward(module, *args, loss_rows=b["loss_rows"], zl_rows=b["zl_rows"], lse=b["lse"],
+                            q=None if grad_in_fwd else b["q"], scale=b["scale"],
+                            dlogits=b["dlogits"] if grad_in_fwd else None, loss=b["loss"], zl=b["zl"])
+            if grad_in_fwd:
+                module.scale_grad_(b["dlogits"], grad_loss)
+            else:
+                _launch_backward(module, grad_loss, b["logits"], b["target"], opts["weight"], b["lse"], b["q"],
+                                 b["scale"], self.ignore_index, self.reduction, self.label_smoothing,
+                                 self.lse_square_scale, self.softcap, b["dlogits"])
+        return step
+
+    def bytes_moved(self, phase: str) -> int:
+        """Minimal bytes of the training step: read the logits once, write dlogits once, plus the row vectors."""
+        e = self.buffers["logits"].element_size()
+        return 2 * self.rows * self.vocab * e + self.rows * (self.buffers["target"].element_size() + 4 * 3)
+
+
+PROBLEM = CrossEntropyProblem
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The LM head's loss: one problem per token count at the model's vocab size.
+
+    A problem holds its logits and dlogits (2 x rows x V elements: 34 GB at 65536 x 128256 bf16) and computes
+    its float64 truth in row chunks, so build and tune them one at a time at large sizes.
+    """
+    return [CrossEntropyProblem(dtype, model.vocab_size, r, device, seed=seed) for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+
+def _alloc_outputs(logits: torch.Tensor, rows: int, reduction: str):
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    out = dict(loss_rows=torch.empty(rows, **f32), zl_rows=torch.empty(rows, **f32), lse=torch.empty(rows, **f32),
+               q=torch.empty(rows, **f32), scale=torch.ones(2, **f32))
+    if reduction == "none":
+        out["loss"], out["zl"] = out["loss_rows"], out["zl_rows"]
+    else:
+        out["loss"], out["zl"] = torch.empty((), **f32), torch.empty((), **f32)
+    return out
+
+
+def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+              reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+              grad_in_fwd: bool):
+    """(loss, zl, lse, q, scale, dlogits or None) for logits (rows, V) or (B, T, V) with unit last stride and
+    target (rows,). loss/zl are 0-dim fp32 (mean, sum) or (rows,) fp32 (none); lse and q = 1 − p_y are (rows,)
+    fp32; scale (2,) fp32 holds the mean denominators' reciprocals (ones otherwise). With ``grad_in_fwd`` the
+    forward also writes dlogits (rows, V) in logits' dtype for a unit upstream gradient."""
+    rows, n_cols = target.shape[0], logits.shape[-1]
+    out = _alloc_outputs(logits, rows, reduction)
+    dlogits = torch.empty((rows, n_cols), dtype=logits.dtype, device=logits.device) if grad_in_fwd else None
+    if rows == 0:  # torch: the mean of nothing is NaN, the sum 0
+        out["loss"].fill_(float("nan") if reduction == "mean" else 0.0)
+        out["zl"].fill_(float("nan") if reduction == "mean" else 0.0)
+    elif uses_triton(logits):
+        module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
+        _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                        softcap, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
+                        q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
+                        loss=out["loss"], zl=out["zl"])
+    else:  # CPU without the interpreter: the kernel's formulas in PyTorch (only reached when the op is called
+        # directly; the public function takes cross_entropy_torch on this path)
+        x = logits.reshape(rows, n_cols).float()
+        with torch.enable_grad():
+            x.requires_grad_(grad_in_fwd)
+            ce, zl, lse, w_y, valid = _ce_rows(x, target, weight, ignore_index, label_smoothing, lse_square_scale,
+                                               softcap)
+            one = torch.ones((), dtype=torch.float32)
+            s_ce, s_z = (1.0 / w_y.sum(), 1.0 / valid.sum()) if reduction == "mean" else (one, one)
+            if grad_in_fwd:
+                (grad,) = torch.autograd.grad((ce * s_ce + zl * s_z).sum(), x)
+                dlogits.copy_(grad)
+        ce, zl, lse = ce.detach(), zl.detach(), lse.detach()
+        z = x.detach() if softcap is None else softcap * torch.tanh(x.detach() / softcap)
+        p_y = torch.exp(z.gather(1, torch.where(valid, target.long(), 0)[:, None]).squeeze(1) - lse)
+        out["loss_rows"].copy_(ce + zl)
+        out["zl_rows"].copy_(zl)
+        out["lse"].copy_(lse)
+        out["q"].copy_(torch.where(valid, 1.0 - p_y, torch.ones_like(p_y)))
+        out["scale"].copy_(torch.stack([s_ce.float(), s_z.float()]))
+        if reduction != "none":
+            total_z = zl.sum()
+            out["loss"].copy_(ce.sum() * s_ce + total_z * s_z)
+            out["zl"].copy_(total_z * s_z)
+    return out["loss"], out["zl"], out["lse"], out["q"], out["scale"], dlogits
+
+
+def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+              lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ignore_index: int, reduction: str,
+              label_smoothing: float, lse_square_scale: float, softcap: float | None) -> torch.Tensor:
+    """dlogits of logits' shape (contiguous, logits' dtype), recomputed from lse and q."""
+    rows, n_cols = target.shape[0], logits.shape[-1]
+    dlogits = torch.empty((rows, n_cols), dtype=logits.dtype, device=logits.device)
+    g = grad_loss.reshape(-1) if reduction == "none" else grad_loss.reshape(())
+    if rows == 0:
+        pass
+    elif uses_triton(logits):
+        module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
+        _launch_backward(module, g, logits, target, weight, lse, q, scale, ignore_index, reduction,
+                         label_smoothing, lse_square_scale, softcap, dlogits)
+    else:  # the formulas by autograd (only reached when the op is called directly on the CPU)
+        x = logits.reshape(rows, n_cols).float().requires_grad_()
+        with torch.enable_grad():
+            ce, zl, _, _, _ = _ce_rows(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap)
+            (grad,) = torch.autograd.grad((g.float() * (ce * scale[0] + zl * scale[1])).sum(), x)
+        dlogits.copy_(grad)
+    return dlogits.view(logits.shape)
+
+
+@torch.library.custom_op("liger_gen::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                      reduction: str, label_smoothing: float, lse_square_scale: float, softcap: Optional[float]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, lse, q, scale) — see _fwd_impl. Always the recompute form: no gradient in the forward."""
+    loss, zl, lse, q, scale, _ = _fwd_impl(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                           lse_square_scale, softcap, grad_in_fwd=False)
+    return loss, zl, lse, q, scale
+
+
+@cross_entropy_fwd.register_fake
+def _(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap):
+    rows = target.shape[0]
+    shape = (rows,) if reduction == "none" else ()
+    f32 = dict(dtype=torch.float32)
+    return (logits.new_empty(shape, **f32), logits.new_empty(shape, **f32), logits.new_empty((rows,), **f32),
+            logits.new_empty((rows,), **f32), logits.new_empty((2,), **f32))
+
+
+@torch.library.custom_op("liger_gen::cross_entropy_bwd", mutates_args=())
+def cross_entropy_bwd(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                      weight: Optional[torch.Tensor], lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                      ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
+                      softcap: Optional[float]) -> torch.Tensor:
+    """dlogits of logits' shape, contiguous, in logits' dtype."""
+    return _bwd_impl(grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
+                     lse_square_scale, softcap)
+
+
+@cross_entropy_bwd.register_fake
+def _(grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
+      lse_square_scale, softcap):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap = inputs
+    _, _, lse, q, scale = output
+    ctx.save_for_backward(logits, target, weight, lse, q, scale)
+    ctx.options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+
+
+def _backward(ctx, grad_loss, _grad_zl, _grad_lse, _grad_q, _grad_scale):
+    logits, target, weight, lse, q, scale = ctx.saved_tensors
+    dlogits = torch.ops.liger_gen.cross_entropy_bwd(grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
+    return dlogits, None, None, None, None, None, None, None
+
+
+cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Eager-mode binding of the same kernels (far less host time per call than the custom-op dispatcher).
+
+    With a GRAD_IN_FWD=1 config and a gradient needed, the forward writes dlogits and saves only that; the
+    backward scales it in place (rows whose upstream gradient is exactly 1 are skipped on the device) and
+    hands it on. A second backward through the same graph (retain_graph=True) then fails with autograd's
+    "modified by an inplace operation" error rather than returning a twice-scaled gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                need_grad):
+        grad_in_fwd = False
+        if need_grad and uses_triton(logits) and target.shape[0] > 0 and logits.dtype != torch.float16:
+            module, _, _ = kernel_module("cross_entropy", logits, logits.shape[-1], target.shape[0])
+            grad_in_fwd = bool(module.GRAD_IN_FWD)
+        loss, zl, lse, q, scale, dlogits = _fwd_impl(logits, target, weight, ignore_index, reduction,
+                                                     label_smoothing, lse_square_scale, softcap, grad_in_fwd)
+        ctx.grad_in_fwd = grad_in_fwd
+        ctx.options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+        ctx.logits_shape = logits.shape
+        if grad_in_fwd:
+            ctx.save_for_backward(dlogits)
+        elif need_grad:
+            ctx.save_for_backward(*saveable(logits, target, weight), lse, q, scale)
+        ctx.mark_non_differentiable(zl)
+        return loss, zl
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_zl):
+        no_double_backward("cross_entropy", "liger_gen.reference.cross_entropy_torch")
+        if ctx.grad_in_fwd:
+            (dlogits,) = ctx.saved_tensors
+            module, _, _ = kernel_module("cross_entropy", dlogits, dlogits.shape[-1], dlogits.shape[0])
+            g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
+            module.scale_grad_(dlogits, g)
+            torch.autograd.graph.increment_version(dlogits)
+            return dlogits.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+        logits, target, weight, lse, q, scale = ctx.saved_tensors
+        dlogits = _bwd_impl(grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
+        return dlogits, None, None, None, None, None, None, None, None
+
+
+def _rows_layout(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) as a (rows, V) view or, for a (B, T, V) view that no 2-D view covers (e.g.
+    ``logits[:, :-1]``), as is: both with unit last stride. Copies only for a last dim of non-unit stride or for
+    a > 3-D layout no 2-D view covers."""
+    n_cols = logits.shape[-1]
+    if logits.stride(-1) != 1 and n_cols > 1:
+        logits = logits.contiguous()
+    if logits.dim() == 3:
+        b, t = logits.shape[0], logits.shape[1]
+        if b > 1 and t > 1 and logits.stride(0) != logits.stride(1) * t:
+            return logits
+    return logits.reshape(-1, n_cols)
+
+
+def _check_inputs(op: str, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                  softcap):
+    """Validate the public arguments; returns the float options (label_smoothing, lse_square_scale, softcap)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{op}: logits must be a tensor, got {type(logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{op}: target must be a tensor, got {type(target).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{op}: logits must be float32, bfloat16 or float16; got {describe('logits', logits)}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"{op}: target must hold class indices as int64 or int32 (class probabilities are not "
+                        f"supported); got {describe('target', target)}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"{op}: logits must be (..., V) with V >= 1 classes in the last dim; "
+                         f"got {describe('logits', logits)}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{op}: target must have logits' leading shape {tuple(logits.shape[:-1])} (classes are "
+                         f"the last dim of logits); got {describe('target', target)} and {describe('logits', logits)}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{op}: weight must be a tensor or None, got {type(weight).__name__}")
+        if not weight.is_floating_point():
+            raise TypeError(f"{op}: weight must be floating point; got {describe('weight', weight)}")
+        if weight.dim() != 1 or weight.shape[0] != logits.shape[-1]:
+            raise ValueError(f"{op}: weight must have shape ({logits.shape[-1]},), one weight per class of logits' "
+                             f"last dim; got {describe('weight', weight)} and {describe('logits', logits)}")
+        if weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{op}: the loss is not differentiable in weight (torch raises at backward); pass "
+                             f"weight.detach(); got {describe('weight', weight)} with requires_grad=True")
+    check_same_device(op, logits=logits, target=target, weight=weight)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    label_smoothing = check_float_arg(op, "label_smoothing", label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
+    if not (lse_square_scale >= 0.0 and math.isfinite(lse_square_scale)):
+        raise ValueError(f"{op}: lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
+    if softcap is not None:
+        softcap = check_float_arg(op, "softcap", softcap)
+        if not (softcap > 0.0 and math.isfinite(softcap)):
+            raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap}")
+    return label_smoothing, lse_square_scale, softcap
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False):
+    """Cross-entropy loss of logits against class indices, optionally with z-loss and logit soft-capping.
+
+    Equals ``torch.nn.functional.cross_entropy(logits, target, weight, ignore_index=ignore_index,
+    reduction=reduction, label_smoothing=label_smoothing)`` for every option the two share (class weights with
+    label smoothing; mean with weights divides by the summed weight of the non-ignored targets; a mean over no
+    non-ignored row is NaN, as in torch), plus:
+
+    * ``lse_square_scale`` λ adds the z-loss λ·lse_i² per non-ignored row (PaLM, Chowdhery et al. 2022); it is
+      unweighted, and a mean divides it by the number of non-ignored rows (also with class weights).
+    * ``softcap`` s replaces the logits by s·tanh(logits / s) first (Gemma-2 final-logit soft-capping).
+
+    Args:
+        logits: (..., V) float32, bfloat16 or float16, any strides; the classes are the LAST dim (as in
+            transformers' losses; torch's (N, C, d1, ...) layout for > 2-D input is not used). 2-D (N, V) and
+            1-D (V,) inputs mean what they mean in torch.
+        target: int64 or int32 class indices of logits' leading shape; ``ignore_index`` marks rows to skip.
+        weight: optional (V,) float per-class weights (any float dtype; computed in fp32). Not differentiated.
+        ignore_index: target value whose rows contribute neither loss nor gradient.
+        reduction: "mean", "sum" or "none" (per-row losses of target's shape).
+        label_smoothing: ε in [0, 1], as in torch.
+        lse_square_scale: λ >= 0, the z-loss coefficient.
+        softcap: None, or s > 0.
+        return_z_loss: also return the z-loss, reduced like the loss.
+
+    Returns:
+        loss — float32 whatever the logits' dtype: 0-dim for "mean"/"sum", target's shape for "none". It includes
+        the z-loss. torch would return the logits' dtype; a bf16 loss keeps only ~3 significant digits
+        (relative rounding up to 2^-8), while the value is accumulated in fp32 anyway, and transformers' loss
+        (which upcasts the logits) and Liger-Kernel both return float32. With ``return_z_loss``: ``(loss,
+        z_loss)``, z_loss float32 and not differentiable (its gradient flows through ``loss``, which contains it).
+        Differentiable in logits; the gradient has logits' dtype.
+
+    Not checked (it would need a host sync): target values on the kernel path. A target outside [0, V) that is
+    not ignore_index gives a NaN loss for its row (so a mean or sum is NaN) and NaN gradients in that row,
+    rather than an error; the plain-PyTorch CPU path raises like torch.
+
+    CUDA tensors run the tuned Triton kernels; CPU tensors run plain PyTorch (``cross_entropy_torch``), or the
+    same kernels in Triton's interpreter with ``TRITON_INTERPRET=1``. float64 logits run only on the plain path.
+    Under torch.compile the backward always recomputes from lse (a custom op may not update its saved gradient
+    in place).
+
+    Raises:
+        TypeError: logits/target/weight not tensors, logits not floating (or float64 on the kernel path), target
+            not int64/int32, weight not floating, ignore_index not an int, a float option not a number.
+        ValueError: target's shape is not logits' leading shape, weight is not (V,) or requires grad, V < 1,
+            tensors on different devices, reduction unknown, label_smoothing outside [0, 1], lse_square_scale
+            < 0, softcap <= 0.
+    """
+    op = "cross_entropy"
+    label_smoothing, lse_square_scale, softcap = _check_inputs(
+        op, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    if not uses_triton(logits):
+        return cross_entropy_torch(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                   lse_square_scale, softcap, return_z_loss)
+    if logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                        f"{describe('logits', logits)} (float64 runs only on the plain-PyTorch CPU path)")
+    x = _rows_layout(logits)
+    t = target.reshape(-1)
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    if torch.compiler.is_compiling():
+        loss, zl, _, _, _ = torch.ops.liger_gen.cross_entropy_fwd(x, t, weight, ignore_index, reduction,
+                                                                 label_smoothing, lse_square_scale, softcap)
+        zl = zl.detach()
+    else:
+        need_grad = torch.is_grad_enabled() and logits.requires_grad
+        loss, zl = _CrossEntropyFunction.apply(x, t, weight, ignore_index, reduction, label_smoothing,
+                                               lse_square_scale, softcap, need_grad)
+    if reduction == "none":
+        loss, zl = loss.view(target.shape), zl.view(target.shape)
+    return (loss, zl) if return_z_loss else loss
+
+
+# ------------------------------------------------------------------------------------------------ row-level API
+# For fused linear cross-entropy (and anything that produces logits chunk by chunk): one launch computes the
+# per-row losses and writes the gradient, possibly in place. See /work/briefs/ce_api.md.
+
+
+@functools.lru_cache(maxsize=None)
+def _aux_module():
+    """A kernel module for the row-vector kernels (mean denominators, reductions), whose settings are fixed."""
+    from liger_gen.codegen.build import load_variant
+
+    return load_variant("cross_entropy", CrossEntropySpace(1, torch.float32).heuristic().to_dict())
+
+
+def cross_entropy_mean_scale(target: torch.Tensor, n_classes: int, weight: torch.Tensor | None = None,
+                             ignore_index: int = -100) -> torch.Tensor:
+    """``[1 / Σ_{non-ignored} w_y, 1 / #non-ignored]`` as a (2,) float32 tensor on target's device, no host sync.
+
+    Pass it as ``scale`` to ``cross_entropy_loss_and_grad`` for reduction="mean" over ALL rows of ``target`` (also
+    when the rows are processed in chunks). Entries are inf when every row is ignored (the mean is then NaN, as
+    in torch); with weights, an out-of-range target makes the first entry NaN.
+    """
+    op = "cross_entropy_mean_scale"
+    if not isinstance(target, torch.Tensor) or target.dtype not in TARGET_DTYPES or target.dim() != 1:
+        raise TypeError(f"{op}: target must be a 1-D int64 or int32 tensor; got "
+                        + (describe("target", target) if isinstance(target, torch.Tensor) else type(target).__name__))
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != n_classes):
+        raise ValueError(f"{op}: weight must have shape ({n_classes},); got {describe('weight', weight)}")
+    check_same_device(op, target=target, weight=weight)
+    if not uses_triton(target):
+        valid = target != ignore_index
+        w_y = (weight.float()[torch.where(valid, target.long(), 0)] * valid) if weight is not None else valid.float()
+        return torch.stack([1.0 / w_y.sum(), 1.0 / valid.sum().float()]).float()
+    scale = torch.empty(2, dtype=torch.float32, device=target.device)
+    if target.shape[0] == 0:
+        return scale.fill_(float("inf"))
+    _aux_module().mean_scale(target, weight, scale, n_classes, ignore_index)
+    return scale
+
+
+def cross_entropy_reduce(loss_rows: torch.Tensor, zl_rows: torch.Tensor, reduction: str,
+                         scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, z_loss)`` from ``cross_entropy_loss_and_grad``'s per-row outputs (all rows of the batch).
+
+    mean: ``scale[0]·Σ(loss_rows − zl_rows) + scale[1]·Σ zl_rows`` and ``scale[1]·Σ zl_rows`` with ``scale`` from
+    ``cross_entropy_mean_scale``; sum: plain sums; none: the rows themselves. 0-dim float32, one launch.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"cross_entropy_reduce: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "none":
+        return loss_rows, zl_rows
+    if reduction == "mean" and scale is None:
+        raise ValueError("cross_entropy_reduce: reduction='mean' needs scale from cross_entropy_mean_scale")
+    s = scale if reduction == "mean" else None
+    if not uses_triton(loss_rows):
+        total_z = zl_rows.sum()
+        if s is None:
+            return loss_rows.sum(), total_z
+        return (loss_rows.sum() - total_z) * s[0] + total_z * s[1], total_z * s[1]
+    loss = torch.empty((), dtype=torch.float32, device=loss_rows.device)
+    zl = torch.empty((), dtype=torch.float32, device=loss_rows.device)
+    if loss_rows.shape[0] == 0:
+        fill = float("nan") if reduction == "mean" else 0.0
+        return loss.fill_(fill), zl.fill_(fill)
+    _aux_module().reduce(loss_rows, zl_rows, s, loss, zl)
+    return loss, zl
+
+
+def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlogits: torch.Tensor | None = None, *,
+                                weight: torch.Tensor | None = None, ignore_index: int = -100,
+                                label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                                softcap: float | None = None, scale: torch.Tensor | None = None,
+                                grad_output: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row losses of 2-D logits and, when ``dlogits`` is given, their gradient — one kernel launch, no sync.
+
+    Args:
+        logits: (rows, V) float32/bfloat16/float16 with unit column stride (any row stride).
+        target: (rows,) int64/int32 (any stride); ``ignore_index`` rows give 0 loss and 0 gradient; targets outside
+            [0, V) give NaN loss and NaN gradient in their row (not checked on the host).
+        dlogits: None (loss only) or (rows, V) float32/bfloat16/float16 with unit column stride; may be ``logits``
+            itself (computed in place: each row is fully read before it is overwritten). Receives, rounded once from
+            fp32, d/dlogits of ``Σ_i g_i · (s_ce · ce_i + s_z · zl_i)`` with ``[s_ce, s_z] = scale`` (ones when
+            None) and ``g = grad_output`` (ones when None; 0-dim or (rows,), any float dtype).
+        weight, ignore_index, label_smoothing, lse_square_scale, softcap: as in ``cross_entropy``.
+        scale: None or a (2,) float32 tensor; for a mean over a batch processed in chunks pass
+            ``cross_entropy_mean_scale(all_targets, V, weight, ignore_index)`` to every chunk.
+
+    Returns:
+        ``(loss_rows, zl_rows, lse)``, each (rows,) float32: ``loss_rows = ce_i + zl_i`` and ``zl_rows = λ·lse_i²``
+        NOT multiplied by scale or grad_output (0 for ignored rows, NaN for out-of-range targets), and the row's
+        logsumexp (of the soft-capped logits; for every row, ignored or not). Reduce with ``cross_entropy_reduce``.
+
+    Raises:
+        TypeError/ValueError for the same bad inputs as ``cross_entropy``, and for logits not 2-D, a non-unit column
+        stride, or dlogits/scale/grad_output of the wrong shape, dtype or device.
+    """
+    op = "cross_entropy_loss_and_grad"
+    label_smoothing, lse_square_scale, softcap = _check_inputs(
+        op, logits, target, weight, ignore_index, "none", label_smoothing, lse_square_scale, softcap)
+    if logits.dim() != 2 or (logits.stride(1) != 1 and logits.shape[1] > 1):
+        raise ValueError(f"{op}: logits must be 2-D (rows, V) with unit column stride; got "
+                         f"{describe('logits', logits)} and strides {tuple(logits.stride())}")
+    rows, n_cols = logits.shape
+    if dlogits is not None:
+        if not isinstance(dlogits, torch.Tensor) or dlogits.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: dlogits must be a float32, bfloat16 or float16 tensor; got "
+                            + (describe("dlogits", dlogits) if isinstance(dlogits, torch.Tensor)
+                               else type(dlogits).__name__))
+        if tuple(dlogits.shape) != (rows, n_cols) or (dlogits.stride(1) != 1 and n_cols > 1):
+            raise ValueError(f"{op}: dlogits must be ({rows}, {n_cols}) with unit column stride; got "
+                             f"{describe('dlogits', dlogits)} and strides {tuple(dlogits.stride())}")
+    if scale is not None and (not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (2,)
+                              or scale.dtype != torch.float32 or scale.stride(0) != 1):
+        raise ValueError(f"{op}: scale must be None or a contiguous (2,) float32 tensor; got "
+                         + (describe("scale", scale) if isinstance(scale, torch.Tensor) else type(scale).__name__))
+    if grad_output is not None and (not isinstance(grad_output, torch.Tensor) or not grad_output.is_floating_point()
+                                    or tuple(grad_output.shape) not in ((), (rows,))):
+        raise ValueError(f"{op}: grad_output must be None, 0-dim or ({rows},) floating; got "
+                         + (describe("grad_output", grad_output) if isinstance(grad_output, torch.Tensor)
+                            else type(grad_output).__name__))
+    check_same_device(op, logits=logits, dlogits=dlogits, scale=scale, grad_output=grad_output)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    loss_rows, zl_rows, lse = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32)
+    if rows == 0:
+        return loss_rows, zl_rows, lse
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    if uses_triton(logits):
+        if logits.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                            f"{describe('logits', logits)}")
+        module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
+        module.forward(logits, target, weight, loss_rows, zl_rows, lse, None, dlogits, scale, grad_output,
+                       ignore_index, label_smoothing, lse_square_scale, softcap)
+        return loss_rows, zl_rows, lse
+    x = logits.detach().float().requires_grad_(dlogits is not None)
+    with torch.enable_grad():
+        ce, zl, row_lse, _, _ = _ce_rows(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap)
+        if dlogits is not None:
+            s = scale if scale is not None else torch.ones(2, **f32)
+            g = grad_output.float() if grad_output is not None else torch.ones((), **f32)
+            (grad,) = torch.autograd.grad((g * (ce * s[0] + zl * s[1])).sum(), x)
+    loss_rows.copy_(ce.detach() + zl.detach())
+    zl_rows.copy_(zl.detach())
+    lse.copy_(row_lse.detach())
+    if dlogits is not None:
+        dlogits.copy_(grad)
+    return loss_rows, zl_rows, lse

@@ -1,0 +1,736 @@
+"""Fused linear cross-entropy (FLCE): the LM-head matmul and the cross-entropy loss, chunked over rows so the
+(tokens × vocab) logits are never materialised. References, search space, tuning problem, custom ops, public op.
+
+    logits = x @ W^T + b                       (fp32 GEMM output from bf16/fp16 inputs, never rounded)
+    logits = softcap · tanh(logits / softcap)  (optional, Gemma 2)
+    loss   = cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing)
+             + lse_square_scale · lse²       (z-loss, PaLM; mean over non-ignored rows for reduction="mean")
+
+Per chunk of CHUNK_ROWS rows: one GEMM writes the chunk's fp32 logits, one launch of cross-entropy's row-level
+kernel (``liger_gen.ops.cross_entropy.cross_entropy_loss_and_grad``; same semantics as ``cross_entropy``) computes
+the rows' losses and writes d(loss)/d(logits), then dX_chunk = dlogits @ W and dW += dlogits^T @ x_chunk (fp32
+accumulator) and db += Σ_rows dlogits. The chunk plan (CHUNK_ROWS) is
+``templates/fused_linear_cross_entropy.py.jinja``; the cross-entropy kernel's launch settings come from the
+cross_entropy table (looked up for fp32 logits of the chunk's shape).
+For reduction "mean"/"sum" the gradients are computed in the forward (as Liger-Kernel's FLCE and Cut
+Cross-Entropy do) and only scaled by the upstream gradient in the backward; for reduction "none" the upstream
+gradient differs per row, so the backward recomputes each chunk's logits. Peak extra memory is one chunk
+(CHUNK_ROWS × vocab × (4 + element size) bytes) plus the fp32 dW accumulator, independent of the token count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
+from liger_gen.codegen.spaces import KernelConfig, Param, Space
+from liger_gen.ops.cross_entropy import (REDUCTIONS, TARGET_DTYPES, cross_entropy_float64,
+                                         cross_entropy_loss_and_grad, cross_entropy_mean_scale,
+                                         cross_entropy_reduce, cross_entropy_torch)
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+                                   no_double_backward, saveable, uses_triton)
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def fused_linear_cross_entropy_torch(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+                                     bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                                     ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                                     lse_square_scale: float = 0.0, softcap: float | None = None,
+                                     return_z_loss: bool = False):
+    """Unfused plain-PyTorch FLCE (materialises all logits; differentiable by autograd): ``cross_entropy_torch``
+    of ``x @ lm_head_weight.T + bias``.
+
+    The logits are computed in fp32 from the inputs (float64 for float64 inputs), as transformers' loss does
+    after ``logits.float()``, without rounding to the inputs' dtype. Returns loss (and z_loss) as
+    ``fused_linear_cross_entropy`` does.
+    """
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    logits = x.to(compute) @ lm_head_weight.to(compute).t()
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    return cross_entropy_torch(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                               softcap, return_z_loss)
+
+
+def fused_linear_cross_entropy_float64(x, lm_head_weight, target, bias=None, weight=None, ignore_index=-100,
+                                       reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None,
+                                       return_z_loss=False):
+    """Exact FLCE in float64 (unfused, differentiable): ``cross_entropy_float64`` of the float64 logits."""
+    logits = x.double() @ lm_head_weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    loss, z = cross_entropy_float64(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                    lse_square_scale, softcap)
+    return (loss, z) if return_z_loss else loss
+
+
+def fused_linear_cross_entropy_float64_chunked(x, lm_head_weight, target, bias=None, weight=None, ignore_index=-100,
+                                               reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+                                               softcap=None, grad_output=None, chunk_rows=1024):
+    """Float64 truth at large shapes: (loss, z_loss, dx, dW, db) without materialising all logits.
+
+    Each chunk's float64 logits are differentiated by autograd (``cross_entropy_float64`` per row); the chunk's
+    share of a mean uses the global denominators (Σ weight[target] and the non-ignored count). ``grad_output`` is
+    the upstream gradient (0-dim, or per row for "none"; 1 by default). dx is (rows, hidden); db is None
+    without bias. Memory: x, W, dW in float64 plus a few float64 chunks of logits.
+    """
+    hidden = x.shape[-1]
+    x64 = x.detach().reshape(-1, hidden).double()
+    w64 = lm_head_weight.detach().double()
+    b64 = None if bias is None else bias.detach().double()
+    cw64 = None if weight is None else weight.detach().double()
+    target = target.reshape(-1)
+    valid = target != ignore_index
+    count = valid.sum().double()
+    wsum = count if cw64 is None else torch.where(valid, cw64[torch.where(valid, target, 0)], 0.0).sum()
+    g = torch.ones((), dtype=torch.float64, device=x.device) if grad_output is None else grad_output.double()
+    dx = torch.empty_like(x64)
+    dw = torch.zeros_like(w64)
+    db = None if b64 is None else torch.zeros_like(b64)
+    ce_parts, z_parts = [], []
+    for start in range(0, x64.shape[0], chunk_rows):
+        end = min(start + chunk_rows, x64.shape[0])
+        logits = x64[start:end] @ w64.t()
+        if b64 is not None:
+            logits += b64
+        logits.requires_grad_()
+        with torch.enable_grad():
+            rows, z_rows = cross_entropy_float64(logits, target[start:end], cw64, ignore_index, "none",
+                                                 label_smoothing, lse_square_scale, softcap)
+            ce_rows = rows - z_rows
+            if reduction == "mean":
+                part = (ce_rows.sum() / wsum + z_rows.sum() / count) * g
+            elif reduction == "sum":
+                part = rows.sum() * g
+            else:
+                part = (rows * g[start:end]).sum()
+            (dlogits,) = torch.autograd.grad(part, logits)
+        torch.mm(dlogits, w64, out=dx[start:end])
+        dw.addmm_(dlogits.t(), x64[start:end])
+        if db is not None:
+            db += dlogits.sum(dim=0)
+        ce_parts.append(ce_rows.detach())
+        z_parts.append(z_rows.detach())
+    ce_rows = torch.cat(ce_parts) if ce_parts else x64.new_zeros(0)
+    z_rows = torch.cat(z_parts) if z_parts else x64.new_zeros(0)
+    if reduction == "mean":
+        loss, z = ce_rows.sum() / wsum + z_rows.sum() / count, z_rows.sum() / count
+    elif reduction == "sum":
+        loss, z = ce_rows.sum() + z_rows.sum(), z_rows.sum()
+    else:
+        loss, z = ce_rows + z_rows, z_rows
+    return loss, z, dx, dw, db
+
+
+# ------------------------------------------------------------------------------------------------ space
+
+
+@dataclass(frozen=True)
+class FusedLinearCrossEntropyConfig(KernelConfig):
+    """Launch settings of FLCE: rows per chunk (both the fused forward and the reduction="none" backward).
+
+    A chunk's logits GEMM is (CHUNK_ROWS × hidden) @ (hidden × vocab); the dW update is a (vocab × CHUNK_ROWS)
+    @ (CHUNK_ROWS × hidden) GEMM that reads and writes the whole fp32 accumulator, so small chunks make the dW
+    update memory bound while large chunks cost memory. By arithmetic (not measured) at Llama-3-8B shapes on an
+    H200: 4.2 GB of accumulator traffic per chunk (~0.9 ms at 4.8 TB/s) against 2·CHUNK_ROWS·vocab·hidden flops
+    (~0.34 ms per GEMM at 256 rows), so the update stays memory bound below ~600 rows; the 256-row chunks that
+    the memory cap allows at that vocab cost about half again the GEMMs' compute time.
+    """
+
+    CHUNK_ROWS: int = 256
+
+
+class FusedLinearCrossEntropySpace(Space):
+    """Search space, constraints and heuristic of FLCE at dims ``{"hidden": H, "vocab": V}`` and a dtype.
+
+    Tuned as one phase ("fwd": the fused forward that also computes every gradient, reduction "mean"); the
+    reduction="none" backward reuses CHUNK_ROWS. A chunk may hold at most MAX_CHUNK_BYTES of logits and
+    rounded gradients, except the smallest choice, which is always allowed (huge vocabularies).
+    """
+
+    op = "fused_linear_cross_entropy"
+    template = "fused_linear_cross_entropy"
+    config_cls = FusedLinearCrossEntropyConfig
+    DIMS = ("hidden", "vocab")
+    phases = ("fwd",)
+    CHUNK_CHOICES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # heuristic: the chunk's fp32 logits take about this much (keeps M of the GEMMs >= 256 up to vocab 131072)
+    LOGITS_BUDGET_BYTES = 128 * 2**20
+    # hard cap on a chunk's fp32 logits + rounded gradient copy: keeps peak extra memory under 256 MiB
+    MAX_CHUNK_BYTES = 192 * 2**20
+
+    PARAMS = (
+        Param("CHUNK_ROWS", CHUNK_CHOICES, "fwd"),
+    )
+
+    def check_dims(self) -> None:
+        self.hidden, self.vocab = self.dims["hidden"], self.dims["vocab"]
+
+    def chunk_bytes(self, chunk_rows: int) -> int:
+        """fp32 logits of a chunk, plus their copy in the inputs' dtype fed to the gradient GEMMs."""
+        extra = self.element_size if self.element_size < 4 else 0
+        return chunk_rows * self.vocab * (4 + extra)
+
+    def heuristic(self) -> FusedLinearCrossEntropyConfig:
+        """Largest chunk whose fp32 logits fit LOGITS_BUDGET_BYTES (and the hard cap); at least the smallest."""
+        rows = self.CHUNK_CHOICES[0]
+        for choice in self.CHUNK_CHOICES:
+            if choice * self.vocab * 4 <= self.LOGITS_BUDGET_BYTES and self.chunk_bytes(choice) <= self.MAX_CHUNK_BYTES:
+                rows = choice
+        config = FusedLinearCrossEntropyConfig(CHUNK_ROWS=rows)
+        problems = self.violations(config)
+        assert not problems, f"heuristic is invalid for {self.dims}: {problems}"
+        return config
+
+    def shape_violations(self, config: FusedLinearCrossEntropyConfig) -> list[str]:
+        """Chunk memory: CHUNK_ROWS × vocab × (4 + element size) <= MAX_CHUNK_BYTES (smallest chunk exempt)."""
+        size = self.chunk_bytes(config.CHUNK_ROWS)
+        if config.CHUNK_ROWS > self.CHUNK_CHOICES[0] and size > self.MAX_CHUNK_BYTES:
+            return [f"fwd: CHUNK_ROWS={config.CHUNK_ROWS} needs {size / 2**20:.0f} MiB of chunk buffers at vocab "
+                    f"{self.vocab} > {self.MAX_CHUNK_BYTES / 2**20:.0f} MiB"]
+        return []
+
+
+SPACE = FusedLinearCrossEntropySpace
+
+# ------------------------------------------------------------------------------------------------ chunk loop
+
+
+_ADDMM_FP32_ACCUMULATE: bool | None = None  # does addmm(out_dtype=fp32) accept an fp32 accumulator? (torch version)
+_DW_SLICE_BYTES = 32 * 2**20
+
+
+def _accumulate_dw(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with a 16-bit ``a``, ``b`` and an fp32 ``acc`` on CUDA, never rounding the product.
+
+    Uses ``addmm(out_dtype=float32)`` in place where this torch accepts an fp32 ``self``; older versions
+    only accept a ``self`` of the inputs' dtype, so the fallback adds fp32 ``mm`` products per slice of the
+    vocabulary (at most _DW_SLICE_BYTES of temporary). The check fails in the dispatcher, before any launch.
+    """
+    global _ADDMM_FP32_ACCUMULATE
+    if _ADDMM_FP32_ACCUMULATE is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_FP32_ACCUMULATE = True
+            return
+        except (RuntimeError, TypeError):
+            if _ADDMM_FP32_ACCUMULATE:
+                raise
+            _ADDMM_FP32_ACCUMULATE = False
+    step = max(1, _DW_SLICE_BYTES // (4 * max(1, acc.shape[1])))
+    for v0 in range(0, acc.shape[0], step):
+        acc[v0:v0 + step] += torch.mm(a[v0:v0 + step], b, out_dtype=torch.float32)
+
+
+class _Chunked:
+    """One call's chunk loop: inputs, chunk size, and the per-chunk GEMMs around the cross-entropy kernel."""
+
+    def __init__(self, x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                 chunk_rows=None):
+        self.x, self.w, self.target = x, w, target
+        self.rows, self.hidden = x.shape
+        self.vocab = w.shape[0]
+        self.options = dict(weight=None if weight is None else weight.detach(), ignore_index=ignore_index,
+                            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
+        self.cuda = x.device.type == "cuda"
+        # CUDA GEMMs take the 16-bit operands as they are and write fp32 (mm's out_dtype); the CPU has no such
+        # kernels, so the CPU paths multiply fp32 copies (exact: every bf16/fp16 value is an fp32 value)
+        self.w_mm = w if self.cuda else w.float()
+        self.bias = None if bias is None else bias.float()
+        if chunk_rows is None:
+            dims = {"hidden": self.hidden, "vocab": self.vocab}
+            if uses_triton(x):
+                _, config, _ = kernel_module("fused_linear_cross_entropy", x, dims, max(1, self.rows))
+            else:
+                config = FusedLinearCrossEntropySpace(dims, x.dtype).heuristic()
+            chunk_rows = config.CHUNK_ROWS
+        self.chunk_rows = chunk_rows
+
+    def _logits(self, xc: torch.Tensor, out: torch.Tensor) -> None:
+        if self.cuda and xc.dtype in _LOW_PRECISION:
+            torch.mm(xc, self.w_mm.t(), out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(xc.float(), self.w_mm.t(), out=out)
+        if self.bias is not None:
+            out.add_(self.bias)
+
+    def run(self, scale, grad_output, need_dx: bool, need_dw: bool, need_db: bool):
+        """Loop over chunks: per-row (loss, z-loss) in fp32 and, if any need_*, dx (x's dtype), dW and db (fp32).
+
+        The gradients are those of Σ_i g_i·(s_ce·ce_i + s_z·zl_i) with ``[s_ce, s_z] = scale`` (None: ones) and
+        ``g = grad_output`` (None: ones, else (rows,)), as ``cross_entropy_loss_and_grad`` defines them.
+        """
+        x, rows, vocab, dtype = self.x, self.rows, self.vocab, self.x.dtype
+        want_grad = need_dx or need_dw or need_db
+        f32 = dict(dtype=torch.float32, device=x.device)
+        loss_rows, zl_rows = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        dx = torch.empty((rows, self.hidden), dtype=dtype, device=x.device) if need_dx else None
+        dw = torch.zeros((vocab, self.hidden), **f32) if need_dw else None
+        db = torch.zeros(vocab, **f32) if need_db else None
+        chunk = min(self.chunk_rows, max(rows, 1))
+        logits_buf = torch.empty((chunk, vocab), **f32) if rows else None
+        # the gradient GEMMs take dlogits in the inputs' dtype (cuBLAS needs one operand dtype): the kernel
+        # writes it there directly (rounded once from fp32); fp32 inputs get it in place of the logits
+        round_grad = dtype in _LOW_PRECISION
+        grad_buf = torch.empty((chunk, vocab), dtype=dtype, device=x.device) if rows and want_grad and round_grad \
+            else None
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            xc = x[start:end]
+            logits = logits_buf[:end - start]
+            self._logits(xc, logits)
+            grad = (grad_buf[:end - start] if round_grad else logits) if want_grad else None
+            loss_c, zl_c, _ = cross_entropy_loss_and_grad(
+                logits, self.target[start:end], grad, scale=scale,
+                grad_output=None if grad_output is None else grad_output[start:end], **self.options)
+            loss_rows[start:end] = loss_c
+            zl_rows[start:end] = zl_c
+            if not want_grad:
+                continue
+            if need_db:
+                db += grad.sum(dim=0, dtype=torch.float32)
+            if self.cuda:
+                if need_dx:
+                    torch.mm(grad, self.w, out=dx[start:end])
+                if need_dw:
+                    if round_grad:
+                        _accumulate_dw(dw, grad.t(), xc)
+                    else:
+                        dw.addmm_(grad.t(), xc)
+            else:
+                grad = grad.float()
+                if need_dx:
+                    dx[start:end] = grad @ self.w_mm
+                if need_dw:
+                    dw.addmm_(grad.t(), xc.float())
+        return loss_rows, zl_rows, dx, dw, db
+
+
+def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+              need_dx, need_dw, need_db, chunk_rows=None):
+    """(loss, z_loss, dx_unscaled, grad_scale, dW, db) of a 2-D x; losses and grad_scale fp32.
+
+    For reduction "none", loss/z_loss are per row and no gradient is computed (the backward recomputes).
+    Otherwise the requested gradients are those of the reduced loss for an upstream gradient of 1, except
+    that dx is left unscaled: dx = dx_unscaled · grad_scale (dlogits are computed without the mean's 1/Σw, so
+    fp16 gradients do not underflow before the upstream gradient scales them). Unrequested gradients are
+    empty tensors.
+    """
+    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, chunk_rows)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+
+    def empty():  # distinct tensors: a custom op's outputs may not alias each other
+        return x.new_empty(0)
+
+    if reduction == "none":
+        loss_rows, zl_rows, _, _, _ = run.run(None, None, False, False, False)
+        return loss_rows, zl_rows, empty(), one, empty(), empty()
+    scale = cross_entropy_mean_scale(target, run.vocab, run.options["weight"], ignore_index) \
+        if reduction == "mean" else None
+    chunk_scale, grad_scale = None, one
+    if scale is not None:
+        # the kernel gets [1, s_z / s_ce] and the fp32 results are multiplied by s_ce = 1/Σw afterwards; every
+        # row ignored makes the scale inf (NaN loss, as torch) while the gradients stay 0, as torch's
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_scale = torch.where(torch.isfinite(scale[0]), scale[0], zero)
+        if lse_square_scale:
+            ratio = scale[1] / scale[0]
+            chunk_scale = torch.stack([one, torch.where(torch.isfinite(ratio), ratio, zero)])
+    loss_rows, zl_rows, dx, dw, db = run.run(chunk_scale, None, need_dx, need_dw, need_db)
+    loss, z_loss = cross_entropy_reduce(loss_rows, zl_rows, reduction, scale)
+    del run, loss_rows, zl_rows
+    if dw is not None:
+        dw = dw.mul_(grad_scale).to(w.dtype)
+    if db is not None:
+        db = db.mul_(grad_scale).to(bias.dtype)
+    return (loss, z_loss, empty() if dx is None else dx, grad_scale, empty() if dw is None else dw,
+            empty() if db is None else db)
+
+
+def _bwd_none_impl(grad_rows, x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                   need_dx, need_dw, need_db, chunk_rows=None):
+    """(dx, dW, db) of reduction "none" for a per-row upstream gradient: recomputes each chunk's logits."""
+    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, chunk_rows)
+    _, _, dx, dw, db = run.run(None, grad_rows, need_dx, need_dw, need_db)
+    del run
+    return (x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw.to(w.dtype),
+            x.new_empty(0) if db is None else db.to(bias.dtype))
+
+
+def _scale_grads(grad_loss, dx_unscaled, grad_scale, dw, db, in_place: bool):
+    """Gradients of mean/sum: the forward's gradients times the upstream (scalar) gradient."""
+    g = grad_loss.float()
+    if in_place:
+        return (dx_unscaled.mul_(grad_scale * g) if dx_unscaled.numel() else dx_unscaled,
+                dw.mul_(g) if dw.numel() else dw, db.mul_(g) if db.numel() else db)
+    return (dx_unscaled * (grad_scale * g)).to(dx_unscaled.dtype), (dw * g).to(dw.dtype), (db * g).to(db.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class FusedLinearCrossEntropyProblem(Problem):
+    """FLCE at (rows, hidden, vocab) in ``dtype``: reduction "mean" with 1 in 8 targets ignored.
+
+    Phase "fwd" is the whole fused forward (loss, dx and dW; the backward only scales them). The float64 truth
+    is computed chunk by chunk on the device.
+    """
+
+    op = "fused_linear_cross_entropy"
+    SPACE = FusedLinearCrossEntropySpace
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
+        self.hidden, self.vocab = self.dims["hidden"], self.dims["vocab"]
+        m, h, v = self.rows, self.hidden, self.vocab
+        target = torch.randint(0, v, (m,), generator=self.generator)
+        target[torch.rand(m, generator=self.generator) < 0.125] = -100
+        self.buffers = {
+            "x": self.randn(m, h),
+            "w": self.randn(v, h, scale=2.0 / math.sqrt(h)),
+            "target": target.to(self.device),
+            "loss": torch.empty((), dtype=torch.float32, device=self.device),
+            "dx": torch.empty((m, h), dtype=dtype, device=self.device),
+            "dw": torch.empty((v, h), dtype=dtype, device=self.device),
+        }
+        b = self.buffers
+        loss, _, dx, dw, _ = fused_linear_cross_entropy_float64_chunked(b["x"], b["w"], b["target"])
+        self.ref = {"loss": loss, "dx": dx, "dw": dw}
+        self.tol = {"loss": FP32_OUT_TOL, "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
+        self.outputs = {"fwd": ("loss", "dx", "dw")}
+
+    def launcher(self, module, phase: str):
+        if phase != "fwd":
+            raise ValueError(f"phase must be 'fwd' (FLCE is tuned as one fused phase), got {phase!r}")
+        b = self.buffers
+        chunk_rows = module.chunk_rows()
+
+        def launch():
+            loss, _, dx_u, scale, dw, _ = _fwd_impl(b["x"], b["w"], b["target"], None, None, -100, "mean", 0.0, 0.0,
+                                                    None, True, True, False, chunk_rows)
+            b["loss"].copy_(loss)
+            torch.mul(dx_u, scale, out=b["dx"])
+            b["dw"].copy_(dw)
+
+        return launch
+
+    def bytes_moved(self, phase: str) -> int:
+        """x and W read, dx and dW written (the logits never leave the chunk)."""
+        e = self.buffers["x"].element_size()
+        return e * (2 * self.rows * self.hidden + 2 * self.vocab * self.hidden) + 8 * self.rows
+
+    def flops(self, phase: str) -> int:
+        """Three GEMMs of 2·rows·hidden·vocab: logits, dx and dW."""
+        return 6 * self.rows * self.hidden * self.vocab
+
+
+PROBLEM = FusedLinearCrossEntropyProblem
+MAX_TUNING_ROWS = 4096  # each trial is a full fused forward (3 GEMMs); the best chunk barely depends on rows
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The model's LM head at (hidden_size, vocab_size); token counts capped at MAX_TUNING_ROWS."""
+    dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
+    capped = sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})
+    return [FusedLinearCrossEntropyProblem(dtype, dims, r, device, seed=seed) for r in capped]
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+@torch.library.custom_op("liger_gen::fused_linear_cross_entropy_fwd", mutates_args=())
+def fused_linear_cross_entropy_fwd(
+        x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+        weight: torch.Tensor | None, ignore_index: int, reduction: str, label_smoothing: float,
+        lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
+        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, dx_unscaled, grad_scale, dW, db) for a 2-D x; see ``_fwd_impl``."""
+    return _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                     lse_square_scale, softcap, need_dx, need_dw, need_db)
+
+
+@fused_linear_cross_entropy_fwd.register_fake
+def _(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+      need_dx, need_dw, need_db):
+    rows, hidden = x.shape
+    loss_shape = (rows,) if reduction == "none" else ()
+    grads = reduction != "none"
+    f = torch.float32
+    return (x.new_empty(loss_shape, dtype=f), x.new_empty(loss_shape, dtype=f),
+            x.new_empty((rows, hidden) if grads and need_dx else (0,)), x.new_empty((), dtype=f),
+            lm_head_weight.new_empty(lm_head_weight.shape if grads and need_dw else (0,)),
+            x.new_empty((0,)) if bias is None or not (grads and need_db) else bias.new_empty(bias.shape))
+
+
+@torch.library.custom_op("liger_gen::fused_linear_cross_entropy_bwd", mutates_args=())
+def fused_linear_cross_entropy_bwd(
+        grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+        bias: torch.Tensor | None, weight: torch.Tensor | None, ignore_index: int, label_smoothing: float,
+        lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
+        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db) of reduction "none" for per-row upstream gradients (recomputes the logits per chunk)."""
+    return _bwd_none_impl(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing,
+                          lse_square_scale, softcap, need_dx, need_dw, need_db)
+
+
+@fused_linear_cross_entropy_bwd.register_fake
+def _(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+      need_dx, need_dw, need_db):
+    return (x.new_empty(x.shape if need_dx else (0,)),
+            lm_head_weight.new_empty(lm_head_weight.shape if need_dw else (0,)),
+            x.new_empty((0,)) if bias is None or not need_db else bias.new_empty(bias.shape))
+
+
+@torch.library.custom_op("liger_gen::fused_linear_cross_entropy_scale_grads", mutates_args=())
+def fused_linear_cross_entropy_scale_grads(
+        grad_loss: torch.Tensor, dx_unscaled: torch.Tensor, grad_scale: torch.Tensor, dw: torch.Tensor,
+        db: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of reduction mean/sum: the forward's gradients times the upstream gradient (new tensors)."""
+    return _scale_grads(grad_loss, dx_unscaled, grad_scale, dw, db, in_place=False)
+
+
+@fused_linear_cross_entropy_scale_grads.register_fake
+def _(grad_loss, dx_unscaled, grad_scale, dw, db):
+    return torch.empty_like(dx_unscaled), torch.empty_like(dw), torch.empty_like(db)
+
+
+def _setup_context(ctx, inputs, output):
+    (x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+     need_dx, need_dw, need_db) = inputs
+    ctx.reduction = reduction
+    ctx.has_bias = bias is not None
+    if reduction == "none":
+        ctx.save_for_backward(x, w, target, bias, weight)
+        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
+    else:
+        _, _, dx_u, grad_scale, dw, db = output
+        ctx.save_for_backward(dx_u, grad_scale, dw, db)
+
+
+def _grads_out(ctx, dx, dw, db):
+    return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None,
+            db if ctx.has_bias and ctx.needs_input_grad[3] else None) + (None,) * 9
+
+
+def _backward(ctx, grad_loss, _grad_z, _g_dx, _g_scale, _g_dw, _g_db):
+    if ctx.reduction == "none":
+        x, w, target, bias, weight = ctx.saved_tensors
+        dx, dw, db = torch.ops.liger_gen.fused_linear_cross_entropy_bwd(grad_loss, x, w, target, bias, weight,
+                                                                        *ctx.options)
+    else:
+        dx, dw, db = torch.ops.liger_gen.fused_linear_cross_entropy_scale_grads(grad_loss, *ctx.saved_tensors)
+    return _grads_out(ctx, dx, dw, db)
+
+
+fused_linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Eager-mode binding of the same chunk loop (lower host overhead than the custom-op dispatcher).
+
+    For mean/sum the saved gradients are scaled in place in the backward (no second dW-sized buffer), so a
+    second backward through the same graph (retain_graph=True) raises instead of returning wrong values.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                softcap):
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        loss, z, dx_u, grad_scale, dw, db = _fwd_impl(x, w, target, bias, weight, ignore_index, reduction,
+                                                      label_smoothing, lse_square_scale, softcap, need_dx, need_dw,
+                                                      need_db)
+        ctx.reduction, ctx.has_bias, ctx.used = reduction, bias is not None, False
+        if reduction == "none":
+            ctx.save_for_backward(*saveable(x, w, target), *saveable(bias, weight))
+            ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
+        else:
+            ctx.save_for_backward(dx_u, grad_scale, dw, db)
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z):
+        no_double_backward("fused_linear_cross_entropy",
+                           "liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch")
+        if ctx.reduction == "none":
+            x, w, target, bias, weight = ctx.saved_tensors
+            dx, dw, db = _bwd_none_impl(grad_loss, x, w, target, bias, weight, *ctx.options)
+        else:
+            if ctx.used:
+                raise RuntimeError("liger_gen fused_linear_cross_entropy: backward ran twice through one forward "
+                                   "(retain_graph=True); the gradients computed in the forward were already "
+                                   "consumed. Call the op again for a second backward.")
+            ctx.used = True
+            dx, dw, db = _scale_grads(grad_loss, *ctx.saved_tensors, in_place=True)
+        return _grads_out(ctx, dx, dw, db)[:10]
+
+
+def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                                  lse_square_scale, softcap):
+    """(loss, z_loss) of a 2-D x, differentiable in x, lm_head_weight and bias: the custom op while
+    torch.compile traces (no graph break), the autograd.Function in eager mode."""
+    if torch.compiler.is_compiling():
+        grad = torch.is_grad_enabled()
+        need_dx = grad and x.requires_grad
+        need_dw = grad and lm_head_weight.requires_grad
+        need_db = grad and bias is not None and bias.requires_grad
+        out = torch.ops.liger_gen.fused_linear_cross_entropy_fwd(
+            x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+            softcap, need_dx, need_dw, need_db)
+        return out[0], out[1].detach()
+    return _FusedLinearCrossEntropyFunction.apply(x, lm_head_weight, target, bias, weight, ignore_index, reduction,
+                                                  label_smoothing, lse_square_scale, softcap)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                  lse_square_scale, softcap, return_z_loss):
+    """Validate every argument; returns (label_smoothing, lse_square_scale, softcap) as floats."""
+    for name, t in (("x", x), ("lm_head_weight", lm_head_weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    for name, t in (("bias", bias), ("weight", weight)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    label_smoothing = check_float_arg(op, "label_smoothing", label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
+    if not (math.isfinite(lse_square_scale) and lse_square_scale >= 0.0):
+        raise ValueError(f"{op}: lse_square_scale must be a finite float >= 0, got {lse_square_scale}")
+    if softcap is not None:
+        softcap = check_float_arg(op, "softcap", softcap)
+        if not (math.isfinite(softcap) and softcap > 0.0):
+            raise ValueError(f"{op}: softcap must be None or a finite float > 0, got {softcap}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
+    hidden = x.shape[-1]
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden:
+        raise ValueError(f"{op}: lm_head_weight must have shape (vocab, {hidden}) to match x's last dim; got "
+                         f"{describe('lm_head_weight', lm_head_weight)} and {describe('x', x)}")
+    vocab = lm_head_weight.shape[0]
+    if vocab < 1:
+        raise ValueError(f"{op}: lm_head_weight must have at least one row (class); got "
+                         f"{describe('lm_head_weight', lm_head_weight)}")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{op}: target must have x's leading shape {tuple(x.shape[:-1])} (one class index per "
+                         f"row); got {describe('target', target)} and {describe('x', x)}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"{op}: target must hold class indices as int64 or int32 (class probabilities are not "
+                        f"supported); got {describe('target', target)}")
+    for name, t in (("bias", bias), ("weight", weight)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != vocab):
+            raise ValueError(f"{op}: {name} must have shape ({vocab},) (one value per class of lm_head_weight); "
+                             f"got {describe(name, t)} and {describe('lm_head_weight', lm_head_weight)}")
+    check_same_device(op, x=x, lm_head_weight=lm_head_weight, target=target, bias=bias, weight=weight)
+    for name, t in (("x", x), ("lm_head_weight", lm_head_weight), ("bias", bias), ("weight", weight)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if lm_head_weight.dtype != x.dtype:
+        raise TypeError(f"{op}: x and lm_head_weight must have the same dtype (as in x @ lm_head_weight.T); got "
+                        f"{describe('x', x)} and {describe('lm_head_weight', lm_head_weight)}")
+    if bias is not None and bias.dtype != x.dtype:
+        raise TypeError(f"{op}: bias must have x's dtype {x.dtype}; got {describe('bias', bias)}")
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: the loss is not differentiable in weight (torch raises at backward); pass "
+                         f"weight.detach(); got {describe('weight', weight)} with requires_grad=True")
+    if uses_triton(x) and x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: the kernel path supports float32, bfloat16 and float16; got {describe('x', x)} "
+                        f"(float64 runs only on the plain-PyTorch CPU path)")
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and target.numel():
+        # PyTorch checks class indices on the CPU; on the GPU that would need a host sync, so it is not done there
+        bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+        if bool(bad.any()):
+            raise ValueError(f"{op}: target holds class indices outside [0, {vocab}) that are not ignore_index="
+                             f"{ignore_index}: e.g. {int(target[bad][0])}")
+    return label_smoothing, lse_square_scale, softcap
+
+
+def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+                               bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                               ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                               lse_square_scale: float = 0.0, softcap: float | None = None,
+                               return_z_loss: bool = False):
+    """Cross-entropy of a linear layer's output without materialising the logits (the LM head and its loss).
+
+    Equal to ``torch.nn.functional.cross_entropy(x @ lm_head_weight.T + bias, target, weight, ignore_index=...,
+    reduction=..., label_smoothing=...)`` computed with fp32 logits, plus two options of Liger-Kernel's
+    cross-entropy: ``softcap`` (logits ← softcap·tanh(logits/softcap) before the loss, Gemma 2) and the z-loss
+    ``lse_square_scale · logsumexp(logits)²`` of each non-ignored row (PaLM, Chowdhery et al. 2022), added to
+    the loss and divided by the number of non-ignored rows for "mean". Rows are processed in chunks: each chunk's
+    logits come from an fp32-output GEMM (never rounded to the inputs' dtype), the per-chunk cross-entropy kernel
+    turns them into losses and d(loss)/d(logits), and the gradients dx, dW (fp32 accumulator) and db follow by
+    two more GEMMs. Gradients are exact (no filtering). Peak extra memory is one chunk of logits plus the fp32
+    dW accumulator (vocab × hidden × 4 bytes), whatever the number of tokens.
+
+    Args:
+        x: (..., hidden) or (N, hidden) float32, bfloat16 or float16; any strides.
+        lm_head_weight: (vocab, hidden), x's dtype, on x's device.
+        target: x's leading shape, int64 or int32 class indices in [0, vocab) or ``ignore_index``.
+        bias: optional (vocab,), x's dtype.
+        weight: optional (vocab,) per-class rescaling weight (any float dtype; used in fp32; not differentiated).
+        ignore_index: target value whose rows contribute no loss and no gradient.
+        reduction: "mean" (Σ loss / Σ weight[target] over non-ignored rows; NaN if every row is ignored, as
+            PyTorch), "sum", or "none" (per row, 0 for ignored rows).
+        label_smoothing: in [0, 1], as PyTorch (with class weights as PyTorch weighs the smoothing term).
+        lse_square_scale: z-loss coefficient (>= 0).
+        softcap: None, or a float > 0 for tanh soft-capping of the logits.
+        return_z_loss: also return the z-loss term (already included in the loss), for logging.
+
+    Returns:
+        loss, float32 (float64 for float64 inputs on the plain path): a scalar, or of x's leading shape for
+        reduction "none". With ``return_z_loss``, the tuple (loss, z_loss); z_loss has the loss's shape and is
+        not differentiable (its gradient flows through the loss, which contains it). The loss is differentiable in x,
+        lm_head_weight and bias; for reduction mean/sum the gradients are computed in the forward and scaled by
+        the upstream gradient in the backward (so one backward per forward), for "none" the backward recomputes
+        the logits chunk by chunk. Double backward is not supported.
+
+    CUDA tensors run the tuned chunk size and per-chunk Triton kernel for the current GPU (cuBLAS GEMMs); CPU
+    tensors run the same chunk loop in plain PyTorch, or with the Triton kernel in Triton's interpreter when
+    ``TRITON_INTERPRET=1``. float64 is accepted on the plain-PyTorch CPU path only, where it runs the unfused
+    float64 computation (``fused_linear_cross_entropy_torch``).
+
+    Raises:
+        TypeError: a tensor argument is not a tensor; x / lm_head_weight / bias / weight are not floating, x and
+            lm_head_weight (or bias) differ in dtype, float64 on the kernel path; target is not int64/int32; a
+            scalar option has the wrong type.
+        ValueError: lm_head_weight is not (vocab, hidden) for x's hidden; target's shape is not x's leading shape;
+            bias or weight is not (vocab,); weight requires grad; tensors on different devices; reduction unknown;
+            label_smoothing
+            outside [0, 1]; lse_square_scale < 0; softcap <= 0; on the CPU, a target outside [0, vocab) that is
+            not ignore_index.
+
+    Not checked: target values on the kernel path (that would need a host sync): as in ``cross_entropy``, a
+    target outside [0, vocab) that is not ignore_index gives a NaN loss for its row, so a mean or sum is NaN, and
+    NaN gradients (the plain and interpreter CPU paths raise ValueError instead).
+    """
+    op = "fused_linear_cross_entropy"
+    label_smoothing, lse_square_scale, softcap = _check_inputs(
+        op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+        softcap, return_z_loss)
+    if x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused float64 reference
+        return fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, ignore_index, reduction,
+                                                label_smoothing, lse_square_scale, softcap, return_z_loss)
+    hidden = x.shape[-1]
+    x2d = x.reshape(-1, hidden)
+    if x2d.stride(0) != 1 and x2d.stride(1) != 1:  # GEMMs take row- or column-major operands without a copy
+        x2d = x2d.contiguous()
+    target1d = target.reshape(-1).contiguous()
+    loss, z = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, ignore_index, reduction,
+                                            label_smoothing, lse_square_scale, softcap)
+    if reduction == "none":
+        loss, z = loss.view(x.shape[:-1]), z.view(x.shape[:-1])
+    return (loss, z) if return_z_loss else loss

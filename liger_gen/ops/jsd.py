@@ -1,0 +1,394 @@
+"""Generalised Jensen-Shannon divergence for distillation: references, search space, tuning problem, custom ops
+and the public op.
+
+With P = exp(teacher_logp), Q = exp(student_logp), per row (sum over the vocab):
+
+    M     = beta·P + (1 − beta)·Q
+    JSD_b = beta·KL(P ‖ M) + (1 − beta)·KL(Q ‖ M)                0 < beta < 1
+    beta = 0: KL(P ‖ Q)  (forward KL, teacher ‖ student)
+    beta = 1: KL(Q ‖ P)  (reverse KL, student ‖ teacher)
+    loss  = Σ_rows JSD / max(n_valid, 1)
+
+Kernels: ``templates/jsd.py.jinja``. Launch settings and search space are ``liger_gen.ops.kl_div``'s
+(``DivergenceConfig``/``DivergenceSpace``): the same vocab-streaming layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
+from liger_gen.ops.kl_div import DivergenceSpace, chunk_rows, random_log_probs, tuning_rows
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+                                   no_double_backward, saveable, uses_triton)
+
+# kernel MODE constexpr: the two endpoints are the limits JSD_b / beta and JSD_b / (1 − beta), not JSD_b itself
+FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def jsd_mode(beta: float) -> int:
+    """The kernel's MODE constexpr for ``beta``: the endpoints are separate formulas, not limits of the mixture."""
+    return FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE
+
+
+def _jsd_rows(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-row divergence Σ_vocab of (rows..., vocab) log-probabilities, in their dtype, differentiable by
+    autograd without NaN where a probability is exactly 0 (such a term is 0, its limit)."""
+    dead = (s == -math.inf) & (t == -math.inf)  # both probabilities 0: the term is 0
+    s = s.masked_fill(dead, 0.0)
+    t = t.masked_fill(dead, 0.0)
+
+    def plogr(p: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+        """p·log_ratio with 0 where p = 0, also in the gradient (no 0·inf)."""
+        zero = p == 0
+        return torch.where(zero, 0.0, p * torch.where(zero, 0.0, log_ratio))
+
+    if beta == 0.0:
+        terms = plogr(t.exp(), t - s)
+    elif beta == 1.0:
+        terms = plogr(s.exp(), s - t)
+    else:
+        log_m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
+        terms = plogr(beta * t.exp(), t - log_m) + plogr((1 - beta) * s.exp(), s - log_m)
+    return terms.masked_fill(dead, 0.0).sum(-1)
+
+
+def _jsd_mean(s: torch.Tensor, t: torch.Tensor, beta: float, ignore_index: int, label: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Σ over valid rows of the per-row divergence / max(n_valid, 1), computed in ``dtype``."""
+    rows = _jsd_rows(s.to(dtype), t.to(dtype), beta)
+    if label is None:
+        return rows.sum() / max(rows.numel(), 1)
+    valid = (label != ignore_index).reshape(rows.shape)
+    return torch.where(valid, rows, 0.0).sum() / valid.sum().clamp_min(1)
+
+
+def jsd_torch(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.5,
+              ignore_index: int = -100, label: torch.Tensor | None = None) -> torch.Tensor:
+    """Generalised JSD in plain PyTorch (fp32 math, float64 for float64 inputs; differentiable by autograd);
+    the loss in the student's dtype."""
+    dtype = torch.promote_types(torch.promote_types(student_logp.dtype, teacher_logp.dtype), torch.float32)
+    return _jsd_mean(student_logp, teacher_logp, beta, ignore_index, label, dtype).to(student_logp.dtype)
+
+
+def jsd_float64(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.5,
+                ignore_index: int = -100, label: torch.Tensor | None = None) -> torch.Tensor:
+    """Generalised JSD in float64 (the truth for tests and the tuner); 0-d float64, differentiable."""
+    return _jsd_mean(student_logp, teacher_logp, beta, ignore_index, label, torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------ space
+
+
+class JSDSpace(DivergenceSpace):
+    """JSD: both kernels stream the student and teacher log-probabilities."""
+
+    op = "jsd"
+    template = "jsd"
+    BWD_STREAMS = 2
+
+
+SPACE = JSDSpace
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class JSDProblem(Problem):
+    """JSD at (rows, vocab) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
+
+    ``beta`` (MODE) and the presence of labels are kernel constexprs, not template variants: one table entry
+    serves every call option. Tuning uses beta = 0.5 (the mixture, the costliest mode) with labels, about
+    one row in ten ignored. Rows are capped for tuning as for kl_div (``tuning_rows``)."""
+
+    op = "jsd"
+    SPACE = JSDSpace
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, beta: float = 0.5,
+                 ignore_index: int = -100, with_label: bool = True, ignore_fraction: float = 0.1,
+                 teacher_dtype: torch.dtype | None = None, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
+        self.beta, self.ignore_index, self.with_label = float(beta), int(ignore_index), bool(with_label)
+        self.mode = jsd_mode(self.beta)
+        m, v = self.rows, self.dims["vocab"]
+        s = random_log_probs(self.generator, m, v, self.device, dtype)
+        t = random_log_probs(self.generator, m, v, self.device, teacher_dtype or dtype)
+        label = None
+        if with_label:
+            label = torch.randint(0, v, (m,), generator=self.generator)
+            label[torch.rand(m, generator=self.generator) < ignore_fraction] = ignore_index
+            label = label.to(self.device)
+        g = self.randn(scale=1.0, shift=0.5)
+        self.buffers = {
+            "s": s, "t": t, "g": g,
+            "loss": torch.empty((), dtype=dtype, device=self.device),
+            "n_valid": torch.empty((), dtype=torch.float32, device=self.device),
+            "ds": torch.empty((m, v), dtype=dtype, device=self.device),
+        }
+        if label is not None:
+            self.buffers["label"] = label
+        valid = torch.ones(m, dtype=torch.bool, device=self.device) if label is None else label != ignore_index
+        n_valid = valid.sum().double()
+        # grad_output scaled as a loss scaler would: fp16's Q·(s − log M)/n_valid would otherwise be subnormal
+        self.buffers["g"] = g = g * n_valid.clamp_min(1).to(g.dtype)
+        # float64 truth, row chunk by row chunk: rows are independent, so each chunk's autograd gives its rows
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        ds = torch.empty((m, v), dtype=torch.float64, device=self.device)
+        step = chunk_rows(v)
+        for lo in range(0, m, step):
+            hi = min(m, lo + step)
+            s64 = s[lo:hi].double().requires_grad_()
+            part = torch.where(valid[lo:hi], _jsd_rows(s64, t[lo:hi].double(), self.beta), 0.0).sum()
+            total += part.detach()
+            (part * (g.double() / n_valid.clamp_min(1))).backward()
+            ds[lo:hi] = s64.grad
+        self.ref = {"loss": total / n_valid.clamp_min(1), "n_valid": n_valid, "ds": ds}
+        # the backward's n_valid input: the exact count, not what a forward check left in "n_valid"
+        self.buffers["n_valid_in"] = n_valid.float()
+        tol = REL_TOL[dtype]
+        self.tol = {"loss": tol, "n_valid": FP32_OUT_TOL, "ds": tol}
+        self.outputs = {"fwd": ("loss", "n_valid"), "bwd": ("ds",)}
+
+    def key(self) -> str:
+        return f"{super().key()}:beta={self.beta},label={self.with_label}"
+
+    def launcher(self, module, phase: str):
+        b = self.buffers
+        args = (self.mode, self.beta, self.ignore_index)
+        if phase == "fwd":
+            return lambda: module.forward(b["s"], b["t"], b.get("label"), b["loss"], b["n_valid"], *args)
+        if phase == "bwd":
+            return lambda: module.backward(b["g"], b["n_valid_in"], b["s"], b["t"], b.get("label"), b["ds"], *args)
+        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+
+    def bytes_moved(self, phase: str) -> int:
+        e_s, e_t = self.buffers["s"].element_size(), self.buffers["t"].element_size()
+        mv = self.rows * self.dims["vocab"]
+        label = self.rows * self.buffers["label"].element_size() if "label" in self.buffers else 0
+        return mv * (e_s + e_t) + label + (mv * e_s if phase == "bwd" else 0)
+
+
+PROBLEM = JSDProblem
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """Distillation over the model's vocabulary: one problem per token count (capped, see
+    ``liger_gen.ops.kl_div.tuning_rows``), beta = 0.5 with labels."""
+    return [JSDProblem(dtype, model.vocab_size, r, device, seed=seed) for r in tuning_rows(model.vocab_size, rows)]
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+
+def _fwd_impl(s: torch.Tensor, t: torch.Tensor, label: torch.Tensor | None, beta: float,
+              ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss 0-d in s's dtype, n_valid 0-d fp32) for 2-D (rows, vocab) s and t and (rows,) label or None."""
+    rows, vocab = s.shape
+    loss = torch.empty((), dtype=s.dtype, device=s.device)
+    n_valid = torch.empty((), dtype=torch.float32, device=s.device)
+    if rows == 0 or vocab == 0:  # nothing to sum: the loss is 0 (divided by max(n_valid, 1))
+        if label is None:
+            n_valid.fill_(rows)
+        else:
+            n_valid.copy_((label != ignore_index).sum())
+        return loss.zero_(), n_valid
+    if uses_triton(s):
+        module, _, _ = kernel_module("jsd", s, vocab, rows)
+        module.forward(s, t, label, loss, n_valid, jsd_mode(beta), beta, ignore_index)
+        return loss, n_valid
+    # CPU without the interpreter: the reference math (only reached when the op is called directly)
+    rows_loss = _jsd_rows(s.float(), t.float(), beta)
+    valid = torch.ones(rows, dtype=torch.bool) if label is None else label != ignore_index
+    n_valid.copy_(valid.sum())
+    loss.copy_(torch.where(valid, rows_loss, 0.0).sum() / n_valid.clamp_min(1))
+    return loss, n_valid
+
+
+def _bwd_impl(g: torch.Tensor, n_valid: torch.Tensor, s: torch.Tensor, t: torch.Tensor, label: torch.Tensor | None,
+              beta: float, ignore_index: int) -> torch.Tensor:
+    """d loss / d s, contiguous (rows, vocab) in s's dtype."""
+    rows, vocab = s.shape
+    ds = torch.empty((rows, vocab), dtype=s.dtype, device=s.device)
+    if s.numel() == 0:
+        return ds
+    if uses_triton(s):
+        module, _, _ = kernel_module("jsd", s, vocab, rows)
+        module.backward(g, n_valid, s, t, label, ds, jsd_mode(beta), beta, ignore_index)
+        return ds
+    # CPU without the interpreter: autograd of the reference math
+    with torch.enable_grad():
+        sf = s.detach().float().requires_grad_()
+        rows_loss = _jsd_rows(sf, t.float(), beta)
+        if label is not None:
+            rows_loss = torch.where(label != ignore_index, rows_loss, 0.0)
+        (grad,) = torch.autograd.grad(rows_loss.sum(), sf)
+    return ds.copy_(grad * (g.float() / n_valid.clamp_min(1)))
+
+
+@torch.library.custom_op("liger_gen::jsd_fwd", mutates_args=())
+def jsd_fwd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, label: torch.Tensor | None, beta: float,
+            ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss 0-d in the student's dtype, n_valid 0-d fp32) of 2-D (rows, vocab) log-probabilities."""
+    return _fwd_impl(student_logp, teacher_logp, label, beta, ignore_index)
+
+
+@jsd_fwd.register_fake
+def _(student_logp, teacher_logp, label, beta, ignore_index):
+    return student_logp.new_empty(()), student_logp.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("liger_gen::jsd_bwd", mutates_args=())
+def jsd_bwd(grad: torch.Tensor, n_valid: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+            label: torch.Tensor | None, beta: float, ignore_index: int) -> torch.Tensor:
+    """d loss / d student_logp of the 2-D op, contiguous (rows, vocab)."""
+    return _bwd_impl(grad, n_valid, student_logp, teacher_logp, label, beta, ignore_index)
+
+
+@jsd_bwd.register_fake
+def _(grad, n_valid, student_logp, teacher_logp, label, beta, ignore_index):
+    return student_logp.new_empty(tuple(student_logp.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    student_logp, teacher_logp, label, beta, ignore_index = inputs
+    _, n_valid = output
+    ctx.save_for_backward(student_logp, teacher_logp, label, n_valid)
+    ctx.beta, ctx.ignore_index = beta, ignore_index
+
+
+def _backward(ctx, grad, _dn_valid):
+    s, t, label, n_valid = ctx.saved_tensors
+    ds = torch.ops.liger_gen.jsd_bwd(grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index)
+    return ds, None, None, None, None
+
+
+jsd_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _JSDFunction(torch.autograd.Function):
+    """Eager-mode binding of the same kernels (an autograd.Function costs less host time per call than the
+    custom-op dispatcher)."""
+
+    @staticmethod
+    def forward(ctx, student_logp, teacher_logp, label, beta, ignore_index):
+        loss, n_valid = _fwd_impl(student_logp, teacher_logp, label, beta, ignore_index)
+        ctx.save_for_backward(*saveable(student_logp, teacher_logp, label), n_valid)
+        ctx.beta, ctx.ignore_index = beta, ignore_index
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        no_double_backward("jsd", "liger_gen.reference.jsd_torch")
+        s, t, label, n_valid = ctx.saved_tensors
+        return _bwd_impl(grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index), None, None, None, None
+
+
+def jsd_2d(student_logp: torch.Tensor, teacher_logp: torch.Tensor, label: torch.Tensor | None, beta: float,
+           ignore_index: int) -> torch.Tensor:
+    """JSD of 2-D (rows, vocab) log-probabilities, differentiable in the student: the custom op while
+    torch.compile traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
+    if torch.compiler.is_compiling():
+        return torch.ops.liger_gen.jsd_fwd(student_logp, teacher_logp, label, beta, ignore_index)[0]
+    return _JSDFunction.apply(student_logp, teacher_logp, label, beta, ignore_index)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.5, ignore_index: int = -100,
+        label: torch.Tensor | None = None) -> torch.Tensor:
+    """Generalised Jensen-Shannon divergence between student and teacher distributions, for distillation.
+
+    With s = student_logp, t = teacher_logp, Q = exp(s), P = exp(t), for each row (sum over the vocab)::
+
+        M          = beta·P + (1 − beta)·Q
+        JSD_beta   = beta·KL(P ‖ M) + (1 − beta)·KL(Q ‖ M)
+                   = Σ_v beta·P·(t − log M) + (1 − beta)·Q·(s − log M)          0 < beta < 1
+        beta = 0   : KL(P ‖ Q) = Σ_v P·(t − s)      forward KL (teacher ‖ student), the limit of JSD_beta / beta
+        beta = 1   : KL(Q ‖ P) = Σ_v Q·(s − t)      reverse KL (student ‖ teacher), the limit of
+                                                    JSD_beta / (1 − beta)
+        loss       = Σ_rows JSD / max(n_valid, 1)
+
+    (JSD_beta itself goes to 0 at both ends; the endpoints are defined as these KL divergences, as in GKD,
+    Agarwal et al. 2024, and TRL's generalized JSD loss.) n_valid is the number of rows whose label is not
+    ``ignore_index`` (every row when ``label`` is None); ignored rows contribute nothing. If every row is
+    ignored the loss is 0 and the gradient 0 (not 0/0). A term whose probability is exactly 0 contributes 0,
+    so −inf log-probabilities (masked vocab entries) are fine.
+
+    Gradient, with respect to student_logp only, times grad_output / max(n_valid, 1), 0 on ignored rows::
+
+        0 < beta < 1 : (1 − beta)·Q·(s − log M)      beta = 0 : −P      beta = 1 : Q·(s − t + 1)
+
+    It is recomputed in the backward from the saved inputs (no (rows, vocab) buffer is kept from the
+    forward). The math is fp32; log M is formed in log space.
+
+    Args:
+        student_logp: (..., vocab) log-probabilities (e.g. ``log_softmax`` of the student's logits), float32,
+            bfloat16 or float16, any strides.
+        teacher_logp: same shape; float32, bfloat16 or float16 (may differ from the student's dtype). Must
+            not require a gradient while autograd records (pass ``teacher_logp.detach()``).
+        beta: in [0, 1].
+        ignore_index: label value of rows to skip.
+        label: optional (...,) integer tensor (student_logp's leading shape), e.g. the shifted labels; only
+            compared with ignore_index.
+
+    Returns:
+        The 0-d loss in student_logp's dtype (accumulated in fp32, rounded once).
+
+    CUDA tensors run the tuned Triton kernels; CPU tensors run ``jsd_torch``, or the same Triton kernels in
+    Triton's interpreter when ``TRITON_INTERPRET=1``. float64 runs on the plain-PyTorch CPU path only.
+
+    Not checked (it would need a host sync): that the inputs are log-probabilities (rows of exp summing to
+    1). Finite values of any size are accepted; +inf or NaN give NaN.
+
+    Raises:
+        TypeError: an input is not a tensor, has a non-floating dtype (label: non-integer), float64 on the
+            kernel path, beta is not a number or ignore_index not an int.
+        ValueError: student/teacher shapes differ, an input has no vocab dim, label's shape is not the
+            leading shape, tensors are on different devices, beta is outside [0, 1], or teacher_logp
+            requires a gradient (only the student is differentiated).
+    """
+    op = "jsd"
+    for name, value in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    if label is not None and not isinstance(label, torch.Tensor):
+        raise TypeError(f"{op}: label must be a tensor or None, got {type(label).__name__}")
+    beta = check_float_arg(op, "beta", beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"{op}: beta must be in [0, 1], got {beta}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    if student_logp.dim() < 1:
+        raise ValueError(f"{op}: student_logp must have a vocab dim (..., vocab); got "
+                         f"{describe('student_logp', student_logp)}")
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"{op}: student_logp and teacher_logp must have the same shape; got "
+                         f"{describe('student_logp', student_logp)} and {describe('teacher_logp', teacher_logp)}")
+    if label is not None and label.shape != student_logp.shape[:-1]:
+        raise ValueError(f"{op}: label must have student_logp's leading shape {tuple(student_logp.shape[:-1])}; "
+                         f"got {describe('label', label)} and {describe('student_logp', student_logp)}")
+    check_same_device(op, student_logp=student_logp, teacher_logp=teacher_logp, label=label)
+    for name, t in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if label is not None and (label.is_floating_point() or label.is_complex() or label.dtype == torch.bool):
+        raise TypeError(f"{op}: label must be an integer tensor; got {describe('label', label)}")
+    if teacher_logp.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: teacher_logp requires grad, but only student_logp is differentiated; pass "
+                         f"teacher_logp.detach() (got {describe('teacher_logp', teacher_logp)})")
+    if not uses_triton(student_logp):
+        return jsd_torch(student_logp, teacher_logp, beta, ignore_index, label)
+    for name, t in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    vocab = student_logp.shape[-1]
+    rows = math.prod(student_logp.shape[:-1])
+    s2d = student_logp.reshape(rows, vocab)
+    t2d = teacher_logp.reshape(rows, vocab)
+    label1d = None if label is None else label.reshape(rows)
+    return jsd_2d(s2d, t2d, label1d, beta, ignore_index)

@@ -1,0 +1,485 @@
+"""KL divergence with ``torch.nn.functional.kl_div`` semantics: references, search space, tuning problem,
+custom ops and the public op.
+
+    log_target=False:  l = xlogy(t, t) − t·x        log_target=True:  l = exp(t)·(t − x)
+    reduction: "none" → l, "sum" → Σl, "mean" → Σl / numel, "batchmean" → Σl / input.size(0)
+
+x = input (log-probabilities), t = target. Kernels: ``templates/kl_div.py.jinja``. The launch-settings
+dataclass and the search space defined here (``DivergenceConfig``, ``DivergenceSpace``) are shared with
+``liger_gen.ops.jsd``: both ops stream (rows, vocab) tiles of two inputs and reduce them to a scalar.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liger_gen.codegen.problems import REL_TOL, Problem
+from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, describe, kernel_module, no_double_backward,
+                                   saveable, uses_triton)
+
+REDUCTIONS = ("none", "sum", "mean", "batchmean")
+_REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2, "batchmean": 2}  # ATen's enum; batchmean divides after
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def kl_div_torch(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+                 log_target: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.kl_div`` without its 'mean' deprecation warning (same ATen op, same division)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    out = torch.kl_div(input, target, _REDUCTION_ENUM[reduction], log_target=log_target)
+    if reduction == "batchmean" and input.dim() != 0:
+        out = out / input.size(0)
+    return out
+
+
+def kl_div_float64(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+                   log_target: bool = False) -> torch.Tensor:
+    """KL divergence in float64 (the truth for tests and the tuner): ATen's formula on float64 copies."""
+    return kl_div_torch(input.double(), target.double(), reduction, log_target)
+
+
+def kl_div_divisor(shape: torch.Size | tuple, reduction: str) -> int:
+    """What the summed loss is divided by: numel for "mean", size(0) for "batchmean" (1 for a 0-d input),
+    else 1. An int (a SymInt while torch.compile traces dynamic shapes, so it does not specialise)."""
+    if reduction == "mean":
+        return math.prod(shape)
+    if reduction == "batchmean" and len(shape) > 0:
+        return shape[0]
+    return 1
+
+
+# ------------------------------------------------------------------------------------------------ space
+
+
+@dataclass(frozen=True)
+class DivergenceConfig(KernelConfig):
+    """Launch settings of one variant of a vocab-streaming divergence (``kl_div`` and ``jsd`` templates).
+
+    Each forward program owns BLOCK_M_FWD rows and walks them in chunks of BLOCK_V_FWD vocab columns,
+    accumulating an fp32 tile that it reduces to one partial sum; num_stages_fwd pipelines the chunk loads.
+    The backward is laid out the same way with its own settings (it reads and writes different streams).
+    """
+
+    BLOCK_V_FWD: int = 2048
+    BLOCK_M_FWD: int = 1
+    num_warps_fwd: int = 8
+    num_stages_fwd: int = 1
+    BLOCK_V_BWD: int = 2048
+    BLOCK_M_BWD: int = 1
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 1
+
+
+class DivergenceSpace(Space):
+    """Search space, constraints and heuristic of a vocab-streaming divergence at one vocab size (dims
+    ``{"vocab": V}``) and dtype. Subclasses set op, template and the streams each kernel keeps in flight."""
+
+    config_cls = DivergenceConfig
+    DIMS = ("vocab",)
+    MIN_BLOCK_V = 16
+    # fp32 values one thread may hold per live tile before the compiler spills (two inputs, the accumulator
+    # and the transcendental temporaries are live together); a range to search, not a measured limit
+    MAX_ELEMS_PER_THREAD = 32
+    # (M, V) streams each kernel loads per chunk, for the pipelined-loads shared-memory estimate
+    FWD_STREAMS = 2
+    BWD_STREAMS = 2
+    TARGET_TILE = 2048  # heuristic tile: 8 fp32 values per thread at 8 warps
+
+    PARAMS = (
+        Param("BLOCK_V_FWD", (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), "fwd"),
+        Param("BLOCK_M_FWD", (1, 2, 4, 8, 16), "fwd"),
+        Param("num_warps_fwd", (1, 2, 4, 8, 16), "fwd"),
+        Param("num_stages_fwd", (1, 2, 3, 4), "fwd"),
+        Param("BLOCK_V_BWD", (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), "bwd"),
+        Param("BLOCK_M_BWD", (1, 2, 4, 8, 16), "bwd"),
+        Param("num_warps_bwd", (1, 2, 4, 8, 16), "bwd"),
+        Param("num_stages_bwd", (1, 2, 3, 4), "bwd"),
+    )
+
+    def check_dims(self) -> None:
+        self.vocab = self.dims["vocab"]
+        # a chunk wider than the row only adds masked lanes
+        self.max_block_v = max(self.MIN_BLOCK_V, next_power_of_2(self.vocab))
+
+    def heuristic(self) -> DivergenceConfig:
+        """Analytic default, valid for every vocab: ~2K-element tiles (one row per program at LLM vocab
+        sizes, several rows per program for small vocabularies), 8 warps or fewer, no pipelining (many
+        resident programs per SM already keep enough loads in flight for a streaming kernel)."""
+        block_v = min(self.TARGET_TILE, self.max_block_v)
+        block_m = max(1, min(16, self.TARGET_TILE // block_v))
+        warps = self._fit_warps(8, block_m * block_v)
+        config = DivergenceConfig(
+            BLOCK_V_FWD=block_v, BLOCK_M_FWD=block_m, num_warps_fwd=warps, num_stages_fwd=1,
+            BLOCK_V_BWD=block_v, BLOCK_M_BWD=block_m, num_warps_bwd=warps, num_stages_bwd=1,
+        )
+        problems = self.violations(config)
+        assert not problems, f"heuristic is invalid for vocab={self.vocab}: {problems}"
+        return config
+
+    def _fit_warps(self, warps: int, tile: int) -> int:
+        """Fewest of ``warps`` and what the tile can feed with at least 4 elements per thread."""
+        while warps > 1 and tile < warps * 32 * 4:
+            warps //= 2
+        return max(1, min(warps, self.limits.max_threads_per_block // 32))
+
+    def shape_violations(self, config: DivergenceConfig) -> list[str]:
+        """Chunk width against the vocab, threads, registers and shared memory of both kernels."""
+        problems: list[str] = []
+        for phase, block_v, block_m, warps, stages, streams in (
+            ("fwd", config.BLOCK_V_FWD, config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd,
+             self.FWD_STREAMS),
+            ("bwd", config.BLOCK_V_BWD, config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd,
+             self.BWD_STREAMS),
+        ):
+            if block_v > self.max_block_v:
+                problems.append(f"{phase}: BLOCK_V={block_v} > {self.max_block_v} (vocab={self.vocab}): "
+                                f"the chunk would be mostly masked")
+            tile = block_m * block_v
+            problems += self.threads_violations(phase, warps, tile, self.MAX_ELEMS_PER_THREAD)
+            # pipelined loads keep (stages − 1) chunks of each stream in shared memory; 4 bytes per element
+            # because a call may mix dtypes (e.g. a bf16 input with an fp32 target) under this dtype's table
+            smem = (stages - 1) * streams * tile * 4
+            if smem > self.limits.max_shared_memory_per_block:
+                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
+                                f"{self.limits.max_shared_memory_per_block}")
+        return problems
+
+
+class KLDivSpace(DivergenceSpace):
+    """KL divergence: the forward streams input and target; the backward target, input (for d/dtarget)
+    and an elementwise grad_output (reduction "none")."""
+
+    op = "kl_div"
+    template = "kl_div"
+    BWD_STREAMS = 3
+
+
+SPACE = KLDivSpace
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+# Tuning holds the inputs, a float64 gradient reference and the check's float64 temporaries on the GPU at
+# once (~40 bytes per element): rows are capped so a 128256 vocab tunes at <= 8192 tokens (~42 GB) and no
+# problem exceeds 2^31 elements. Larger token counts use the nearest (capped) bucket at run time, where the
+# per-program work is the same and only the grid is longer.
+MAX_TUNING_ROWS = 8192
+MAX_TUNING_ELEMENTS = 2**31
+
+
+def tuning_rows(vocab: int, rows: list[int]) -> list[int]:
+    """``rows`` capped at MAX_TUNING_ROWS and at the largest power of two with rows·vocab <= 2^31, deduplicated."""
+    cap = min(MAX_TUNING_ROWS, 1 << max(0, (MAX_TUNING_ELEMENTS // max(1, vocab)).bit_length() - 1))
+    out: list[int] = []
+    for r in rows:
+        r = max(1, min(int(r), cap))
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def random_log_probs(generator: torch.Generator, rows: int, vocab: int, device, dtype: torch.dtype,
+                     scale: float = 2.0) -> torch.Tensor:
+    """Seeded log_softmax of N(0, scale²) logits: drawn in fp32 on the CPU (every device sees the same values),
+    normalised on ``device`` in fp32, rounded to ``dtype``."""
+    logits = torch.randn((rows, vocab), generator=generator, dtype=torch.float32).to(device)
+    return torch.log_softmax(logits.mul_(scale), dim=-1).to(dtype)
+
+
+def chunk_rows(vocab: int, budget: int = 2**25) -> int:
+    """Rows per chunk so one float64 chunk of (rows, vocab) stays around ``budget`` elements (256 MB)."""
+    return max(1, budget // max(1, vocab))
+
+
+class KLDivProblem(Problem):
+    """KL divergence at (rows, vocab) in ``dtype`` on ``device``: inputs, float64 truth, checks, launchers.
+
+    ``reduction`` and ``log_target`` are kernel constexprs, not template variants: one table entry serves
+    every call option (tuning uses the default, "batchmean" with probabilities as target)."""
+
+    op = "kl_div"
+    SPACE = KLDivSpace
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, reduction: str = "batchmean",
+                 log_target: bool = False, target_grad: bool = False, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.reduction, self.log_target, self.target_grad = reduction, bool(log_target), bool(target_grad)
+        self.reduce = reduction != "none"
+        m, v = self.rows, self.dims["vocab"]
+        self.divisor = kl_div_divisor((m, v), reduction)
+        x = random_log_probs(self.generator, m, v, self.device, dtype)
+        t_log = random_log_probs(self.generator, m, v, self.device, torch.float32)
+        t = (t_log if self.log_target else t_log.exp()).to(dtype)
+        del t_log
+        g = self.randn(*(() if self.reduce else (m, v)), scale=1.0, shift=0.5)
+        if reduction == "batchmean":  # scaled as a loss scaler would: fp16's −t·g/rows would be subnormal
+            g = g * self.divisor
+        self.buffers = {
+            "x": x, "t": t, "g": g,
+            "out": torch.empty(() if self.reduce else (m, v), dtype=dtype, device=self.device),
+            "dx": torch.empty((m, v), dtype=dtype, device=self.device),
+        }
+        if self.target_grad:
+            self.buffers["dt"] = torch.empty((m, v), dtype=dtype, device=self.device)
+        # float64 truth, row chunk by row chunk (autograd of ATen's formula on each chunk)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        ref_out = None if self.reduce else torch.empty((m, v), dtype=torch.float64, device=self.device)
+        dx = torch.empty((m, v), dtype=torch.float64, device=self.device)
+        dt = torch.empty((m, v), dtype=torch.float64, device=self.device) if self.target_grad else None
+        step = chunk_rows(v)
+        for lo in range(0, m, step):
+            hi = min(m, lo + step)
+            x64 = x[lo:hi].double().requires_grad_()
+            t64 = t[lo:hi].double().requires_grad_(self.target_grad)
+            part = kl_div_torch(x64, t64, "sum" if self.reduce else "none", self.log_target)
+            if self.reduce:
+                loss += part.detach()
+                (part * (g.double() / self.divisor)).backward()
+            else:
+                ref_out[lo:hi] = part.detach()
+                part.backward(g[lo:hi].double())
+            dx[lo:hi] = x64.grad
+            if dt is not None:
+                dt[lo:hi] = t64.grad
+        self.ref = {"out": loss / self.divisor if self.reduce else ref_out, "dx": dx}
+        tol = REL_TOL[dtype]
+        self.tol = {"out": tol, "dx": tol, "dt": tol}
+        self.outputs = {"fwd": ("out",), "bwd": ("dx", "dt") if self.target_grad else ("dx",)}
+        if dt is not None:
+            self.ref["dt"] = dt
+
+    def key(self) -> str:
+        return f"{super().key()}:reduction={self.reduction},log_target={self.log_target},dt={self.target_grad}"
+
+    def launcher(self, module, phase: str):
+        b = self.buffers
+        if phase == "fwd":
+            return lambda: module.forward(b["x"], b["t"], b["out"], self.log_target, self.reduce, self.divisor)
+        if phase == "bwd":
+            dt = b["dt"] if self.target_grad else None
+            return lambda: module.backward(b["g"], b["x"], b["t"], b["dx"], dt, self.log_target, self.reduce,
+                                           self.divisor)
+        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+
+    def bytes_moved(self, phase: str) -> int:
+        e, mv = self.buffers["x"].element_size(), self.rows * self.dims["vocab"]
+        if phase == "fwd":
+            return 2 * mv * e + (0 if self.reduce else mv * e)
+        reads = mv * e * (1 + (0 if self.reduce else 1) + (1 if self.target_grad else 0))
+        return reads + mv * e * (2 if self.target_grad else 1)
+
+
+PROBLEM = KLDivProblem
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """Distillation over the model's vocabulary: one problem per token count (capped, see ``tuning_rows``),
+    reduction "batchmean" with probabilities as target (the default call)."""
+    return [KLDivProblem(dtype, model.vocab_size, r, device, seed=seed) for r in tuning_rows(model.vocab_size, rows)]
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+
+def _fwd_impl(x: torch.Tensor, t: torch.Tensor, reduction: str, divisor: int, log_target: bool) -> torch.Tensor:
+    """Pointwise losses (rows, vocab) for "none", else the 0-d reduced loss, in the promoted dtype of x and t."""
+    rows, vocab = x.shape
+    out_dtype = torch.promote_types(x.dtype, t.dtype)
+    reduce = reduction != "none"
+    if x.numel() == 0:  # like ATen: "sum" of nothing is 0, "mean" 0/0 = NaN, "batchmean" 0/size(0)
+        if not reduce:
+            return torch.empty((rows, vocab), dtype=out_dtype, device=x.device)
+        return torch.zeros((), dtype=torch.float32, device=x.device).div_(divisor).to(out_dtype)
+    if uses_triton(x):
+        out = torch.empty(() if reduce else (rows, vocab), dtype=out_dtype, device=x.device)
+        module, _, _ = kernel_module("kl_div", x, vocab, rows)
+        module.forward(x, t, out, log_target, reduce, divisor)
+        return out
+    # CPU without the interpreter: the kernel's math in PyTorch (only reached when the op is called directly)
+    loss = kl_div_torch(x.float(), t.float(), "sum" if reduce else "none", log_target)
+    return (loss / divisor if reduce else loss).to(out_dtype)
+
+
+def _bwd_impl(g: torch.Tensor, x: torch.Tensor | None, t: torch.Tensor, reduction: str, divisor: int,
+              log_target: bool, input_grad: bool, target_grad: bool,
+              input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dt), each contiguous (rows, vocab) in its input's dtype, or an empty (0,) tensor when not asked.
+
+    x may be None when only dx is asked (dx = −t·g does not read x); ``input_dtype`` then gives dx's dtype.
+    """
+    rows, vocab = t.shape
+    reduce = reduction != "none"
+    x_dtype = x.dtype if x is not None else input_dtype
+    dx = t.new_empty((rows, vocab) if input_grad else (0,), dtype=x_dtype)
+    dt = t.new_empty((rows, vocab) if target_grad else (0,))
+    if t.numel() == 0 or not (input_grad or target_grad):
+        return dx, dt
+    if uses_triton(t):
+        module, _, _ = kernel_module("kl_div", dx if input_grad else x, vocab, rows)
+        module.backward(g, x, t, dx if input_grad else None, dt if target_grad else None, log_target, reduce,
+                        divisor)
+        return dx, dt
+    # CPU without the interpreter: the kernel's formulas in PyTorch
+    gf = g.float() / divisor if reduce else g.float()
+    tf = t.float()
+    p = tf.exp() if log_target else tf
+    if input_grad:
+        dx.copy_(-p * gf)
+    if target_grad:
+        xf = x.float()
+        dt.copy_((p * (tf - xf + 1) if log_target else torch.xlogy(tf != 0, tf) + tf / tf - xf) * gf)
+    return dx, dt
+
+
+@torch.library.custom_op("liger_gen::kl_div_fwd", mutates_args=())
+def kl_div_fwd(input: torch.Tensor, target: torch.Tensor, reduction: str, divisor: int,
+               log_target: bool) -> torch.Tensor:
+    """KL divergence of 2-D (rows, vocab) input and target: (rows, vocab) for "none", else 0-d (Σl / divisor)."""
+    return _fwd_impl(input, target, reduction, divisor, log_target)
+
+
+@kl_div_fwd.register_fake
+def _(input, target, reduction, divisor, log_target):
+    out_dtype = torch.promote_types(input.dtype, target.dtype)
+    return input.new_empty(() if reduction != "none" else tuple(input.shape), dtype=out_dtype)
+
+
+@torch.library.custom_op("liger_gen::kl_div_bwd", mutates_args=())
+def kl_div_bwd(grad: torch.Tensor, input: torch.Tensor, target: torch.Tensor, reduction: str, divisor: int,
+               log_target: bool, input_grad: bool, target_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d input, d target) of the 2-D op; a gradient that is not asked for is an empty (0,) tensor."""
+    return _bwd_impl(grad, input, target, reduction, divisor, log_target, input_grad, target_grad)
+
+
+@kl_div_bwd.register_fake
+def _(grad, input, target, reduction, divisor, log_target, input_grad, target_grad):
+    dx = input.new_empty(tuple(input.shape) if input_grad else (0,))
+    dt = target.new_empty(tuple(target.shape) if target_grad else (0,))
+    return dx, dt
+
+
+def _setup_context(ctx, inputs, output):
+    input, target, reduction, divisor, log_target = inputs
+    ctx.save_for_backward(input, target)
+    ctx.reduction, ctx.divisor, ctx.log_target = reduction, divisor, log_target
+
+
+def _backward(ctx, grad):
+    input, target = ctx.saved_tensors
+    need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dt = torch.ops.liger_gen.kl_div_bwd(grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target,
+                                            need_x, need_t)
+    return (dx if need_x else None), (dt if need_t else None), None, None, None
+
+
+kl_div_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _KLDivFunction(torch.autograd.Function):
+    """Eager-mode binding of the same kernels (an autograd.Function costs less host time per call than the
+    custom-op dispatcher). The input is saved only when the target needs a gradient (d/dinput needs only t)."""
+
+    @staticmethod
+    def forward(ctx, input, target, reduction, divisor, log_target):
+        out = _fwd_impl(input, target, reduction, divisor, log_target)
+        need_t = ctx.needs_input_grad[1]
+        ctx.save_for_backward(*saveable(input if need_t else None, target))
+        ctx.reduction, ctx.divisor, ctx.log_target = reduction, divisor, log_target
+        ctx.input_dtype = input.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        no_double_backward("kl_div", "liger_gen.reference.kl_div_torch")
+        input, target = ctx.saved_tensors
+        need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dt = _bwd_impl(grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target, need_x, need_t,
+                           ctx.input_dtype)
+        return (dx if need_x else None), (dt if need_t else None), None, None, None
+
+
+def kl_div_2d(input: torch.Tensor, target: torch.Tensor, reduction: str, divisor: int,
+              log_target: bool) -> torch.Tensor:
+    """KL divergence of 2-D (rows, vocab) tensors, differentiable in both: the custom op while torch.compile
+    traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
+    if torch.compiler.is_compiling():
+        return torch.ops.liger_gen.kl_div_fwd(input, target, reduction, divisor, log_target)
+    return _KLDivFunction.apply(input, target, reduction, divisor, log_target)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+           log_target: bool = False) -> torch.Tensor:
+    """Kullback-Leibler divergence, ``torch.nn.functional.kl_div`` semantics, over the last (vocab) dim.
+
+    Pointwise, with x = input (log-probabilities) and t = target, as ATen defines it::
+
+        log_target=False:  l = xlogy(t, t) − t·x     (t = 0 contributes 0; t·x is still NaN for x = −inf)
+        log_target=True:   l = exp(t)·(t − x)
+
+    Args:
+        input: (..., vocab) log-probabilities, float32, bfloat16 or float16; any leading dims, any strides.
+        target: same shape as input; probabilities, or log-probabilities with ``log_target=True``; float32,
+            bfloat16 or float16 (may differ from input's dtype; the loss takes the promoted dtype, as in torch).
+        reduction: "none" (pointwise, input's shape), "sum", "mean" (Σl / numel — torch's definition, which
+            divides by the vocab size too), or "batchmean" (Σl / input.size(0), the KL divergence per sample
+            when input is (batch, vocab); what distillation usually wants). The default is torch's, "mean";
+            torch's deprecation warning for "mean" is not repeated.
+        log_target: whether target holds log-probabilities.
+
+    Returns:
+        The loss in the promoted dtype of input and target: input's shape for "none", else 0-d. Math is
+        fp32 and a reduced loss is rounded once (torch rounds the sum, then the division, in the input
+        dtype). Differentiable in input and in target (dl/dt = log t + 1 − x, or exp(t)·(t − x + 1) with
+        log_target; NaN where t = 0, exactly as torch's autograd gives). Gradients are recomputed in the
+        backward from the saved inputs; no (rows, vocab) buffer is held between forward and backward.
+
+    CUDA tensors run the tuned Triton kernels; CPU tensors run ``torch.kl_div``, or the same Triton kernels
+    in Triton's interpreter when ``TRITON_INTERPRET=1``. float64 runs on the plain-PyTorch CPU path only.
+    2-D inputs of any strides (transposed, sliced, expanded) are read in place; higher-dim inputs whose
+    leading dims cannot be flattened into a view are copied once by ``reshape``.
+
+    Not checked (it would need a host sync): that input holds log-probabilities and target probabilities
+    (values outside give torch's values: NaN for log of a negative target, etc.).
+
+    Raises:
+        TypeError: input/target is not a tensor or not floating point, float64 on the kernel path, or
+            log_target is not a bool.
+        ValueError: input and target shapes differ (no broadcasting), the tensors are on different devices,
+            or reduction is unknown.
+    """
+    op = "kl_div"
+    for name, value in (("input", input), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(log_target, bool):
+        raise TypeError(f"{op}: log_target must be a bool, got {type(log_target).__name__} {log_target!r}")
+    if input.shape != target.shape:
+        raise ValueError(f"{op}: input and target must have the same shape (no broadcasting); got "
+                         f"{describe('input', input)} and {describe('target', target)}")
+    check_same_device(op, input=input, target=target)
+    for name, t in (("input", input), ("target", target)):
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if not uses_triton(input):
+        return kl_div_torch(input, target, reduction, log_target)
+    for name, t in (("input", input), ("target", target)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    divisor = kl_div_divisor(input.shape, reduction)
+    vocab = input.shape[-1] if input.dim() > 0 else 1
+    rows = math.prod(input.shape[:-1]) if input.dim() > 0 else 1
+    out = kl_div_2d(input.reshape(rows, vocab), target.reshape(rows, vocab), reduction, divisor, log_target)
+    return out.view(input.shape) if reduction == "none" else out

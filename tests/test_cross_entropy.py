@@ -1,0 +1,700 @@
+"""Cross-entropy kernels (Triton interpreter on the CPU) against float64 and torch, and the API around them."""
+
+import contextlib
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, rel_l2
+from liger_gen.codegen.spaces import DeviceLimits
+from liger_gen.ops.cross_entropy import (CrossEntropyConfig, CrossEntropyProblem, CrossEntropySpace, cross_entropy,
+                                         cross_entropy_float64, cross_entropy_loss_and_grad, cross_entropy_mean_scale,
+                                         cross_entropy_reduce, cross_entropy_torch)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _gen(*key):
+    """A generator seeded from the test's parameters (stable across runs, different between cases)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _case(rows, vocab, dtype, device, gen, *, ignore=(), scale=3.0):
+    x = (scale * torch.randn(rows, vocab, generator=gen)).to(device, dtype)
+    t = torch.randint(0, vocab, (rows,), generator=gen)
+    for i in ignore:
+        t[i] = -100
+    return x, t.to(device)
+
+
+# ------------------------------------------------------------------------------------------------ row-level API
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_loss_and_grad_chunked_mean_matches_float64(dtype, in_place, device):
+    """Two chunks with a shared mean scale, gradient written in place or into a separate fp32 buffer."""
+    gen = _gen("api", dtype, in_place)
+    v = 77
+    x, t = _case(13, v, dtype, device, gen, ignore=(1, 6))
+    w = (0.5 + torch.rand(v, generator=gen)).to(device)
+    opts = dict(weight=w, label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0)
+    x64 = x.detach().double().requires_grad_()
+    ref, ref_z = cross_entropy_float64(x64, t, reduction="mean", **opts)
+    ref.backward()
+    scale = cross_entropy_mean_scale(t, v, w)
+    grad = x.clone() if in_place else torch.empty(x.shape, dtype=torch.float32, device=device)
+    src = grad if in_place else x
+    parts = [cross_entropy_loss_and_grad(src[s], t[s], grad[s], scale=scale, **opts)
+             for s in (slice(0, 6), slice(6, 13))]
+    loss_rows, zl_rows, lse = (torch.cat(p) for p in zip(*parts))
+    loss, z = cross_entropy_reduce(loss_rows, zl_rows, "mean", scale)
+    assert loss.dtype == z.dtype == lse.dtype == torch.float32 and loss.shape == ()
+    assert rel_l2(loss, ref) < FP32_OUT_TOL and rel_l2(z, ref_z) < FP32_OUT_TOL
+    soft = 5.0 * torch.tanh(x.double() / 5.0)
+    assert rel_l2(lse, torch.logsumexp(soft, -1)) < FP32_OUT_TOL
+    tol = REL_TOL[dtype] if in_place else FP32_OUT_TOL * 10  # fp32 output: fp32 math only
+    assert rel_l2(grad, x64.grad) < tol
+
+
+def test_loss_and_grad_rows_and_grad_output(device):
+    """Unscaled per-row values; the gradient of Σ g_i·(s_ce·ce_i + s_z·zl_i) with a (rows,) grad_output."""
+    gen = _gen("api-rows")
+    x, t = _case(8, 40, torch.float32, device, gen, ignore=(3,))
+    g = torch.randn(8, generator=gen).to(device)
+    s = torch.tensor([0.25, 0.5], device=device)
+    dx = torch.empty_like(x)
+    loss_rows, zl_rows, lse = cross_entropy_loss_and_grad(x, t, dx, lse_square_scale=0.01, scale=s, grad_output=g)
+    x64 = x.double().requires_grad_()
+    ce_rows, z_rows = cross_entropy_float64(x64, t, reduction="none", lse_square_scale=0.01)
+    ce_rows = ce_rows - z_rows
+    (g.double() * (0.25 * ce_rows + 0.5 * z_rows)).sum().backward()
+    assert rel_l2(loss_rows, ce_rows + z_rows) < FP32_OUT_TOL and rel_l2(zl_rows, z_rows) < FP32_OUT_TOL
+    assert loss_rows[3] == 0 and zl_rows[3] == 0 and torch.isfinite(lse[3])
+    assert rel_l2(dx, x64.grad) < 1e-5
+    loss_only = cross_entropy_loss_and_grad(x, t, lse_square_scale=0.01)
+    assert torch.equal(loss_only[0], loss_rows)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(params=[1, 0], ids=["grad_in_fwd", "recompute"])
+def strategy(request):
+    """Run the test with the runtime's config forced to GRAD_IN_FWD=1 and to GRAD_IN_FWD=0."""
+    with _forced_config(GRAD_IN_FWD=request.param) as changes:
+        yield changes
+
+
+@contextlib.contextmanager
+def _forced_config(**changes):
+    """The runtime picks the heuristic here (no GPU, no table): patch it, and forget memoised kernel choices."""
+    from liger_gen.runtime.ops import clear_caches
+
+    original = CrossEntropySpace.heuristic
+    CrossEntropySpace.heuristic = lambda self: dataclasses.replace(original(self), **changes)
+    clear_caches()
+    try:
+        yield changes
+    finally:
+        CrossEntropySpace.heuristic = original
+        clear_caches()
+
+
+def _skip_duplicate(dtype, strategy):
+    if dtype == torch.float16 and strategy["GRAD_IN_FWD"]:
+        pytest.skip("float16 always recomputes (FP16_GRAD_IN_FWD): same run as the recompute case")
+
+
+def _assert_matches_float64(x, t, upstream=None, loss_tol=FP32_OUT_TOL, **opts):
+    """Loss (and z-loss) and the logits gradient of the public op against the float64 reference."""
+    x = x.detach().requires_grad_()
+    loss, z = cross_entropy(x, t, return_z_loss=True, **opts)
+    assert loss.dtype == torch.float32 and z.dtype == torch.float32
+    assert not z.requires_grad
+    if upstream is None:  # seeded; a mean's factor kept in [0.5, 2] (tiny factors only test fp16's subnormals)
+        gen = _gen("upstream", tuple(x.shape), x.dtype)
+        upstream = (torch.randn(loss.shape, generator=gen) if loss.dim() else 0.5 + 1.5 * torch.rand((), generator=gen))
+    g = upstream.to(x.device, torch.float32)
+    loss.backward(g)
+    assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
+    x64 = x.detach().double().requires_grad_()
+    ref, ref_z = cross_entropy_float64(x64, t, **opts)
+    ref.backward(g.double())
+    assert loss.shape == ref.shape
+    assert rel_l2(loss, ref) < loss_tol, f"loss {rel_l2(loss, ref)}"
+    assert rel_l2(z, ref_z) < loss_tol, f"z_loss {rel_l2(z, ref_z)}"
+    assert rel_l2(x.grad, x64.grad) < REL_TOL[x.dtype], f"dlogits {rel_l2(x.grad, x64.grad)}"
+    return loss, x.grad
+
+
+def test_fp16_never_stores_the_gradient_for_a_unit_upstream(device):
+    """fp16 with a GradScaler-like loss scale: tiny softmax entries must survive (single rounding after scaling)."""
+    assert CrossEntropySpace(32000, torch.float16).heuristic().GRAD_IN_FWD == 0
+    space = CrossEntropySpace(32000, torch.float16)
+    assert any("float16" in p for p in space.violations(dataclasses.replace(space.heuristic(), GRAD_IN_FWD=1)))
+    gen = _gen("fp16-scale")
+    x, t = _case(16, 3000, torch.float16, device, gen)
+    x = x.requires_grad_()
+    (cross_entropy(x, t) * 65536.0).backward()
+    x64 = x.detach().double().requires_grad_()
+    (cross_entropy_float64(x64, t)[0] * 65536.0).backward()
+    nonzero_ref = x64.grad.abs() > 1e-6  # representable in fp16 after the scale
+    assert (x.grad[nonzero_ref] != 0).all()
+    assert rel_l2(x.grad, x64.grad) < REL_TOL[torch.float16]
+
+
+# ------------------------------------------------------------------------------------------------ named regressions
+
+
+def test_regression_1_none_reduction_upstream_gradient_equals_pytorch(strategy, device):
+    gen = _gen("reg1")
+    x, t = _case(8, 15, torch.float32, device, gen)
+    t[2] = t[5] = -100
+    g = torch.randn(8, generator=gen).to(device)
+    x1 = x.clone().requires_grad_()
+    cross_entropy(x1, t, reduction="none").backward(g)
+    x2 = x.clone().requires_grad_()
+    F.cross_entropy(x2, t, reduction="none").backward(g)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(x1.grad[2], torch.zeros(15, device=device)) and torch.equal(x1.grad[5], x1.grad[2])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_regression_2_every_target_ignored(reduction, label_smoothing, weighted, strategy, device):
+    gen = _gen("reg2")
+    x, _ = _case(4, 7, torch.float32, device, gen)
+    t = torch.full((4,), -100, device=device)
+    w = (0.5 + torch.rand(7, generator=gen)).to(device) if weighted else None
+    x1 = x.clone().requires_grad_()
+    loss = cross_entropy(x1, t, w, reduction=reduction, label_smoothing=label_smoothing)
+    loss.backward()
+    expected = F.cross_entropy(x.clone(), t, w, reduction=reduction, label_smoothing=label_smoothing)
+    torch.testing.assert_close(loss, expected, equal_nan=True)  # mean: NaN (0/0) as torch; sum: 0
+    assert torch.equal(x1.grad, torch.zeros_like(x))
+
+
+def test_regression_3_confident_bf16_row_keeps_its_tiny_true_class_gradient(strategy, device):
+    gen = _gen("reg3")
+    v = 32000
+    x = 3.0 * torch.randn(4, v, generator=gen)
+    t = torch.randint(0, v, (4,), generator=gen)
+    x[torch.arange(4), t] = x.max(dim=1).values + 12.0
+    x = x.to(device, torch.bfloat16).requires_grad_()
+    t = t.to(device)
+    x64 = x.detach().double().requires_grad_()
+    p_true = torch.softmax(x64.detach(), -1)[torch.arange(4), t]
+    assert (p_true > 0.999).all() and (p_true < 1).all()  # ≈ 0.9999: p − 1 is ~1e-4, below bf16's resolution of 1
+    cross_entropy(x, t).backward()
+    cross_entropy_float64(x64, t)[0].backward()
+    got, ref = x.grad[torch.arange(4), t].double(), x64.grad[torch.arange(4), t]
+    assert ((got - ref).abs() / ref.abs() < 1e-2).all(), (got, ref)
+
+
+def test_regression_5_bf16_vocab_256000_loss(device):
+    """16M elements; about 1 s in the interpreter on this machine."""
+    gen = _gen("reg5")
+    x, t = _case(64, 256000, torch.bfloat16, device, gen, ignore=(7,), scale=2.0)
+    loss = cross_entropy(x, t)
+    ref, _ = cross_entropy_float64(x, t)
+    assert abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-3
+
+
+@pytest.mark.parametrize("make_view", [
+    lambda b: b.t(),                              # transposed: last dim of non-unit stride (copied)
+    lambda b: b[:, 5:70],                         # sliced columns: unit stride, row stride 90
+    lambda b: b[::2],                             # every other row
+    lambda b: b.view(6, 15, 90)[:, :-2, 7:80],    # (B, T, V) that no 2-D view covers: run in place, 3-D layout
+    lambda b: b.view(3, 2, 15, 90)[:, :, 1:, 3:], # 4-D that no 2-D view covers (reshaped to rows)
+], ids=["transposed", "col-slice", "row-step", "3d-shifted", "4d"])
+def test_regression_7_non_contiguous_logits(make_view, strategy, device):
+    gen = _gen("reg7")
+    base = (2.0 * torch.randn(90, 90, generator=gen)).to(device)
+    x = make_view(base)
+    assert not x.is_contiguous()
+    t = torch.randint(0, x.shape[-1], x.shape[:-1], generator=gen).to(device)
+    t.view(-1)[::5] = -100
+    for reduction in ("mean", "none"):
+        _assert_matches_float64(x, t, reduction=reduction, label_smoothing=0.1)
+
+
+def test_shifted_3d_view_runs_without_a_copy():
+    """logits[:, :-1] of (B, T, V) has no 2-D view: the kernels read it through a (B, T, V) layout instead."""
+    from liger_gen.ops.cross_entropy import _rows_layout
+
+    base = torch.randn(4, 9, 33)
+    shifted = base[:, :-1]
+    assert _rows_layout(shifted).data_ptr() == shifted.data_ptr() and _rows_layout(shifted).dim() == 3
+    assert _rows_layout(base[:, 2:]).dim() == 3
+    assert _rows_layout(base).shape == (36, 33) and _rows_layout(base[:1, :-1]).shape == (8, 33)
+
+
+# ------------------------------------------------------------------------------------------------ options vs float64
+
+OPTION_SETS = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.1},
+    {"weighted": True},
+    {"weighted": True, "label_smoothing": 0.25, "reduction": "mean"},
+    {"weighted": True, "label_smoothing": 1.0, "reduction": "none"},
+    {"lse_square_scale": 1e-2},
+    {"lse_square_scale": 1e-3, "weighted": True, "reduction": "mean"},
+    {"softcap": 4.0},
+    {"softcap": 30.0, "label_smoothing": 0.1, "lse_square_scale": 1e-4, "weighted": True, "reduction": "sum"},
+    {"ignore_index": 3},
+]
+
+
+def _options(opts, vocab, device, gen, dtype=torch.float32):
+    opts = dict(opts)
+    if opts.pop("weighted", False):
+        opts["weight"] = (0.5 + torch.rand(vocab, generator=gen)).to(device, dtype)
+    return opts
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_option_matches_float64(opts, dtype, strategy, device):
+    _skip_duplicate(dtype, strategy)
+    gen = _gen("opts", opts, dtype)
+    x, t = _case(11, 133, dtype, device, gen, ignore=(0, 4))  # 133: no tile divides it
+    t[7] = 3
+    t[t == -100] = opts.get("ignore_index", -100)
+    _assert_matches_float64(x, t, **_options(opts, 133, device, gen))
+
+
+@pytest.mark.parametrize("opts", [o for o in OPTION_SETS if "softcap" not in o and "lse_square_scale" not in o],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_float64_reference_equals_torch(opts):
+    """The float64 reference is torch.nn.functional.cross_entropy for every option they share."""
+    gen = _gen("ref", opts)
+    x, t = _case(10, 29, torch.float64, "cpu", gen, ignore=(2, 3))
+    t[5] = 3
+    t[t == -100] = opts.get("ignore_index", -100)
+    o = _options(opts, 29, "cpu", gen, torch.float64)
+    ours, z = cross_entropy_float64(x, t, **o)
+    torch.testing.assert_close(ours, F.cross_entropy(x, t, **o), rtol=1e-12, atol=1e-12)
+    assert (z == 0).all()
+
+
+def test_z_loss_and_softcap_reference_formulas():
+    """z-loss = λ·lse² per non-ignored row (mean: over their count, also with weights); softcap = s·tanh(x/s) first."""
+    gen = _gen("zl")
+    x, t = _case(6, 11, torch.float64, "cpu", gen, ignore=(1,))
+    w = 0.5 + torch.rand(11, generator=gen, dtype=torch.float64)
+    lse = torch.logsumexp(x, -1)
+    valid = t != -100
+    loss, z = cross_entropy_float64(x, t, w, lse_square_scale=0.3)
+    torch.testing.assert_close(z, 0.3 * (lse[valid] ** 2).mean())
+    torch.testing.assert_close(loss, F.cross_entropy(x, t, w) + z)
+    capped = cross_entropy_float64(x, t, softcap=2.5)[0]
+    torch.testing.assert_close(capped, F.cross_entropy(2.5 * torch.tanh(x / 2.5), t))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 50), (1, 7), (3, 1), (2, 3, 40), (5,), (3, 20000)])
+def test_shapes_and_dtypes(shape, dtype, strategy, device):
+    """One row, one class, 1-D and 3-D logits, and a vocab streamed in tiles with a partial last tile."""
+    _skip_duplicate(dtype, strategy)
+    gen = _gen("shapes", shape, dtype)
+    x = (2.0 * torch.randn(shape, generator=gen)).to(device, dtype)
+    t = torch.randint(0, shape[-1], shape[:-1], generator=gen).to(device)
+    for reduction in ("mean", "none"):
+        _assert_matches_float64(x, t, reduction=reduction)
+
+
+def test_int32_targets_and_weight_dtypes(device):
+    gen = _gen("int32")
+    x, t = _case(9, 64, torch.bfloat16, device, gen, ignore=(4,))
+    w32 = (0.5 + torch.rand(64, generator=gen)).to(device)
+    for w in (w32, w32.bfloat16()):  # torch requires weight in logits' dtype; any float dtype is read as fp32
+        a = cross_entropy(x, t.int(), w, label_smoothing=0.1)
+        b = cross_entropy(x, t, w, label_smoothing=0.1)
+        assert torch.equal(a, b)
+        assert rel_l2(a, cross_entropy_float64(x, t, w, label_smoothing=0.1)[0]) < FP32_OUT_TOL
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 0.0])
+def test_upstream_gradient_scaling_of_reduced_loss(scale, strategy, device):
+    """A mean loss multiplied before backward (gradient accumulation): the stored gradient is rescaled."""
+    gen = _gen("scale", scale)
+    x, t = _case(6, 300, torch.float32, device, gen, ignore=(2,))
+    _assert_matches_float64(x, t, upstream=torch.tensor(scale, device=device), lse_square_scale=1e-3)
+
+
+def test_out_of_range_target_gives_nan_on_kernel_path_and_raises_on_cpu_path(monkeypatch, device):
+    gen = _gen("oob")
+    x, t = _case(5, 20, torch.float32, device, gen)
+    t[1], t[3] = 20, -1
+    x = x.requires_grad_()
+    rows = cross_entropy(x, t, reduction="none")
+    assert torch.isnan(rows[1]) and torch.isnan(rows[3]) and torch.isfinite(rows[[0, 2, 4]]).all()
+    rows.sum().backward()
+    assert torch.isnan(x.grad[[1, 3]]).all() and torch.isfinite(x.grad[[0, 2, 4]]).all()
+    assert torch.isnan(cross_entropy(x, t)) and torch.isnan(cross_entropy(x, t, reduction="sum"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises((IndexError, RuntimeError)):
+        cross_entropy(x.detach().cpu(), t.cpu())
+
+
+# ------------------------------------------------------------------------------------------------ runtime behaviour
+
+
+def test_cpu_path_is_torch(monkeypatch):
+    """Without the interpreter, CPU tensors run plain PyTorch: float32 is bit-identical to F.cross_entropy."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = _gen("cpu")
+    x, t = _case(12, 40, torch.float32, "cpu", gen, ignore=(3,))
+    w = 0.5 + torch.rand(40, generator=gen)
+    for red in REDUCTIONS:
+        ours = cross_entropy(x, t, w, reduction=red, label_smoothing=0.1)
+        assert torch.equal(ours, F.cross_entropy(x, t, w, reduction=red, label_smoothing=0.1))
+        assert torch.equal(ours, cross_entropy_torch(x, t, w, reduction=red, label_smoothing=0.1))
+    loss, z = cross_entropy(x.double(), t, lse_square_scale=0.1, softcap=3.0, return_z_loss=True)
+    ref, ref_z = cross_entropy_float64(x, t, lse_square_scale=0.1, softcap=3.0)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(z, ref_z)
+    assert cross_entropy(x.bfloat16(), t).dtype == torch.float32
+
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (3, 0, 16)])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_empty_inputs_match_pytorch(shape, reduction, device):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    t = torch.zeros(shape[:-1], dtype=torch.int64, device=device)
+    loss = cross_entropy(x, t, reduction=reduction)
+    expected = F.cross_entropy(x.detach().reshape(-1, 16), t.reshape(-1), reduction=reduction)
+    torch.testing.assert_close(loss.reshape(-1), expected.reshape(-1), equal_nan=True)
+    assert loss.shape == (t.shape if reduction == "none" else ())
+    loss.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_no_grad_and_inference_mode(device):
+    gen = _gen("nograd")
+    x, t = _case(4, 30, torch.float32, device, gen)
+    x = x.requires_grad_()
+    with torch.no_grad():
+        a = cross_entropy(x, t)
+    with torch.inference_mode():
+        b = cross_entropy(x.detach(), t)
+        w = torch.rand(30, device=device) + 0.5
+        ti = t.clone()
+    assert torch.equal(a, b)
+    cross_entropy(x, ti, w).backward()  # inference-mode target and weight with a trained input
+    x64 = x.detach().double().requires_grad_()
+    cross_entropy_float64(x64, t, w)[0].backward()
+    assert rel_l2(x.grad, x64.grad) < REL_TOL[torch.float32]
+
+
+def test_double_backward_raises(strategy, device):
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    t = torch.randint(0, 32, (6,), device=device)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(cross_entropy(x, t), x, create_graph=True)
+
+
+def test_retain_graph_second_backward(strategy, device):
+    """Recompute gives the same gradient twice; the stored gradient of GRAD_IN_FWD=1 refuses a second use."""
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    t = torch.randint(0, 32, (6,), device=device)
+    loss = cross_entropy(x, t)
+    (g1,) = torch.autograd.grad(loss, x, torch.tensor(2.0, device=device), retain_graph=True)
+    if strategy["GRAD_IN_FWD"]:
+        with pytest.raises(RuntimeError, match="inplace"):
+            torch.autograd.grad(loss, x, torch.tensor(2.0, device=device))
+    else:
+        (g2,) = torch.autograd.grad(loss, x, torch.tensor(2.0, device=device))
+        assert torch.equal(g1, g2)
+
+
+def test_z_loss_is_returned_but_not_differentiable(device):
+    x = torch.randn(5, 20, device=device, requires_grad=True)
+    t = torch.randint(0, 20, (5,), device=device)
+    loss, z = cross_entropy(x, t, lse_square_scale=1e-2, return_z_loss=True)
+    assert z.shape == () and not z.requires_grad and loss.requires_grad
+    loss0, z0 = cross_entropy(x, t, return_z_loss=True)
+    assert z0.item() == 0.0
+    torch.testing.assert_close(loss - z, loss0)
+
+
+def test_torch_compile_has_no_graph_break(device):
+    gen = _gen("compile")
+    x, t = _case(8, 70, torch.float32, device, gen, ignore=(1,))
+    w = (0.5 + torch.rand(70, generator=gen)).to(device)
+
+    def f(x, t, w):
+        loss, z = cross_entropy(x, t, w, label_smoothing=0.1, lse_square_scale=1e-3, softcap=8.0, return_z_loss=True)
+        rows = cross_entropy(x[:, :60], t.clamp(max=59), reduction="none")
+        return loss + (rows * rows).mean(), z
+
+    x1 = x.clone().requires_grad_()
+    loss, z = torch.compile(f, backend="aot_eager", fullgraph=True)(x1, t, w)
+    loss.backward()
+    x2 = x.clone().requires_grad_()
+    ref, ref_z = f(x2, t, w)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(z, ref_z)
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+def test_opcheck_custom_ops(device):
+    x = torch.randn(5, 40, device=device)
+    t = torch.randint(0, 40, (5,), device=device)
+    w = torch.rand(40, device=device)
+    for args in ((x, t, None, -100, "mean", 0.0, 0.0, None), (x, t, w, -100, "none", 0.1, 1e-3, 3.0)):
+        torch.library.opcheck(torch.ops.liger_gen.cross_entropy_fwd.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+    loss, _, lse, q, scale = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, -100, "none", 0.1, 1e-3, 3.0)
+    torch.library.opcheck(torch.ops.liger_gen.cross_entropy_bwd.default,
+                          (torch.ones_like(loss), x, t, w, lse, q, scale, -100, "none", 0.1, 1e-3, 3.0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _bad_inputs():
+    x, t = torch.randn(4, 8), torch.zeros(4, dtype=torch.int64)
+    return [
+        (dict(logits=x, target=torch.zeros(5, dtype=torch.int64)), ValueError, ["target", "(5,)", "(4,)"]),
+        (dict(logits=x, target=torch.zeros(4, 1, dtype=torch.int64)), ValueError, ["target", "(4, 1)"]),
+        (dict(logits=x, target=torch.zeros(4)), TypeError, ["target", "torch.float32", "int64"]),
+        (dict(logits=x, target=torch.zeros(4, dtype=torch.int16)), TypeError, ["target", "torch.int16"]),
+        (dict(logits=torch.ones(4, 8, dtype=torch.int64), target=t), TypeError, ["logits", "(4, 8)", "torch.int64"]),
+        (dict(logits=torch.ones(4, 0), target=t), ValueError, ["logits", "(4, 0)"]),
+        (dict(logits=x, target=t, weight=torch.ones(7)), ValueError, ["weight", "(7,)", "(8,)"]),
+        (dict(logits=x, target=t, weight=torch.ones(2, 8)), ValueError, ["weight", "(2, 8)"]),
+        (dict(logits=x, target=t, weight=torch.ones(8, dtype=torch.int64)), TypeError, ["weight", "torch.int64"]),
+        (dict(logits=x, target=t, weight=torch.ones(8, requires_grad=True)), ValueError, ["weight", "requires_grad"]),
+        (dict(logits=x, target=t, softcap=0.0), ValueError, ["softcap", "0.0"]),
+        (dict(logits=x, target=t, softcap=-3.0), ValueError, ["softcap", "-3.0"]),
+        (dict(logits=x, target=t, softcap="30"), TypeError, ["softcap"]),
+        (dict(logits=x, target=t, label_smoothing=1.5), ValueError, ["label_smoothing", "1.5"]),
+        (dict(logits=x, target=t, label_smoothing=-0.1), ValueError, ["label_smoothing", "-0.1"]),
+        (dict(logits=x, target=t, lse_square_scale=-1.0), ValueError, ["lse_square_scale"]),
+        (dict(logits=x, target=t, reduction="avg"), ValueError, ["reduction", "'avg'"]),
+        (dict(logits=x, target=t, ignore_index=-100.0), TypeError, ["ignore_index"]),
+        (dict(logits=x, target=t, return_z_loss=1), TypeError, ["return_z_loss"]),
+        (dict(logits=x.double(), target=t), TypeError, ["float64", "(4, 8)"]),
+        (dict(logits=[1.0], target=t), TypeError, ["logits"]),
+    ]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", _bad_inputs())
+def test_bad_input_names_argument_shape_dtype(kwargs, exc, words, device):
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) and not v.requires_grad else v
+              for k, v in kwargs.items()}
+    with pytest.raises(exc) as info:
+        cross_entropy(**kwargs)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tensors_on_other_devices_are_an_error():
+    with pytest.raises(ValueError, match="one device"):
+        cross_entropy(torch.ones(2, 4, device="cuda"), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one device"):
+        cross_entropy(torch.ones(2, 4, device="cuda"), torch.zeros(2, dtype=torch.int64, device="cuda"),
+                      torch.ones(4))
+
+
+def test_loss_and_grad_bad_input(device):
+    x, t = torch.randn(4, 8, device=device), torch.zeros(4, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="2-D"):
+        cross_entropy_loss_and_grad(x.view(2, 2, 8), t.view(2, 2))
+    with pytest.raises(ValueError, match=r"dlogits.*\(4, 7\)"):
+        cross_entropy_loss_and_grad(x, t, torch.empty(4, 7, device=device))
+    with pytest.raises(TypeError, match="dlogits"):
+        cross_entropy_loss_and_grad(x, t, torch.empty(4, 8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="scale"):
+        cross_entropy_loss_and_grad(x, t, scale=torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="grad_output"):
+        cross_entropy_loss_and_grad(x, t, grad_output=torch.ones(5, device=device))
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy_reduce(x[:, 0], x[:, 1], "max")
+
+
+# ------------------------------------------------------------------------------------------------ space and tuning
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_heuristic_valid_for_every_vocab(dtype):
+    vocabs = list(range(1, 300)) + [2 ** k + d for k in range(9, 19) for d in (-1, 0, 1)]
+    vocabs += [32000, 32768, 50257, 128256, 151936, 152064, 256000, 262144]
+    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=101376)):
+        for v in vocabs:
+            space = CrossEntropySpace(v, dtype, limits)
+            config = space.heuristic()
+            assert not space.violations(config), (v, space.violations(config))
+            sampled = {p.name: p.choices for p in space.params("fwd")}  # what the tuner samples (narrowed tiles)
+            assert config.BLOCK_V_FWD in sampled["BLOCK_V_FWD"] and config.BLOCK_V_BWD in sampled["BLOCK_V_BWD"]
+            assert all(c <= space.block_v_full for c in sampled["BLOCK_V_BWD"])
+
+
+def test_constraints_reject_bad_configs():
+    space = CrossEntropySpace(128256, torch.bfloat16, DeviceLimits(max_threads_per_block=512))
+    good = space.heuristic()
+    assert any("threads" in p for p in space.violations(dataclasses.replace(good, num_warps_bwd=32)))
+    assert any("per thread" in p for p in space.violations(dataclasses.replace(good, BLOCK_V_FWD=32768,
+                                                                               num_warps_fwd=4)))
+    assert any("smaller than" in p for p in space.violations(dataclasses.replace(good, BLOCK_V_BWD=64)))
+    hopper_small_smem = CrossEntropySpace(128256, torch.bfloat16, DeviceLimits(max_shared_memory_per_block=101376))
+    assert any("shared memory" in p for p in hopper_small_smem.violations(dataclasses.replace(
+        good, BLOCK_V_BWD=32768, num_warps_bwd=16, num_stages_bwd=4)))
+    small = CrossEntropySpace(100, torch.float32)
+    assert any("fits a smaller tile" in p for p in small.violations(dataclasses.replace(small.heuristic(),
+                                                                                        BLOCK_V_FWD=256)))
+    with pytest.raises(ValueError, match="unknown fields"):
+        CrossEntropyConfig.from_dict({**good.to_dict(), "BLOCK_K": 2})
+    with pytest.raises(ValueError, match="non-negative int"):
+        CrossEntropyConfig.from_dict({**good.to_dict(), "GRAD_IN_FWD": "yes"})
+
+
+@pytest.mark.parametrize("problem_opts", [
+    {},
+    {"reduction": "none"},
+    {"reduction": "sum", "weighted": True, "label_smoothing": 0.1},
+    {"softcap": 20.0, "lse_square_scale": 1e-3, "weighted": True},
+], ids=["mean", "none", "sum-weighted-smooth", "softcap-zloss"])
+@pytest.mark.parametrize("changes", [
+    {"GRAD_IN_FWD": 1},                                                              # one tile, rows in registers
+    {"GRAD_IN_FWD": 1, "BLOCK_V_BWD": 512, "BLOCK_M_BWD": 2, "num_warps_bwd": 4},    # streamed, 2 rows
+    {"GRAD_IN_FWD": 0, "BLOCK_V_FWD": 512, "BLOCK_M_FWD": 4, "num_warps_fwd": 4,
+     "BLOCK_V_BWD": 1024, "BLOCK_M_BWD": 1, "num_stages_bwd": 2},                    # streamed fwd and bwd
+    {"GRAD_IN_FWD": 0, "BLOCK_V_FWD": 2048, "BLOCK_M_FWD": 1, "BLOCK_V_BWD": 2048},  # one tile, recompute
+], ids=["grad-in-fwd-one-tile", "grad-in-fwd-streamed", "recompute-streamed", "recompute-one-tile"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_template_branch_passes_the_tuners_gate(changes, problem_opts, dtype, device):
+    from liger_gen.codegen.build import load_variant
+
+    problem = CrossEntropyProblem(dtype, 1100, 7, device, seed=5, **problem_opts)
+    config = dataclasses.replace(problem.space.heuristic(), **changes)
+    assert not problem.space.violations(config)
+    module = load_variant("cross_entropy", problem.template_params(config))
+    assert problem.check(module, "fwd") is None
+
+
+def test_gate_catches_a_wrong_gradient(device):
+    from liger_gen.codegen.build import load_variant
+
+    problem = CrossEntropyProblem(torch.float32, 300, 9, device)
+    module = load_variant("cross_entropy", problem.template_params(problem.space.heuristic()))
+
+    class Corrupt:
+        def __init__(self, m):
+            self.m = m
+
+        def scale_grad_(self, dlogits, g):
+            dlogits[0, 0] += 0.05
+
+        def __getattr__(self, name):
+            return getattr(self.m, name)
+
+    assert "dlogits" in problem.check(Corrupt(module), "fwd")
+
+
+def test_tuner_produces_a_valid_entry(device):
+    import optuna
+
+    from liger_gen.codegen.tuner import Tuner
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def cost(launch, params):
+        return 1.0 + 0.5 * params["GRAD_IN_FWD"] + abs(math.log2(params["BLOCK_V_BWD"]) - 9) * 0.1
+
+    problem = CrossEntropyProblem(torch.float32, 700, 12, device, seed=2)
+    entry = Tuner(n_trials=6, timer=cost, seed=1, retime_rounds=1).tune(problem)
+    assert set(entry["timing_ms"]) == {"fwd"} and entry["dims"] == {"vocab": 700}
+    assert entry["timing_ms"]["fwd"]["tuned"] <= entry["timing_ms"]["fwd"]["heuristic"]
+    config = CrossEntropyConfig.from_dict(entry["config"])
+    assert not problem.space.violations(config)
+    assert entry["trials"]["fwd"][0]["params"] == problem.space.phase_params(problem.space.heuristic(), "fwd")
+
+
+def test_tuning_problems_from_model_shape():
+    from liger_gen.models import PRESETS
+    from liger_gen.ops.cross_entropy import tuning_problems
+
+    model = dataclasses.replace(PRESETS["llama3-8b"], vocab_size=300)
+    problems = tuning_problems(model, [4, 16], torch.float32, "cpu")
+    assert [p.rows for p in problems] == [4, 16] and problems[0].dims == {"vocab": 300}
+    assert problems[0].bytes_moved("fwd") == 2 * 4 * 300 * 4 + 4 * (8 + 12)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile the kernels for real")
+def test_kernels_compile_for_sm90():
+    """The interpreter does not type-check like the compiler (e.g. loop-carried types): compile the heuristic
+    variant's kernels to sm_90 cubin with every runtime flag on, in a process without TRITON_INTERPRET."""
+    script = textwrap.dedent('''
+        import inspect, torch, triton
+        from triton.compiler import ASTSource
+        from triton.backends.compiler import GPUTarget
+        from liger_gen.codegen.build import load_variant
+        from liger_gen.ops.cross_entropy import CrossEntropySpace
+        mod = load_variant("cross_entropy", CrossEntropySpace(128256, torch.bfloat16).heuristic().to_dict())
+        F32 = ("label_smoothing", "lse_square_scale", "softcap")
+        def sig(fn, consts):
+            return {n: "constexpr" if n in consts else "*bf16" if n in ("x_ptr", "dx_ptr") else "*i64"
+                    if n == "y_ptr" else "*fp32" if n.endswith("_ptr") else "fp32" if n in F32
+                    else "i64" if "stride" in n else "i32" for n in inspect.signature(fn.fn).parameters}
+        on = dict(HAS_WEIGHT=True, HAS_SMOOTH=True, HAS_SOFTCAP=True, HAS_SCALE=True, HAS_GRAD_OUT=True)
+        off = {k: False for k in on}
+        jobs = [(mod.ce_fwd_kernel, dict(f, WRITE_GRAD=g, STORE_Q=not g, BLOCK_M=m, BLOCK_V=v, ONE_TILE=one))
+                for f in (on, off) for g in (False, True) for m, v, one in ((1, 16384, False), (2, 1024, True))]
+        jobs += [(mod.ce_bwd_kernel, dict(on, BLOCK_M=1, BLOCK_V=16384)), (mod.ce_scale_grad_kernel, dict(BLOCK=4096)),
+                 (mod.ce_mean_scale_kernel, dict(HAS_WEIGHT=True, BLOCK=1024)),
+                 (mod.ce_reduce_kernel, dict(HAS_SCALE=True, BLOCK=1024))]
+        for fn, consts in jobs:
+            triton.compile(ASTSource(fn, sig(fn, consts), consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=8, num_stages=2))
+        print("compiled", len(jobs))
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled 12" in done.stdout, done.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_in_fwd", [1, 0])
+def test_llama3_8b_shape_bf16_forward_backward_vs_float64(grad_in_fwd):
+    """8192 tokens x 128256 vocab (Llama-3-8B's LM head), bf16, through the public op, against float64 in row
+    chunks (the full float64 gradient alone would be 8.4 GB). Also the tuner's gate on both strategies."""
+    from liger_gen.codegen.build import load_variant
+
+    problem = CrossEntropyProblem(torch.bfloat16, 128256, 8192, "cuda", seed=3)
+    with _forced_config(GRAD_IN_FWD=grad_in_fwd):
+        x = problem.buffers["logits"].requires_grad_()
+        t = problem.buffers["target"]
+        loss = cross_entropy(x, t)
+        loss.backward()
+    assert rel_l2(loss, problem.ref["loss"]) < FP32_OUT_TOL
+    problem.buffers["dlogits"] = x.grad
+    assert problem.dlogits_error() < REL_TOL[torch.bfloat16]
+    x.requires_grad_(False)
+    config = dataclasses.replace(problem.space.heuristic(), GRAD_IN_FWD=grad_in_fwd)
+    module = load_variant("cross_entropy", problem.template_params(config))
+    assert problem.check(module, "fwd") is None

@@ -1,0 +1,127 @@
+"""``liger_gen.apply_to`` on small transformers models: what it swaps, and that the model computes the same."""
+
+import pytest
+import torch
+
+import liger_gen
+from liger_gen.codegen.problems import REL_TOL, rel_l2
+from liger_gen.runtime.integrations import transformers as integration
+
+
+@pytest.fixture(autouse=True)
+def _restore_rope():
+    yield
+    integration.restore_rope()
+
+
+def _model(family: str, device, seed: int = 0, tie: bool = False):
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=211, max_position_embeddings=128, tie_word_embeddings=tie)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=16)
+        cls = transformers.Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).to(device)
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm that ignored them would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def _loss_and_grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_apply_to_swaps_every_part_and_training_matches(family, device):
+    model = _model(family, device)
+    model.train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 211, (2, 24), generator=gen).to(device)
+    labels = ids.clone()
+    labels[0, :5] = -100  # prompt tokens masked, as in instruction tuning
+    ref_out, ref_grads = _loss_and_grads(model, ids, labels)
+    params_before = dict(model.named_parameters())
+
+    assert liger_gen.apply_to(model) is model
+    assert liger_gen.apply_to(model) is model  # twice is harmless
+    n_norms = 2 * 2 + 1 + (2 * 2 if family == "qwen3" else 0)  # qwen3 adds per-head q/k norms
+    assert sum(isinstance(m, liger_gen.nn.RMSNorm) for m in model.modules()) == n_norms
+    assert sum(isinstance(m, liger_gen.nn.SwiGLUMLP) for m in model.modules()) == 2
+    assert dict(model.named_parameters()).keys() == params_before.keys()
+    assert all(params_before[n] is p for n, p in model.named_parameters())
+
+    out, grads = _loss_and_grads(model, ids, labels)
+    assert out.logits is None  # training loss without logits
+    assert rel_l2(out.loss.detach(), ref_out.loss.detach()) < 1e-4
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert rel_l2(g, ref_grads[name]) < 1e-3, name
+
+
+def test_eval_mode_returns_logits_equal_to_transformers(device):
+    model = _model("llama", device).eval()
+    ids = torch.randint(0, 211, (1, 16)).to(device)
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids)
+        liger_gen.apply_to(model)
+        got = model(input_ids=ids, labels=ids)
+    assert rel_l2(got.logits, expected.logits) < REL_TOL[torch.float32] * 10
+    assert rel_l2(got.loss, expected.loss) < REL_TOL[torch.float32] * 10
+
+
+def test_num_items_in_batch_divides_the_summed_loss(device):
+    """Gradient accumulation: transformers' trainer passes num_items_in_batch; the loss is sum / that count."""
+    model = _model("llama", device).train()
+    ids = torch.randint(0, 211, (2, 12)).to(device)
+    expected = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(37)).loss.detach()
+    liger_gen.apply_to(model)
+    got = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(37)).loss.detach()
+    assert rel_l2(got, expected) < 1e-4
+
+
+def test_tied_embeddings_get_the_head_gradient(device):
+    model = _model("qwen2", device, tie=True).train()
+    ids = torch.randint(0, 211, (2, 10)).to(device)
+    _, ref = _loss_and_grads(model, ids, ids)
+    liger_gen.apply_to(model)
+    _, got = _loss_and_grads(model, ids, ids)
+    name = "model.embed_tokens.weight"
+    assert rel_l2(got[name], ref[name]) < 1e-3
+
+
+def test_flags_switch_replacements_off(device):
+    model = _model("llama", device)
+    liger_gen.apply_to(model, rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False)
+    assert not any(isinstance(m, (liger_gen.nn.RMSNorm, liger_gen.nn.SwiGLUMLP)) for m in model.modules())
+    assert "forward" not in vars(model)
+    from transformers.models.llama import modeling_llama
+
+    assert modeling_llama.apply_rotary_pos_emb is not liger_gen.functional.rope
+
+
+def test_restore_rope_puts_transformers_function_back(device):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    liger_gen.apply_to(_model("llama", device))
+    assert modeling_llama.apply_rotary_pos_emb is liger_gen.functional.rope
+    integration.restore_rope()
+    assert modeling_llama.apply_rotary_pos_emb is original
+
+
+def test_unsupported_model_is_rejected():
+    with pytest.raises(ValueError, match="model_type"):
+        liger_gen.apply_to(torch.nn.Linear(2, 2))
