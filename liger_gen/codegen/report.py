@@ -30,10 +30,15 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
             progress.update(task, description=f"tuning {op} for {model.name} on {device_name}")
 
             def problems(op=op):
-                # problems hold their inputs and float64 truth on the GPU: build one at a time, free it after
+                # problems hold their inputs and float64 truth on the GPU: build one at a time, free it after;
+                # ops that cap the token count for tuning give the same problem for several rows: tune it once
+                seen = set()
                 for dtype in dtypes:
                     for r in rows:
                         for problem in get_op(op).tuning_problems(model, [r], dtype, device, seed):
+                            if problem.key() in seen:
+                                continue
+                            seen.add(problem.key())
                             progress.update(task, total=(progress.tasks[0].total or 0) + trials * len(problem.phases))
                             yield problem
                             del problem
