@@ -288,6 +288,7 @@ def _bad(**changes):
     (_bad(softcap=0.0), ValueError, ["softcap"]),
     (_bad(ignore_index=1.0), TypeError, ["ignore_index"]),
     (_bad(return_z_loss=1), TypeError, ["return_z_loss"]),
+    (_bad(x=torch.ones(4, 0), lm_head_weight=torch.ones(6, 0)), ValueError, ["hidden", "(4, 0)"]),
 ])
 def test_bad_input_names_argument_shape_dtype(args, exc, words, device):
     args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}

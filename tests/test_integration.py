@@ -109,7 +109,7 @@ def test_flags_switch_replacements_off(device):
     assert "forward" not in vars(model)
     from transformers.models.llama import modeling_llama
 
-    assert modeling_llama.apply_rotary_pos_emb is not liger_gen.functional.rope
+    assert not getattr(modeling_llama.apply_rotary_pos_emb, "liger_gen", False)
 
 
 def test_restore_rope_puts_transformers_function_back(device):
@@ -117,9 +117,60 @@ def test_restore_rope_puts_transformers_function_back(device):
 
     original = modeling_llama.apply_rotary_pos_emb
     liger_gen.apply_to(_model("llama", device))
-    assert modeling_llama.apply_rotary_pos_emb is liger_gen.functional.rope
+    assert modeling_llama.apply_rotary_pos_emb.liger_gen
     integration.restore_rope()
     assert modeling_llama.apply_rotary_pos_emb is original
+
+
+def test_patched_rope_keeps_transformers_signature(device):
+    """Callers of the module function may pass unsqueeze_dim positionally, as transformers' signature allows."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 5, 4, 8, generator=gen).to(device), torch.randn(2, 5, 2, 8, generator=gen).to(device)
+    cos, sin = torch.randn(2, 5, 8, generator=gen).to(device), torch.randn(2, 5, 8, generator=gen).to(device)
+    expected = original(q, k, cos, sin, 2)
+    liger_gen.apply_to(_model("llama", device))
+    got = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, 2)
+    for a, b in zip(got, expected):
+        assert rel_l2(a, b) < REL_TOL[torch.float32]
+
+
+def test_return_dict_false_and_positional_arguments(device):
+    model = _model("llama", device).train()
+    ids = torch.randint(0, 211, (2, 9)).to(device)
+    expected = model(input_ids=ids, labels=ids).loss.detach()
+    liger_gen.apply_to(model)
+    out = model(input_ids=ids, labels=ids, return_dict=False)
+    assert isinstance(out, tuple) and rel_l2(out[0].detach(), expected) < 1e-4
+    positional = model(ids, None, None, None, None, ids)  # labels is the 6th parameter of forward
+    assert rel_l2(positional.loss.detach(), expected) < 1e-4
+    model.eval()
+    assert model(ids, None, None, None, None, ids).logits is not None
+
+
+def test_patched_model_pickles_and_loads(device):
+    import io
+
+    model = _model("qwen2", device).train()
+    liger_gen.apply_to(model)
+    ids = torch.randint(0, 211, (1, 8)).to(device)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.forward.module is loaded
+    a, b = model(input_ids=ids, labels=ids), loaded(input_ids=ids, labels=ids)
+    assert b.logits is None and rel_l2(b.loss.detach(), a.loss.detach()) < 1e-6
+
+
+def test_use_cache_in_training_runs_the_original_forward(device):
+    model = _model("llama", device).train()
+    liger_gen.apply_to(model)
+    ids = torch.randint(0, 211, (1, 8)).to(device)
+    out = model(input_ids=ids, labels=ids, use_cache=True)
+    assert out.logits is not None and out.loss is not None
 
 
 def test_unsupported_model_is_rejected():

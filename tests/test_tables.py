@@ -152,10 +152,16 @@ def test_write_table_sorted_and_atomic(tmp_path):
 
 
 def test_packaged_tables_parse_and_belong_to_their_gpu():
+    from liger_gen.codegen.spaces import space_for
+    from liger_gen.ops import available_ops
+
     root = tables.packaged_root()
+    ops = set()
     for path in root.glob("*/*.json"):
         table = tables.load_table(path)
         assert table["gpu"] == path.parent.name and table["op"] == path.stem
+        ops.add(table["op"])
         for e in table["entries"]:
-            space = RMSNormSpace(e["dims"], getattr(torch, e["dtype"]))
-            assert not space.violations(space.config_cls.from_dict(e["config"]))
+            space = space_for(table["op"], e["dims"], getattr(torch, e["dtype"]))
+            assert not space.violations(space.config_cls.from_dict(e["config"])), (path, e["dims"], e["rows"])
+    assert ops == set(available_ops())  # every op has a packaged (H200) table

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping

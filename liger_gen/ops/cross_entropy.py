@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
+                                   describe, kernel_module, no_double_backward, saveable, uses_triton)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -556,8 +556,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     With a GRAD_IN_FWD=1 config and a gradient needed, the forward writes dlogits and saves only that; the
     backward scales it in place (rows whose upstream gradient is exactly 1 are skipped on the device) and
-    hands it on. A second backward through the same graph (retain_graph=True) then fails with autograd's
-    "modified by an inplace operation" error rather than returning a twice-scaled gradient.
+    hands it on. A second backward through the same graph (retain_graph=True) then raises a RuntimeError
+    rather than returning a twice-scaled gradient.
     """
 
     @staticmethod
@@ -583,6 +583,11 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_zl):
         no_double_backward("cross_entropy", "liger_gen.reference.cross_entropy_torch")
         if ctx.grad_in_fwd:
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("liger_gen cross_entropy: backward ran twice through one forward "
+                                   "(retain_graph=True); the gradient written by the forward was already scaled "
+                                   "and handed on. Run the forward again for each backward.")
+            ctx.consumed = True
             (dlogits,) = ctx.saved_tensors
             module, _, _ = kernel_module("cross_entropy", dlogits, dlogits.shape[-1], dlogits.shape[0])
             g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
@@ -708,6 +713,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         ValueError: target's shape is not logits' leading shape, weight is not (V,) or requires grad, V < 1,
             tensors on different devices, reduction unknown, label_smoothing outside [0, 1], lse_square_scale
             < 0, softcap <= 0.
+        RuntimeError: at backward, a second backward through one forward (``retain_graph=True``) when the
+            tuned config computes the gradient in the forward (bf16/fp32 on the kernel path): run the forward
+            again, or use the plain path.
     """
     op = "cross_entropy"
     label_smoothing, lse_square_scale, softcap = _check_inputs(
@@ -717,9 +725,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     if not uses_triton(logits):
         return cross_entropy_torch(logits, target, weight, ignore_index, reduction, label_smoothing,
                                    lse_square_scale, softcap, return_z_loss)
-    if logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                        f"{describe('logits', logits)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, logits=logits)
     x = _rows_layout(logits)
     t = target.reshape(-1)
     if weight is not None and weight.stride(0) != 1:

@@ -24,7 +24,7 @@ import torch
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_out_dtype,
                                     rms_norm_torch)
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    no_double_backward, saveable, uses_triton)
 
 OP = "fused_add_rms_norm"
@@ -389,10 +389,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
             raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
     if not uses_triton(x):
         return fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, x=x, residual=residual, weight=weight)
     if hidden > FusedAddRMSNormSpace.MAX_N_COLS:
         raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
                          f"{FusedAddRMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")

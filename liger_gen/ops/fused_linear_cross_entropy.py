@@ -618,6 +618,8 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
     hidden = x.shape[-1]
+    if hidden < 1:
+        raise ValueError(f"{op}: x must have a hidden size >= 1 in its last dim; got {describe('x', x)}")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden:
         raise ValueError(f"{op}: lm_head_weight must have shape (vocab, {hidden}) to match x's last dim; got "
                          f"{describe('lm_head_weight', lm_head_weight)} and {describe('x', x)}")
@@ -707,11 +709,10 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
         TypeError: a tensor argument is not a tensor; x / lm_head_weight / bias / weight are not floating, x and
             lm_head_weight (or bias) differ in dtype, float64 on the kernel path; target is not int64/int32; a
             scalar option has the wrong type.
-        ValueError: lm_head_weight is not (vocab, hidden) for x's hidden; target's shape is not x's leading shape;
-            bias or weight is not (vocab,); weight requires grad; tensors on different devices; reduction unknown;
-            label_smoothing
-            outside [0, 1]; lse_square_scale < 0; softcap <= 0; on the CPU, a target outside [0, vocab) that is
-            not ignore_index.
+        ValueError: hidden is 0; lm_head_weight is not (vocab, hidden) for x's hidden; target's shape is not x's
+            leading shape; bias or weight is not (vocab,); weight requires grad; tensors on different devices;
+            reduction unknown; label_smoothing outside [0, 1]; lse_square_scale < 0; softcap <= 0; on the CPU, a
+            target outside [0, vocab) that is not ignore_index.
 
     Not checked: target values on the kernel path (that would need a host sync): as in ``cross_entropy``, a
     target outside [0, vocab) that is not ignore_index gives a NaN loss for its row, so a mean or sum is NaN, and

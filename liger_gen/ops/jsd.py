@@ -21,7 +21,7 @@ import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.ops.kl_div import DivergenceSpace, chunk_rows, random_log_probs, tuning_rows
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    no_double_backward, saveable, uses_triton)
 
 # kernel MODE constexpr: the two endpoints are the limits JSD_b / beta and JSD_b / (1 − beta), not JSD_b itself
@@ -382,10 +382,7 @@ def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.
                          f"teacher_logp.detach() (got {describe('teacher_logp', teacher_logp)})")
     if not uses_triton(student_logp):
         return jsd_torch(student_logp, teacher_logp, beta, ignore_index, label)
-    for name, t in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, student_logp=student_logp, teacher_logp=teacher_logp)
     vocab = student_logp.shape[-1]
     rows = math.prod(student_logp.shape[:-1])
     s2d = student_logp.reshape(rows, vocab)

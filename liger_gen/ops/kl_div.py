@@ -18,8 +18,8 @@ import torch
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, describe, kernel_module, no_double_backward,
-                                   saveable, uses_triton)
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
+                                   no_double_backward, saveable, uses_triton)
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 _REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2, "batchmean": 2}  # ATen's enum; batchmean divides after
@@ -474,10 +474,7 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
             raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
     if not uses_triton(input):
         return kl_div_torch(input, target, reduction, log_target)
-    for name, t in (("input", input), ("target", target)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, input=input, target=target)
     divisor = kl_div_divisor(input.shape, reduction)
     vocab = input.shape[-1] if input.dim() > 0 else 1
     rows = math.prod(input.shape[:-1]) if input.dim() > 0 else 1

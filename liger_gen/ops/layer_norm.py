@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormSpace
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    no_double_backward, saveable, uses_triton)
 
 # ------------------------------------------------------------------------------------------------ references
@@ -357,10 +357,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     _check_param_dtypes(op, x, weight=weight, bias=bias)
     if not uses_triton(x):
         return layer_norm_torch(x, weight, bias, eps)
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, x=x, weight=weight, bias=bias)
     if hidden > LayerNormSpace.MAX_N_COLS:
         raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
                          f"{LayerNormSpace.MAX_N_COLS}; got {describe('x', x)}")

@@ -15,7 +15,7 @@ import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    no_double_backward, saveable, uses_triton)
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -413,10 +413,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
             raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
     if not uses_triton(x):
         return rms_norm_torch(x, weight, eps, offset, casting_mode)
-    for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, x=x, weight=weight)
     if hidden > RMSNormSpace.MAX_N_COLS:
         raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
                          f"{RMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")

@@ -21,7 +21,7 @@ import torch
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_tensor, describe, kernel_module,
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe, kernel_module,
                                    no_double_backward, saveable, uses_triton)
 
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -476,6 +476,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         computed in fp32 and rounded once to q's dtype. cos and sin get gradients only if they require grad
         (transformers' never do: they come from a non-trainable buffer); those are computed in plain PyTorch
         (fp32 sums over heads, batch and, with position_ids, table rows), and only then are q and k saved.
+        On the kernel path q_out and k_out come from one autograd node (one launch rotates both): backpropagate
+        them together, as attention does, or keep the graph (``retain_graph=True``) for a second backward.
 
     CUDA tensors run the tuned Triton kernel for the current GPU; CPU tensors run plain PyTorch (bit-identical
     to transformers), or the same Triton kernel in Triton's interpreter when ``TRITON_INTERPRET=1``. float64 is
@@ -543,10 +545,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     check_same_device(op, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
     if not uses_triton(q):
         return rope_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
-    for name, t in (("q", q), ("cos", cos)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+    check_kernel_dtypes(op, q=q, cos=cos)
     if head_dim > RoPESpace.MAX_HEAD_DIM:
         raise ValueError(f"{op}: head_dim {head_dim} exceeds the kernel's limit {RoPESpace.MAX_HEAD_DIM}; "
                          f"got {describe('q', q)}")

@@ -24,8 +24,8 @@ from torch import nn
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, describe, kernel_module, no_double_backward,
-                                   saveable, uses_triton)
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
+                                   no_double_backward, saveable, uses_triton)
 
 # template activation → (op that owns its tables, how PyTorch spells it)
 ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu"}
@@ -445,9 +445,8 @@ def swiglu_gate_up_2d(gate_up: torch.Tensor) -> torch.Tensor:
 def _check_dtype(op: str, name: str, t: torch.Tensor, kernel: bool) -> None:
     if not t.is_floating_point():
         raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
-    if kernel and t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got {describe(name, t)} "
-                        f"(float64 runs only on the plain-PyTorch CPU path)")
+    if kernel:
+        check_kernel_dtypes(op, **{name: t})
 
 
 def check_glu_inputs(op: str, gate, up) -> bool:

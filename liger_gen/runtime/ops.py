@@ -124,6 +124,14 @@ def check_float_arg(op: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def check_kernel_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
+    """TypeError naming the first tensor whose dtype the Triton kernels do not take (None entries are skipped)."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                            f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
+
+
 def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
     """ValueError naming every tensor if they are not all on one device (None entries are skipped)."""
     present = {k: v for k, v in tensors.items() if v is not None}

@@ -6,7 +6,8 @@ What ``apply_to`` replaces, per model family (``config.model_type``):
   computes LlamaRMSNorm's formula; Qwen3's per-head q/k norms included).
 - **The SwiGLU MLP** (``LlamaMLP`` and its copies, when ``config.hidden_act`` is SiLU) →
   ``liger_gen.nn.SwiGLUMLP`` holding the same three ``nn.Linear`` modules.
-- **RoPE**: the family's ``apply_rotary_pos_emb`` function → ``liger_gen.functional.rope``. Attention modules
+- **RoPE**: the family's ``apply_rotary_pos_emb`` function → ``liger_gen.functional.rope`` (wrapped to keep
+  transformers' signature). Attention modules
   call that function through their modeling module's globals, so this patch is process-wide: every model of
   that family in the process uses it afterwards (the function computes the same values);
   ``restore_rope()`` puts transformers' functions back.
@@ -15,13 +16,15 @@ What ``apply_to`` replaces, per model family (``config.model_type``):
   without materialising the logits (``outputs.logits`` is None then). The loss equals transformers'
   ``ForCausalLMLoss``: labels shifted left, ``ignore_index=-100``, mean over non-ignored tokens, or a sum
   divided by ``num_items_in_batch`` when the trainer passes it. In eval mode, or without labels, the original
-  forward runs and returns logits.
+  forward runs and returns logits (also with ``use_cache=True``). ``return_dict=False`` gives a tuple, as in
+  transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import types
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -92,19 +95,30 @@ def _swap_children(model: nn.Module, class_names: tuple[str, ...], make) -> int:
     return count
 
 
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None,
-                       logits_to_keep=0, shift_labels=None, **kwargs):
-    """Causal-LM forward whose training loss never materialises the logits (see the module docstring)."""
+def _causal_lm_forward(self, *args, **kwargs):
+    """Causal-LM forward whose training loss never materialises the logits (see the module docstring).
+
+    The call is bound to the original ``forward``'s signature, so positional and keyword arguments mean what
+    they mean there; anything but a training call with ``labels`` (and without ``use_cache=True``) runs the
+    original forward unchanged.
+    """
     original = type(self).forward
-    if args or not self.training or (labels is None and shift_labels is None):
-        return original(self, input_ids, attention_mask, position_ids, *args, labels=labels,
-                        logits_to_keep=logits_to_keep, shift_labels=shift_labels, **kwargs)
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    named = dict(bound.arguments)
+    extra = named.pop("kwargs", {})
+    labels = named.get("labels")
+    if not self.training or labels is None or named.get("use_cache"):
+        return original(self, *args, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from liger_gen.functional import fused_linear_cross_entropy
 
-    num_items_in_batch = kwargs.get("num_items_in_batch")
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    for name in ("self", "labels", "logits_to_keep", "use_cache"):
+        named.pop(name, None)
+    return_dict = extra.pop("return_dict", None)
+    shift_labels = extra.pop("shift_labels", None)
+    num_items_in_batch = extra.get("num_items_in_batch")
+    outputs = self.model(**named, **extra)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # tokens < n predict token n, as transformers' ForCausalLMLoss shifts them
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -116,8 +130,42 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
-    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                  attentions=outputs.attentions)
+    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                 attentions=outputs.attentions)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    return out if return_dict else out.to_tuple()
+
+
+class FusedLossForward:
+    """The ``forward`` ``apply_to`` installs on a causal-LM instance: ``_causal_lm_forward`` bound to it.
+
+    A plain object rather than a bound method so that a patched model can be pickled and loaded (a bound method
+    pickles as a lookup of its function's name on the instance, which does not exist).
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return _causal_lm_forward(self.module, *args, **kwargs)
+
+
+def _transformers_rope(original):
+    """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
+    honoured by name or position; a ``position_ids`` argument (deprecated and unused in transformers since
+    cos/sin come per position) is ignored as transformers ignores it."""
+    from liger_gen.functional import rope
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
+        return rope(q, k, cos, sin, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
+
+    apply_rotary_pos_emb.liger_gen = True
+    return apply_rotary_pos_emb
 
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
@@ -149,13 +197,11 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     if swiglu and getattr(config, "hidden_act", None) in _SILU:
         _swap_children(model, family.mlp_classes, _replace_mlp)
     if rope:
-        from liger_gen.functional import rope as liger_rope
-
         modeling = importlib.import_module(family.modeling_module)
-        _original_rope.setdefault(family.modeling_module, modeling.apply_rotary_pos_emb)
-        modeling.apply_rotary_pos_emb = liger_rope
+        original = _original_rope.setdefault(family.modeling_module, modeling.apply_rotary_pos_emb)
+        modeling.apply_rotary_pos_emb = _transformers_rope(original)
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
-        model.forward = types.MethodType(_causal_lm_forward, model)
+        model.forward = FusedLossForward(model)
     return model
 
 
