@@ -63,7 +63,7 @@ def summary_table(op: str, entries: list[dict]) -> Table:
     """Shape, heuristic ms, tuned ms, speed-up and GB/s (forward + backward) for each tuned entry."""
     table = Table(title=f"{op}: forward + backward kernel time (median, L2 flushed)")
     for col in ("dtype", "rows", "dims", "heuristic ms", "tuned ms", "speed-up", "tuned GB/s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for e in sorted(entries, key=entry_sort_key):
         heur = sum(t["heuristic"] for t in e["timing_ms"].values())
         tuned = sum(t["tuned"] for t in e["timing_ms"].values())
@@ -95,7 +95,8 @@ def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
             if table["entries"] and "timing_ms" in table["entries"][0]:
                 console.print(summary_table(table["op"], table["entries"]))
             cfg = Table(title="configs")
-            cfg.add_column("dtype"), cfg.add_column("rows"), cfg.add_column("dims"), cfg.add_column("config")
+            cfg.add_column("dtype"), cfg.add_column("rows"), cfg.add_column("dims", overflow="fold")
+            cfg.add_column("config", overflow="fold")
             for e in table["entries"]:
                 cfg.add_row(e["dtype"], str(e["rows"]), _dims(e),
                             " ".join(f"{k}={v}" for k, v in sorted(e["config"].items())))
