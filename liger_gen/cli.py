@@ -5,7 +5,6 @@ Thin by design: parse, call the library, print.
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -87,7 +86,8 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, storage, seed) -> 
     if visible is None:
         raise click.ClickException(
             f"no CUDA GPU is visible, and tuning measures kernels on the target GPU. Run "
-            f"`liger-gen {shlex.join(sys.argv[1:]) or 'tune --gpu ' + gpu}` on a machine with that GPU. Without a GPU, "
+            f"`liger-gen tune --gpu {gpu} --model {model_name}` (with the same other options) on a machine with "
+            f"that GPU. Without a GPU, "
             f"`liger-gen show --gpu {gpu}` lists the packaged tables; on CPU tensors the runtime uses plain "
             f"PyTorch (or Triton's interpreter with TRITON_INTERPRET=1).")
     if visible[0] != gpu:
