@@ -66,9 +66,12 @@ def main() -> None:
               help="Optuna trials per kernel (forward and backward each) and shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Table root; writes OUT/<gpu>/<op>.json. Default: the package's tuned/ folder.")
+@click.option("--polish", default=None, type=click.IntRange(0, 10_000),
+              help="Variants measured by the local polish after the search, per kernel and shape "
+                   "(default: a quarter of --trials).")
 @click.option("--storage", default=None, help="Optuna storage URL (e.g. sqlite:///tune.db) to resume studies.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampler and input seed.")
-def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, storage, seed) -> None:
+def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed) -> None:
     """Search launch settings on this GPU and write the tuned tables."""
     import torch
 
@@ -96,7 +99,7 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, storage, seed) -> 
     from liger_gen.codegen.report import run_tuning
 
     run_tuning(ops=ops, model=model, rows=rows, dtypes=dtype_list, trials=trials,
-               out_root=out_dir or packaged_root(), storage=storage, seed=seed,
+               out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
                device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu, device_name=visible[1])
 
 

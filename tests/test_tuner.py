@@ -102,7 +102,8 @@ def test_study_resumes_from_storage(problem, tmp_path):
     # the second run finds 5 measured trials per phase and only re-times the candidates
     assert len(calls) < first
     measured = [r for r in entry["trials"]["fwd"] if r["status"] in Tuner.MEASURED]
-    assert len(measured) == 5
+    polish = [r for r in measured if r.get("polish")]
+    assert len(measured) - len(polish) == 5 and len(polish) <= 1  # polish budget: 5 // 4, spent once
 
 
 def test_repeated_points_are_not_measured_twice(problem):
@@ -111,13 +112,13 @@ def test_repeated_points_are_not_measured_twice(problem):
     for phase in ("fwd", "bwd"):
         records = entry["trials"][phase]
         measured = [r for r in records if r["status"] in Tuner.MEASURED]
-        assert len(measured) == 12
+        assert len([r for r in measured if not r.get("polish")]) == 12
         keys = [tuple(sorted(r["params"].items())) for r in measured]
         assert len(set(keys)) == len(keys)  # every measured point is distinct
         for r in records:
             if r["status"] == "duplicate":
                 assert tuple(sorted(r["params"].items())) in keys
-    assert len(ticks) == 24  # the progress bar advances once per measured variant
+    assert len(ticks) == 2 * (12 + 3)  # once per measured variant of the search and the polish budget (12 // 4)
 
 
 def test_wrong_reference_is_caught(problem):
@@ -126,3 +127,25 @@ def test_wrong_reference_is_caught(problem):
     module = load_variant("rms_norm", problem.template_params(problem.space.heuristic()))
     assert "y: relative L2 error" in problem.check(module, "fwd")
     assert problem.check(module, "bwd") is None
+
+
+def test_local_polish_walks_to_a_neighbouring_optimum(problem):
+    """With one search trial (the heuristic) only the polish can move: it must climb BLOCK_M_FWD one halving or
+    doubling at a time to the cost model's optimum, and record each move as a polish trial."""
+    heuristic = problem.space.heuristic()
+    target = 2 * heuristic.BLOCK_M_FWD  # one doubling away, so a single polish move reaches it
+
+    def timer(launch, params):
+        return 1.0 + abs(params["BLOCK_M_FWD"] - target) + 0.01 * params["num_stages_fwd"]
+
+    entry = Tuner(n_trials=1, timer=timer, seed=0, polish_trials=6).tune(problem)
+    assert entry["config"]["BLOCK_M_FWD"] == target
+    polish = [t for t in entry["trials"]["fwd"] if t.get("polish")]
+    assert 1 <= len([t for t in polish if t["status"] in Tuner.MEASURED]) <= 6
+    assert all(sum(t["params"][k] != entry["heuristic"][k] for k in t["params"]) >= 1 for t in polish)
+    assert entry["timing_ms"]["fwd"]["tuned"] < entry["timing_ms"]["fwd"]["heuristic"]
+
+
+def test_polish_zero_measures_nothing_extra(problem):
+    entry = Tuner(n_trials=2, timer=cost_model, seed=0, polish_trials=0).tune(problem)
+    assert not any(t.get("polish") for phase in entry["trials"].values() for t in phase)

@@ -17,7 +17,8 @@ from liger_gen.runtime.tables import entry_sort_key
 console = Console()
 
 
-def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name) -> None:
+def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
+               polish: int | None = None) -> None:
     """Tune ``ops`` at the model's shapes, write one table per op, print a summary."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
@@ -25,7 +26,8 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(f"tuning {model.name} on {device_name}", total=None)
-        tuner = Tuner(n_trials=trials, storage=storage, seed=seed, on_trial=lambda: progress.advance(task))
+        tuner = Tuner(n_trials=trials, storage=storage, seed=seed, polish_trials=polish,
+                      on_trial=lambda: progress.advance(task))
         for op in ops:
             progress.update(task, description=f"tuning {op} for {model.name} on {device_name}")
 
@@ -39,7 +41,8 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
                             if problem.key() in seen:
                                 continue
                             seen.add(problem.key())
-                            progress.update(task, total=(progress.tasks[0].total or 0) + trials * len(problem.phases))
+                            progress.update(task, total=(progress.tasks[0].total or 0)
+                                            + (trials + tuner.polish_trials) * len(problem.phases))
                             yield problem
                             del problem
                             torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ For each phase (forward and backward kernels are tuned separately):
   2. TPE samples the space; a sample that violates a constraint is pruned before anything compiles;
   3. each sample is built, checked against the float64 reference on the device (a wrong variant is pruned,
      never kept), then timed (median kernel time, L2 flushed); compile or launch errors prune the trial;
-  4. the best few and the heuristic are re-timed in alternation, and the winner must beat the heuristic's
+  4. a local polish moves the best point one param at a time to a neighbouring choice while that is faster;
+  5. the best few and the heuristic are re-timed in alternation, and the winner must beat the heuristic's
      re-timed median or the heuristic is kept — so a tuned entry is never slower than the default.
 Every trial's params, status and time are kept in the table entry. With ``storage`` (an Optuna storage URL,
 e.g. ``sqlite:///tune.db`` or a journal file) an interrupted study resumes where it stopped.
@@ -45,6 +46,8 @@ class Tuner:
         seed: TPE seed.
         retime_top: how many of the best trials are re-timed against the heuristic.
         retime_rounds: rounds of alternating re-timing.
+        polish_trials: variants measured by the local polish after the search (one param moved at a time to its
+            neighbouring choice, from the best point, while that improves); None: a quarter of ``n_trials``.
         on_trial: called after every finished trial (progress bars).
     """
 
@@ -53,7 +56,7 @@ class Tuner:
 
     def __init__(self, *, n_trials: int = 24, timer: Timer | None = None, build: Builder | None = None,
                  storage: Any = None, seed: int = 0, retime_top: int = 3, retime_rounds: int = 3,
-                 on_trial: Callable[[], None] | None = None):
+                 polish_trials: int | None = None, on_trial: Callable[[], None] | None = None):
         if n_trials < 1:
             raise ValueError(f"n_trials must be >= 1, got {n_trials}")
         self.n_trials = n_trials
@@ -63,6 +66,7 @@ class Tuner:
         self.seed = seed
         self.retime_top = retime_top
         self.retime_rounds = retime_rounds
+        self.polish_trials = max(0, n_trials // 4) if polish_trials is None else polish_trials
         self.on_trial = on_trial
 
     def study_name(self, problem, phase: str) -> str:
@@ -135,12 +139,50 @@ class Tuner:
                            callbacks=[progress], gc_after_trial=False)
         for _ in range(max(0, self.n_trials - (measured() - already)) if self.on_trial else 0):
             self.on_trial()  # budget not reached (space exhausted or resumed study): keep the bar's total honest
+        polished = self._polish(study, space, phase, objective, outcomes, progress)
+        for _ in range(max(0, self.polish_trials - polished) if self.on_trial else 0):  # as above
+            self.on_trial()
         records = [
             {"number": t.number, "params": t.params, "status": t.user_attrs.get("status", t.state.name.lower()),
-             "ms": t.value, **({"reason": t.user_attrs["reason"]} if "reason" in t.user_attrs else {})}
+             "ms": t.value, **({"reason": t.user_attrs["reason"]} if "reason" in t.user_attrs else {}),
+             **({"polish": True} if t.user_attrs.get("polish") else {})}
             for t in study.trials if t.state.is_finished()
         ]
         return study, records
+
+    def _polish(self, study, space, phase: str, objective, outcomes: dict, progress) -> int:
+        """Local search around the best point: move one param at a time to its neighbouring choice (half or
+        double for the power-of-two params), keep a move that is faster, repeat from the new best. Returns the
+        number of variants measured (at most ``polish_trials``); every move is an ordinary, recorded trial."""
+        # a resumed study has already spent part of the budget
+        measured = sum(1 for t in study.trials if t.user_attrs.get("polish") and t.user_attrs.get("status") in
+                       self.MEASURED)
+        already = measured
+        for _ in range(self.MAX_TRIALS_FACTOR * max(1, self.polish_trials)):  # bounds moves that measure nothing
+            ok = [(v, k) for k, (st, v) in outcomes.items() if st == "ok" and v is not None]
+            if not ok or measured >= self.polish_trials:
+                break
+            best_ms, best_key = min(ok)
+            moves = [m for m in _neighbours(space.params(phase), dict(best_key))
+                     if tuple(sorted(m.items())) not in outcomes]
+            if not moves:
+                break
+            improved = False
+            for move in moves:
+                if measured >= self.polish_trials:
+                    break
+                study.enqueue_trial(move, user_attrs={"polish": True})
+                study.optimize(objective, n_trials=1, callbacks=[progress], gc_after_trial=False)
+                trial = study.trials[-1]
+                status, ms = outcomes.get(tuple(sorted(trial.params.items())), (None, None))
+                if trial.user_attrs.get("status") in self.MEASURED:
+                    measured += 1
+                if status == "ok" and ms < best_ms:
+                    improved = True
+                    break
+            if not improved:
+                break
+        return measured - already
 
     def _retime(self, problem, phase: str, configs: list) -> list[float]:
         """Median time of each config over ``retime_rounds`` rounds, alternating, in a rotating order."""
@@ -187,6 +229,19 @@ class Tuner:
             "bytes": {phase: problem.bytes_moved(phase) for phase in problem.phases},
             "trials": trials,
         }
+
+
+def _neighbours(params: tuple, point: dict[str, Any]) -> list[dict[str, Any]]:
+    """Points one step from ``point``: each param moved to the previous or next of its choices."""
+    out = []
+    for param in params:
+        if param.name not in point or point[param.name] not in param.choices:
+            continue
+        i = param.choices.index(point[param.name])
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(param.choices):
+                out.append({**point, param.name: param.choices[j]})
+    return out
 
 
 def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
