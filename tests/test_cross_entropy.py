@@ -630,7 +630,7 @@ def test_tuner_produces_a_valid_entry(device):
     assert entry["trials"]["fwd"][0]["params"] == problem.space.phase_params(problem.space.heuristic(), "fwd")
 
 
-def test_tuning_problems_from_model_shape():
+def test_tuning_problems_from_model_shape(monkeypatch):
     from liger_gen.models import PRESETS
     from liger_gen.ops.cross_entropy import tuning_problems
 
@@ -638,6 +638,12 @@ def test_tuning_problems_from_model_shape():
     problems = tuning_problems(model, [4, 16], torch.float32, "cpu")
     assert [p.rows for p in problems] == [4, 16] and problems[0].dims == {"vocab": 300}
     assert problems[0].bytes_moved("fwd") == 2 * 4 * 300 * 4 + 4 * (8 + 12)
+    import liger_gen.ops.cross_entropy as ce
+
+    built = []
+    monkeypatch.setattr(ce, "CrossEntropyProblem", lambda dtype, vocab, rows, device, seed: built.append(rows))
+    tuning_problems(model, [ce.MAX_TUNING_ROWS * 4, 16, ce.MAX_TUNING_ROWS], torch.float32, "cpu")
+    assert built == [16, ce.MAX_TUNING_ROWS]  # capped, and the cap is built once
 
 
 # ------------------------------------------------------------------------------------------------ GPU

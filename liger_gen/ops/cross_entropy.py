@@ -409,13 +409,19 @@ class CrossEntropyProblem(Problem):
 
 PROBLEM = CrossEntropyProblem
 
-def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The LM head's loss: one problem per token count at the model's vocab size.
+MAX_TUNING_ROWS = 16384
 
-    A problem holds its logits and dlogits (2 x rows x V elements: 34 GB at 65536 x 128256 bf16) and computes
-    its float64 truth in row chunks, so build and tune them one at a time at large sizes.
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The LM head's loss: one problem per token count at the model's vocab size, token counts capped at
+    ``MAX_TUNING_ROWS``.
+
+    A problem holds its logits and dlogits (2 x rows x V elements: 8.4 GB at 16384 x 128256 bf16, 34 GB at
+    65536) and the kernels work row by row, so past 16384 rows a bigger problem costs tuning time and memory
+    while the runtime's nearest-bucket lookup serves larger token counts from the 16384-row entry.
     """
-    return [CrossEntropyProblem(dtype, model.vocab_size, r, device, seed=seed) for r in rows]
+    return [CrossEntropyProblem(dtype, model.vocab_size, r, device, seed=seed)
+            for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
 
 
 # ------------------------------------------------------------------------------------------------ binding
