@@ -195,6 +195,12 @@ class Space:
             problems.append(f"{phase}: {tile / threads:.0f} elements per thread > {max_elems_per_thread} (spills)")
         return problems
 
+    def smem_violations(self, phase: str, smem: int) -> list[str]:
+        """The shared-memory check: ``smem`` bytes a program of ``phase`` needs against the device limit."""
+        if smem > self.limits.max_shared_memory_per_block:
+            return [f"{phase}: ~{smem} B shared memory > device limit {self.limits.max_shared_memory_per_block}"]
+        return []
+
     def suggest(self, trial, phase: str, base):
         """Sample the ``phase`` params from an Optuna trial, keeping the other phase's params from ``base``."""
         values: dict[str, Any] = {}

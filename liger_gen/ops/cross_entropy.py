@@ -236,9 +236,7 @@ class CrossEntropySpace(Space):
             problems += self.threads_violations(phase, warps, tile, self.MAX_ELEMS_PER_THREAD)
             # pipelined loads keep (stages - 1) tiles of logits in shared memory, plus reduction scratch
             smem = (stages - 1) * tile * self.element_size + block_m * warps * 4 * 4
-            if smem > self.limits.max_shared_memory_per_block:
-                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
-                                f"{self.limits.max_shared_memory_per_block}")
+            problems += self.smem_violations(phase, smem)
         return problems
 
 

@@ -145,9 +145,7 @@ class DivergenceSpace(Space):
             # pipelined loads keep (stages − 1) chunks of each stream in shared memory; 4 bytes per element
             # because a call may mix dtypes (e.g. a bf16 input with an fp32 target) under this dtype's table
             smem = (stages - 1) * streams * tile * 4
-            if smem > self.limits.max_shared_memory_per_block:
-                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
-                                f"{self.limits.max_shared_memory_per_block}")
+            problems += self.smem_violations(phase, smem)
         return problems
 
 

@@ -169,9 +169,7 @@ class RMSNormSpace(Space):
             # pipelined loads keep (stages - 1) tiles of each streamed input in shared memory, plus the
             # cross-warp reduction scratch (one fp32 per warp per row and reduction)
             smem = (stages - 1) * self.STREAMS[phase] * tile * elem + self.REDUCTIONS_PER_ROW * block_m * warps * 4
-            if smem > self.limits.max_shared_memory_per_block:
-                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
-                                f"{self.limits.max_shared_memory_per_block}")
+            problems += self.smem_violations(phase, smem)
         return problems
 
 

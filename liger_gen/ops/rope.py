@@ -222,9 +222,7 @@ class RoPESpace(Space):
                                                 self.MAX_ELEMS_PER_THREAD)
             # pipelining the head loop keeps (stages - 1) x tiles in shared memory
             smem = (stages - 1) * block_m * min(block_h, self.max_block_h) * self._head_elems() * self.element_size
-            if smem > self.limits.max_shared_memory_per_block:
-                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
-                                f"{self.limits.max_shared_memory_per_block}")
+            problems += self.smem_violations(phase, smem)
         return problems
 
 

@@ -167,9 +167,7 @@ class GLUSpace(Space):
             problems += self.threads_violations(phase, warps, tile, max_elems)
             # pipelined loads keep (stages - 1) tiles of each streamed input (gate, up; + dy backward) in shared memory
             smem = (stages - 1) * n_streams * tile * self.element_size
-            if smem > self.limits.max_shared_memory_per_block:
-                problems.append(f"{phase}: ~{smem} B shared memory > device limit "
-                                f"{self.limits.max_shared_memory_per_block}")
+            problems += self.smem_violations(phase, smem)
         return problems
 
 

@@ -49,14 +49,14 @@ def _module_for(template: str, config, variant: tuple) -> ModuleType:
 
 
 @functools.lru_cache(maxsize=4096)
-def _variant(op: str, device: torch.device, dtype: torch.dtype, dims: tuple, rows: int, variant: tuple,
+def _variant(op: str, device: torch.device, dtype: torch.dtype, dims: tuple | int, rows: int, variant: tuple,
              heuristic_only: bool) -> tuple[ModuleType, Any, DeviceLimits]:
-    gpu, limits = device_info(device)
-    found = tables.lookup(op, dtype, dict(dims), rows, gpu, limits, variant=dict(variant))
-    from liger_gen.codegen.spaces import space_for
+    from liger_gen.ops import template_of
 
-    template = space_for(op, dict(dims), dtype, limits).template
-    return _module_for(template, found["config"], variant), found["config"], limits
+    gpu, limits = device_info(device)
+    found = tables.lookup(op, dtype, dims if isinstance(dims, int) else dict(dims), rows, gpu, limits,
+                          variant=dict(variant))
+    return _module_for(template_of(op), found["config"], variant), found["config"], limits
 
 
 def kernel_module(op: str, t: torch.Tensor, dims: Mapping[str, int] | int, rows: int,
@@ -64,13 +64,9 @@ def kernel_module(op: str, t: torch.Tensor, dims: Mapping[str, int] | int, rows:
     """(kernel module, config, device limits) for ``op`` at one call shape on ``t``'s device and dtype.
 
     ``dims`` are the op's feature dims (a bare int for one-dim ops); ``variant`` the render-time options that
-    are not tuned (e.g. ``casting_mode="llama"``). Memoised per shape.
+    are not tuned (e.g. ``casting_mode="llama"``). Memoised per shape: a call builds the cache key and looks it up.
     """
-    key = tuple(dims.items()) if isinstance(dims, Mapping) else dims
-    if isinstance(key, int):
-        from liger_gen.ops import get_op
-
-        key = ((get_op(op).SPACE.DIMS[0], key),)
+    key = dims if isinstance(dims, int) else tuple(dims.items())
     return _variant(op, t.device, t.dtype, key, int(rows), tuple(sorted(variant.items())),
                     tables.heuristic_only_enabled())
 
