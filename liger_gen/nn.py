@@ -44,7 +44,8 @@ class RMSNorm(nn.Module):
 
 
 class CrossEntropyLoss(nn.Module):
-    """Drop-in for ``torch.nn.CrossEntropyLoss`` (classes in the last dim) running ``liger_gen.functional.cross_entropy``.
+    """Drop-in for ``torch.nn.CrossEntropyLoss`` (classes in the last dim) that runs
+    ``liger_gen.functional.cross_entropy``.
 
     Args:
         weight: optional (vocab,) class weights, kept as a buffer as torch does.

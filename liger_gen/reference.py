@@ -16,7 +16,8 @@ from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
 from liger_gen.ops.swiglu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
 
-__all__ = ["CASTING_MODES", "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64", "fused_add_rms_norm_torch",
+__all__ = ["CASTING_MODES", "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64",
+           "fused_add_rms_norm_torch",
            "fused_linear_cross_entropy_float64", "fused_linear_cross_entropy_float64_chunked",
            "fused_linear_cross_entropy_torch", "geglu_float64", "geglu_torch",
            "glu_float64", "glu_gate_up_torch", "glu_torch", "jsd_float64", "jsd_torch",

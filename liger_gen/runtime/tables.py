@@ -13,8 +13,8 @@ Lookup contract (``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables pa
 then the op's analytic heuristic. A table is used only if its op, GPU, template hash and Triton major.minor
 version match the running ones; otherwise it is skipped with one warning and the next source is tried. Feature
 dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype must match exactly; entries tuned with the same render-time
-options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance. A corrupt or ill-formed
-file warns and is skipped: training never crashes, and never runs a wrong kernel, because of a table. Every
+options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance.
+A corrupt or ill-formed file warns and is skipped: training never crashes, and never runs a wrong kernel, because of a table. Every
 config taken from a table is re-checked against the space's constraints before use.
 """
 

@@ -95,6 +95,12 @@ def _swap_children(model: nn.Module, class_names: tuple[str, ...], make) -> int:
     return count
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(function) -> inspect.Signature:
+    """The signature of a model class's forward, read once (binding a call to it happens every step)."""
+    return inspect.signature(function)
+
+
 def _causal_lm_forward(self, *args, **kwargs):
     """Causal-LM forward whose training loss never materialises the logits (see the module docstring).
 
@@ -103,7 +109,7 @@ def _causal_lm_forward(self, *args, **kwargs):
     original forward unchanged.
     """
     original = type(self).forward
-    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound = _signature(original).bind(self, *args, **kwargs)
     named = dict(bound.arguments)
     extra = named.pop("kwargs", {})
     labels = named.get("labels")
