@@ -12,6 +12,7 @@ import click
 
 from liger_gen import __version__
 from liger_gen.ops import available_ops
+from liger_gen.bench.step import step_command_options
 from liger_gen.runtime.devices import KNOWN_GPUS
 
 OPS = available_ops()
@@ -69,11 +70,32 @@ def main() -> None:
 @click.option("--polish", default=None, type=click.IntRange(0, 10_000),
               help="Variants measured by the local polish after the search, per kernel and shape "
                    "(default: a quarter of --trials).")
-@click.option("--storage", default=None, help="Optuna storage URL (e.g. sqlite:///tune.db) to resume studies.")
+@click.option("--storage", default=None,
+              help="Where the Optuna studies are kept, to resume an interrupted run: a journal file path "
+                   "(safe for several workers) or a database URL (sqlite:///tune.db). Default: in memory with "
+                   "one worker; with several, a journal file in OUT/<gpu>/, removed after a complete run.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampler and input seed.")
-def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed) -> None:
-    """Search launch settings on this GPU and write the tuned tables."""
+@click.option("--budget-s", "budget_s", default=36.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds of search + polish per op, split evenly over its shapes and kernels; a search that "
+                   "reaches its share stops (recorded in the table), re-timing still runs. 0: no cap.")
+@click.option("--workers", default=None, type=click.IntRange(1),
+              help="Tune on this many GPUs (0..N-1) in parallel, one worker process each, sharing --storage.")
+@click.option("--devices", default=None,
+              help="Comma-separated GPU indices to tune on in parallel (e.g. 0,1,2,3); overrides --workers.")
+def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
+         devices) -> None:
+    """Search launch settings on this GPU (or several of the same kind) and write the tuned tables."""
     import torch
+
+    if devices is not None:
+        text = devices
+        try:
+            devices = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated GPU indices, got {text!r}",
+                                     param_hint="--devices") from None
+        if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+            raise click.BadParameter(f"expected distinct GPU indices >= 0, got {text!r}", param_hint="--devices")
 
     from liger_gen.codegen.spaces import dtype_from_name
     from liger_gen.models import resolve_model
@@ -97,10 +119,29 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
         raise click.ClickException(f"--gpu {gpu} does not match the visible GPU {visible[1]!r} ({visible[0]}); "
                                    f"tables must be tuned on the GPU they are for.")
     from liger_gen.codegen.report import run_tuning
+    from liger_gen.codegen.tuner import cuda_visible
 
-    run_tuning(ops=ops, model=model, rows=rows, dtypes=dtype_list, trials=trials,
-               out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
-               device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu, device_name=visible[1])
+    if devices is None:
+        devices = list(range(workers)) if workers else None
+    if devices is not None:
+        count = torch.cuda.device_count()
+        missing = [d for d in devices if d >= count]
+        if missing:
+            raise click.BadParameter(f"GPU(s) {missing} not visible: this machine shows {count}",
+                                     param_hint="--workers/--devices")
+        others = [(d, current_gpu(d)) for d in devices if current_gpu(d)[0] != gpu]
+        if others:
+            raise click.ClickException(f"--gpu {gpu}: GPU(s) {', '.join(f'{d} is {n[1]!r}' for d, n in others)}; "
+                                       f"every worker must tune on the GPU the tables are for.")
+        if len(devices) == 1:
+            torch.cuda.set_device(devices[0])
+    result = run_tuning(ops=ops, model=model, rows=rows, dtypes=dtype_list, trials=trials,
+                        out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
+                        budget_s=budget_s or None,
+                        devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
+                        device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu, device_name=visible[1])
+    if result.unfinished or result.errors:
+        raise click.ClickException(f"{len(result.unfinished)} unit(s) not tuned; see the messages above.")
 
 
 @main.command()
@@ -120,5 +161,109 @@ def show(gpu, show_trials) -> None:
         sys.exit(1)
 
 
-if __name__ == "__main__":
+@main.command()
+@click.option("--model", "model_name", default="llama3-8b", show_default=True,
+              help="Model preset, a Hugging Face config.json, or 'tiny' (a toy model for --device cpu).")
+@click.option("--ops", default=",".join(OPS), show_default=True, callback=_csv_ops, help="Comma-separated ops.")
+@click.option("--rows", default=None, type=click.IntRange(1),
+              help="Token count of every op. Default: 16384 (norms, RoPE, GLUs), 8192 (cross-entropy, FLCE, "
+                   "KL, JSD) on CUDA; 64 on the CPU.")
+@click.option("--providers", default=None,
+              help="Comma-separated subset of liger-gen, liger-gen-heuristic, torch-eager, torch-compile, "
+                   "liger-kernel, cut-cross-entropy. Default: all.")
+@click.option("--dtype", default="bfloat16", show_default=True, help="bfloat16, float16 or float32.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu: a functional run (Triton's interpreter with TRITON_INTERPRET=1; kernel ms is host time).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for bench_<model>_<gpu>.json and .png (default: the current folder; with --render: "
+                   "the JSON's folder, which also gets the .md).")
+@click.option("--render", "render_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Print a result JSON as markdown and draw its PNG; no GPU needed.")
+@click.option("--iters", default=10, show_default=True, type=click.IntRange(1), help="Profiled iterations.")
+@click.option("--wall-iters", default=100, show_default=True, type=click.IntRange(1),
+              help="Most back-to-back calls of the wall-time loop (it stops after about 0.3 s).")
+@click.option("--warmup", default=2, show_default=True, type=click.IntRange(1), help="Untimed calls first.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Input seed.")
+def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path, iters, wall_iters, warmup,
+          seed) -> None:
+    """Time every op at a model's shapes: liger-gen vs its heuristic, torch eager/compile, Liger-Kernel, CCE."""
+    from liger_gen.bench import report
+
+    if render_path is not None:
+        try:
+            data = report.derive(report.load_json(render_path))
+        except report.ReportError as exc:
+            raise click.ClickException(str(exc)) from None
+        folder = out_dir or render_path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        markdown = report.render_markdown(data)
+        (folder / f"{render_path.stem}.md").write_text(markdown, encoding="utf-8")
+        click.echo(markdown, nl=False)
+        png = _bench_plot(report, data, folder / f"{render_path.stem}.png")
+        click.echo(f"wrote {folder / (render_path.stem + '.md')}" + (f" and {png}" if png else ""), err=True)
+        return
+
+    import torch
+
+    from liger_gen.bench import PROVIDERS, Settings, bench_model, run_bench
+    from liger_gen.codegen.spaces import dtype_from_name
+
+    try:
+        model = bench_model(model_name)
+        torch_dtype = dtype_from_name(dtype)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    names = list(PROVIDERS) if providers is None else [p.strip() for p in providers.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PROVIDERS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown provider(s) {unknown or providers!r}; known: {', '.join(PROVIDERS)}",
+                                 param_hint="--providers")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException(
+            "no CUDA GPU is visible, and `liger-gen bench` measures kernels on the GPU. Run it on a machine with "
+            "a GPU; or use `--device cpu` for a functional run with tiny shapes (e.g. `liger-gen bench --device "
+            "cpu --model tiny --providers liger-gen,torch-eager`, in Triton's interpreter with TRITON_INTERPRET=1); "
+            "`liger-gen bench --render result.json` needs no GPU.")
+    data = run_bench(model, ops=ops, providers=names, rows=rows, dtype=torch_dtype, device=device,
+                     settings=Settings(iters=iters, wall_iters=wall_iters, warmup=warmup), seed=seed)
+    folder = out_dir or Path(".")
+    stem = report.default_stem(data)
+    click.echo(f"wrote {report.write_json(data, folder / f'{stem}.json')}", err=True)
+    png = _bench_plot(report, data, folder / f"{stem}.png")
+    if png:
+        click.echo(f"wrote {png}", err=True)
+    failed = report.failures(data)
+    for line in failed:
+        click.echo(f"liger-gen failed: {line}", err=True)
+    report.print_table(data)
+    if failed:
+        sys.exit(1)
+
+
+@main.command("bench-step")
+@step_command_options
+def bench_step(**options) -> None:
+    """Training steps of whole transformers models: plain vs Liger-Kernel vs liger-gen (vs torch.compile).
+
+    Tokens/s, peak memory, the loss curve against plain transformers and a profile by kernel class; JSON to
+    --out. Exits 1 if a provider fails or its loss curve departs from plain transformers'.
+    """
+    from liger_gen.bench.step import run_step_benchmark
+
+    result = run_step_benchmark(**options)
+    if any(p.get("status") == "error" or (p.get("loss_check") or {}).get("pass") is False
+           for m in result.get("models", {}).values() for p in m.get("providers", {}).values()):
+        sys.exit(1)
+
+
+def _bench_plot(report, data: dict, path: Path) -> Path | None:
+    """The PNG, or None with a message when there is nothing to draw (a warning covers a missing matplotlib)."""
+    try:
+        return report.plot(data, path)
+    except ValueError as exc:
+        click.echo(f"no PNG: {exc}", err=True)
+        return None
+
+
+if __name__ == "__main__":  # pragma: no cover
     main()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.rms_norm import RMSNormProblem
+from liger_gen.codegen.problems import Problem
+from liger_gen.ops.rms_norm import RMSNormProblem, RMSNormSpace
 from liger_gen.codegen.tuner import Tuner, tune_to_table
 from liger_gen.runtime import tables
 
@@ -24,6 +25,33 @@ def cost_model(launch, params):
 @pytest.fixture
 def problem():
     return RMSNormProblem(torch.float32, 96, 20, "cpu", seed=1)
+
+
+class FakeRMSNormProblem(Problem):
+    """RMSNorm's space and keys without buffers: every variant checks out and launches nothing (tests of the
+    search logic that need no kernel; the cost model stands in for the time)."""
+
+    op = "rms_norm"
+    SPACE = RMSNormSpace
+
+    def check(self, module, phase):
+        return None
+
+    def launcher(self, module, phase):
+        return lambda: None
+
+    def bytes_moved(self, phase):
+        return 4 * self.rows * self.dims["n_cols"] * (2 if phase == "fwd" else 3)
+
+
+def fake_build(template, params):
+    """No rendering, no compiling: the fake problems launch nothing."""
+    return None
+
+
+@pytest.fixture
+def fast():
+    return FakeRMSNormProblem(torch.float32, 96, 20, "cpu", seed=1)
 
 
 def test_heuristic_is_first_trial_and_winner_never_slower(problem):
@@ -149,3 +177,187 @@ def test_local_polish_walks_to_a_neighbouring_optimum(problem):
 def test_polish_zero_measures_nothing_extra(problem):
     entry = Tuner(n_trials=2, timer=cost_model, seed=0, polish_trials=0).tune(problem)
     assert not any(t.get("polish") for phase in entry["trials"].values() for t in phase)
+
+
+# ------------------------------------------------------------------------------ timing methods and re-timing
+
+def test_timing_pure_helpers_and_method():
+    from liger_gen.codegen.timing import Timing, graph_plan, per_launch_ms, timing_method
+    import pickle
+
+    # 20 us kernel after a 35 us flush: 72 launches make a ~4 ms graph; replay pairs fill ~60 ms (7 pairs)
+    assert graph_plan(0.020, 0.035) == (72, 7)
+    assert graph_plan(42.0, 0.035) == (1, 3)  # a long launch: one per graph, the minimum of replays
+    assert graph_plan(0.0, 0.0)[0] == 100  # capped
+    with pytest.raises(ValueError, match="times must be >= 0"):
+        graph_plan(-1.0, 0.0)
+    # paired differences: drift common to a pair cancels; the median of pairs resists one outlier pair
+    assert per_launch_ms([4.0, 4.1, 9.0], [2.0, 2.1, 2.0], 100) == pytest.approx(0.02)
+    assert per_launch_ms([1.0], [1.5], 10) == 1e-6  # never free
+    with pytest.raises(ValueError, match="as many graph as flush"):
+        per_launch_ms([1.0, 2.0], [1.0], 1)
+    t = Timing(0.5, "graph")
+    assert t == 0.5 and timing_method(t) == "graph" and timing_method(0.5) == "custom"
+    back = pickle.loads(pickle.dumps(Timing(0.25, "events", "why")))
+    assert (float(back), back.method, back.note) == (0.25, "events", "why")
+
+
+def test_gpu_timer_falls_back_to_events_and_says_why(monkeypatch):
+    from liger_gen.codegen import timing
+
+    def no_capture(launch, params=None):
+        raise timing.GraphCaptureError("RuntimeError: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(timing, "graph_timer", no_capture)
+    monkeypatch.setattr(timing, "events_timer", lambda launch, params=None: timing.Timing(0.7, "events"))
+    ms = timing.gpu_timer(lambda: None, {})
+    assert ms == 0.7 and ms.method == "events" and "not permitted when stream is capturing" in ms.note
+
+
+def test_trials_and_entry_record_the_timing_method(fast):
+    from liger_gen.codegen.timing import Timing
+
+    def graph(launch, p):
+        return Timing(cost_model(launch, p), "graph")
+
+    entry = Tuner(build=fake_build, n_trials=4, timer=graph, seed=0).tune(fast)
+    assert entry["timing_method"] == {"fwd": "graph", "bwd": "graph"}
+    ok = [r for r in entry["trials"]["fwd"] if r["status"] == "ok"]
+    assert ok and all(r["method"] == "graph" for r in ok)
+    # plain floats (a cost model) are recorded as "custom"
+    entry = Tuner(build=fake_build, n_trials=2, timer=cost_model, seed=0).tune(fast)
+    assert entry["timing_method"]["fwd"] == "custom"
+
+
+def test_mixed_timing_methods_are_retimed_with_one_method(fast):
+    from liger_gen.codegen.timing import Timing
+
+    heuristic = fast.template_params(fast.space.heuristic())
+
+    def timer(launch, p):  # the heuristic could not be captured in a graph, the others could
+        return Timing(cost_model(launch, p), "events" if p == heuristic else "graph")
+
+    calls = []
+
+    def fallback(launch, p):
+        calls.append(1)
+        return Timing(cost_model(launch, p), "events")
+
+    tuner = Tuner(build=fake_build, n_trials=12, timer=timer, fallback_timer=fallback, seed=0, polish_trials=0,
+                  retime_rounds=2)
+    entry = tuner.tune(fast)
+    assert entry["timing_method"]["fwd"] == "events"
+    assert len(calls) >= 2 * len(entry["retime"]["fwd"])  # every candidate, every round, by the one method
+
+
+def test_retime_alternates_candidates_round_by_round(fast):
+    order = []
+
+    def timer(launch, p):
+        order.append(p["BLOCK_M_FWD"])
+        return 1.0
+
+    import dataclasses
+
+    configs = [dataclasses.replace(fast.space.heuristic(), BLOCK_M_FWD=b) for b in (1, 2, 4, 8)]
+    tuner = Tuner(build=fake_build, n_trials=1, timer=timer, retime_rounds=3)
+    medians, rounds, methods = tuner._retime(fast, "fwd", configs)
+    assert order == [1, 2, 4, 8, 2, 4, 8, 1, 4, 8, 1, 2]  # interleaved, rotating: never one block at a time
+    assert rounds == [[1.0] * 3] * 4 and medians == [1.0] * 4 and methods == {"custom"}
+
+
+def test_winner_must_beat_the_heuristic_by_the_margin(fast):
+    heuristic = fast.space.heuristic()
+
+    def timer(launch, p):  # every other variant is 0.5% faster than the heuristic: within noise
+        return 1.0 if p["BLOCK_M_FWD"] == heuristic.BLOCK_M_FWD and p["num_warps_fwd"] == heuristic.num_warps_fwd \
+            else 0.995
+
+    kept = Tuner(build=fake_build, n_trials=6, timer=timer, seed=0, retime_margin=0.01).tune(fast)
+    assert kept["timing_ms"]["fwd"]["tuned"] == kept["timing_ms"]["fwd"]["heuristic"] == 1.0
+    assert {k: kept["config"][k] for k in ("BLOCK_M_FWD", "num_warps_fwd")} == \
+        {"BLOCK_M_FWD": heuristic.BLOCK_M_FWD, "num_warps_fwd": heuristic.num_warps_fwd}
+    taken = Tuner(build=fake_build, n_trials=6, timer=timer, seed=0, retime_margin=0.0).tune(fast)
+    assert taken["timing_ms"]["fwd"]["tuned"] == 0.995
+    assert taken["retime"]["fwd"][0]["params"] == fast.space.phase_params(heuristic, "fwd")
+    assert len(taken["retime"]["fwd"][0]["ms"]) == 3  # every round kept
+
+
+# ------------------------------------------------------------------------------ time budget
+
+def test_time_budget_cuts_the_search_and_is_recorded(fast):
+    now = [0.0]
+
+    def timer(launch, p):  # every measurement takes one 'second' of a fake clock
+        now[0] += 1.0
+        return cost_model(launch, p)
+
+    # 10 s for the problem: 5 s per phase, 4 s of it for the search, then the polish up to 5 s
+    entry = Tuner(build=fake_build, n_trials=20, timer=timer, seed=0, clock=lambda: now[0]).tune(fast, budget_s=10)
+    for phase in ("fwd", "bwd"):
+        search = entry["search"][phase]
+        assert search["budget_s"] == 5.0 and search["cut"] in ("search", "polish")
+        assert search["trials"] <= 5 and search["trials"] + search["polish_trials"] <= 6
+        assert entry["timing_ms"][phase]["tuned"] <= entry["timing_ms"][phase]["heuristic"]  # re-timing still ran
+    free = Tuner(build=fake_build, n_trials=6, timer=cost_model, seed=0).tune(fast)
+    assert free["search"]["fwd"] == {"trials": 6, "polish_trials": free["search"]["fwd"]["polish_trials"],
+                                     "budget_s": None, "cut": None}
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        Tuner(build=fake_build, n_trials=2, timer=cost_model).tune(fast, budget_s=0)
+
+
+# ------------------------------------------------------------------------------ interruption and resume
+
+class Killed(BaseException):
+    """Stands for a killed process: Optuna does not catch it, so the trial stays RUNNING in the storage."""
+
+
+class Interrupt:
+    """cost_model that raises ``exc`` at its ``at``-th call."""
+
+    def __init__(self, at, exc):
+        self.at, self.exc, self.calls = at, exc, 0
+
+    def __call__(self, launch, params):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.exc
+        return cost_model(launch, params)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, Killed])  # the trial ends FAIL / stays RUNNING
+@pytest.mark.parametrize("at", [1, 4, 9, 12, 16])  # the heuristic, the search, the polish, the backward phase
+def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc):
+    from liger_gen.codegen.tuner import open_storage
+
+    settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2)
+    reference = Tuner(timer=cost_model, **settings).tune(fast)
+    with pytest.raises(exc):
+        Tuner(timer=Interrupt(at, exc), storage=open_storage(tmp_path / "run.journal"), **settings).tune(fast)
+    resumed = Tuner(timer=cost_model, storage=open_storage(tmp_path / "run.journal"), **settings).tune(fast)
+    assert resumed == reference
+
+
+def test_points_left_queued_by_a_killed_run_do_not_change_the_entry(fast, tmp_path):
+    from liger_gen.codegen.tuner import open_storage
+
+    settings = dict(n_trials=6, seed=2, polish_trials=2, retime_rounds=1)
+    reference = Tuner(build=fake_build, timer=cost_model, **settings).tune(fast)
+    storage = open_storage(tmp_path / "run.journal")
+    tuner = Tuner(build=fake_build, timer=cost_model, storage=storage, **settings)
+    study = optuna.create_study(study_name=tuner.study_name(fast, "fwd"), storage=storage)
+    study.enqueue_trial({"BLOCK_M_FWD": 16, "num_warps_fwd": 8, "num_stages_fwd": 1})  # queued, never started
+    assert tuner.tune(fast) == reference
+
+
+def test_a_timer_that_returns_nan_prunes_the_trial(fast):
+    heuristic = fast.template_params(fast.space.heuristic())
+
+    def timer(launch, p):
+        return float("nan") if p != heuristic and p["BLOCK_M_FWD"] == 4 else cost_model(launch, p)
+
+    entry = Tuner(build=fake_build, n_trials=10, timer=timer, seed=0, polish_trials=2).tune(fast)
+    bad = [r for r in entry["trials"]["fwd"] if r["params"].get("BLOCK_M_FWD") == 4 and r["status"] != "invalid"]
+    assert bad and all(r["status"] in ("error", "duplicate") for r in bad)
+    assert any("timer returned nan" in r.get("reason", "") for r in bad)
+    assert entry["config"]["BLOCK_M_FWD"] != 4

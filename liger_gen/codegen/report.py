@@ -1,8 +1,11 @@
-"""Terminal front end of tuning: progress bar while tuning, summary and table listings (rich)."""
+"""Terminal front end of tuning: progress bar and per-op times while tuning, summary and table listings (rich)."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import optuna
 import torch
@@ -10,49 +13,162 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from liger_gen.ops import get_op
-from liger_gen.codegen.tuner import Tuner, tune_to_table
+from liger_gen.codegen.spaces import dtype_name
+from liger_gen.codegen.tuner import TuneJob, TuneResult, Tuner, op_problems, plan_units, tune_ops, write_entries
 from liger_gen.runtime.tables import entry_sort_key
 
 console = Console()
 
+#: The issue's acceptance: median gain over the heuristic of at least 10%, no tuned entry slower.
+TARGET_MEDIAN_GAIN = 0.10
+
 
 def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
-               polish: int | None = None) -> None:
-    """Tune ``ops`` at the model's shapes, write one table per op, print a summary."""
+               polish: int | None = None, budget_s: float | None = None, devices: Sequence[Any] | None = None,
+               compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None) -> TuneResult:
+    """Tune ``ops`` at the model's shapes, write one table per op as soon as the op is done, print the time each
+    op took and, at the end, the summary per op and shape with the median gain over the heuristic.
+
+    ``devices``: ``CUDA_VISIBLE_DEVICES`` values, one worker process each (None or one: tune in this process).
+    Several workers share ``storage``; without one they use a journal file in ``<out_root>/<gpu>/`` that is
+    removed after a complete run and kept (and named, to resume with ``--storage``) otherwise. ``budget_s``:
+    seconds of search and polish per op (None: no cap). ``tuner`` and ``make_problems`` replace the default
+    Tuner and the ops' ``tuning_problems`` (tests). Returns the ``TuneResult``; the caller decides how to fail
+    when ``unfinished`` or ``errors`` is not empty.
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    summary = []
+    device = torch.device(device)
+    cc = compute_capability or (".".join(map(str, torch.cuda.get_device_capability(device)))
+                                if device.type == "cuda" else "?")
+    units = plan_units(ops, model, rows, [dtype_name(d) for d in dtypes], budget_s=budget_s)
+    tuner = tuner or Tuner(n_trials=trials, seed=seed, polish_trials=polish)
+    several = devices is not None and len(devices) > 1
+    job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, make_problems=make_problems or op_problems,
+                  seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None)
+    own_journal = None
+    if several and storage is None:
+        own_journal = Path(out_root) / gpu / f".tune-{job.run_id}.journal"
+        job.storage = str(own_journal)
+    workers = len(devices) if several else 1
+    console.print(f"tuning {len(ops)} op(s), {len(units)} unit(s) (op x dtype x rows) of {model.name} on "
+                  f"{device_name} with {workers} worker(s); search+polish budget "
+                  + (f"{budget_s:g} s per op" if budget_s else "none")
+                  + (f"; studies in {job.storage}" if job.storage else ""))
+    paths: dict[str, Path] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(f"tuning {model.name} on {device_name}", total=None)
-        tuner = Tuner(n_trials=trials, storage=storage, seed=seed, polish_trials=polish,
-                      on_trial=lambda: progress.advance(task))
-        for op in ops:
-            progress.update(task, description=f"tuning {op} for {model.name} on {device_name}")
+        running: dict[int, str] = {}
 
-            def problems(op=op):
-                # problems hold their inputs and float64 truth on the GPU: build one at a time, free it after;
-                # ops that cap the token count for tuning give the same problem for several rows: tune it once
-                seen = set()
-                for dtype in dtypes:
-                    for r in rows:
-                        for problem in get_op(op).tuning_problems(model, [r], dtype, device, seed):
-                            if problem.key() in seen:
-                                continue
-                            seen.add(problem.key())
-                            progress.update(task, total=(progress.tasks[0].total or 0)
-                                            + (trials + tuner.polish_trials) * len(problem.phases))
-                            yield problem
-                            del problem
-                            torch.cuda.empty_cache()
+        def on_event(event: dict) -> None:
+            kind = event["kind"]
+            if kind == "trial":
+                progress.advance(task)
+            elif kind == "problem":
+                progress.update(task, total=(progress.tasks[0].total or 0)
+                                + (tuner.n_trials + tuner.polish_trials) * event["phases"])
+            elif kind == "start":
+                running[event["worker"]] = event["op"]
+            elif kind == "done":
+                running.pop(event["worker"], None)
+            elif kind == "error":
+                console.print(f"[red]worker {event['worker']} failed: {event['error']}[/red]")
+            if kind in ("start", "done"):
+                progress.update(task, description="tuning " + (", ".join(sorted(set(running.values())))
+                                                                 or "...") + f" on {device_name}")
 
-            path, entries = tune_to_table(op, problems(), Path(out_root), gpu=gpu, device_name=device_name,
-                                          compute_capability=cc, tuner=tuner)
-            summary.append((op, path, entries))
-    for op, path, entries in summary:
-        console.print(summary_table(op, entries))
-        console.print(f"wrote {path}")
+        def on_op_done(op: str, entries: list[dict], seconds: dict[str, float]) -> None:
+            paths[op] = write_entries(op, entries, Path(out_root), gpu=gpu, device_name=device_name,
+                                      compute_capability=cc)
+            cut = sum(1 for e in entries for s in e.get("search", {}).values() if s.get("cut"))
+            busy = f" ({seconds['busy']:.1f} s of worker time)" if several else ""
+            console.print(f"{op}: {len(entries)} shape(s) tuned in {seconds['wall']:.1f} s{busy}"
+                          + (f", {cut} search(es) cut by the time budget" if cut else "") + f"; wrote {paths[op]}")
+
+        start = time.monotonic()
+        try:
+            result = tune_ops(job, devices=devices if several else (devices or None), on_event=on_event,
+                              on_op_done=on_op_done)
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted; tables of finished ops are written"
+                          + (f"; run the same command with --storage {job.storage} to resume the studies"
+                             if job.storage else "; with --storage, a run can be resumed") + "[/yellow]")
+            raise
+        elapsed = time.monotonic() - start
+    console.print(f"tuned {sum(len(e) for e in result.entries.values())} shape(s) of {len(result.entries)} op(s) "
+                  f"in {elapsed:.1f} s")
+    summary = gain_summary({op: result.entries[op] for op in ops if result.entries.get(op)})
+    if summary["rows"]:
+        console.print(gain_table(summary))
+        console.print(gain_verdict(summary))
+    if result.unfinished or result.errors:
+        for error in result.errors:
+            console.print(f"[red]{error}[/red]")
+        if job.storage:
+            console.print(f"[yellow]{len(result.unfinished)} unit(s) unfinished; their studies are kept in "
+                          f"{job.storage}: run the same command with --storage {job.storage} to resume[/yellow]")
+    elif own_journal is not None and own_journal.exists():
+        own_journal.unlink()  # every entry is in the tables; the trials too
+    return result
+
+
+def gain_summary(results: Mapping[str, Sequence[dict]]) -> dict[str, Any]:
+    """Tuned vs heuristic for every entry of ``results`` (op → table entries), from the re-timed medians.
+
+    Per entry the phases' times are added (forward + backward, ms); ``gain`` = heuristic / tuned − 1 (0.10: the
+    tuned kernels take 1/1.1 of the heuristic's time). Returns ``{"rows": [{"op", "dtype", "rows", "dims",
+    "heuristic_ms", "tuned_ms", "gain", "tuned_gbps", "cut", "method"}, ...] (ops in the given order, entries in table
+    order), "median_gain", "min_gain", "max_gain" (None without rows), "slower": rows whose tuned time exceeds
+    the heuristic's, "cut": rows whose search the time budget stopped}``. ValueError names an entry without
+    positive times."""
+    rows = []
+    for op, entries in results.items():
+        for e in sorted(entries, key=entry_sort_key):
+            timing = e.get("timing_ms") or {}
+            heur = sum(t["heuristic"] for t in timing.values())
+            tuned = sum(t["tuned"] for t in timing.values())
+            if not (heur > 0 and tuned > 0):
+                raise ValueError(f"gain_summary: {op} entry {e['dtype']}/{_dims(e)}/{e['rows']} has no positive "
+                                 f"timing_ms (heuristic {heur}, tuned {tuned})")
+            methods = sorted(set((e.get("timing_method") or {}).values()))
+            gbps = sum(e["bytes"].values()) / (tuned * 1e-3) / 1e9 if e.get("bytes") else None
+            rows.append({"op": op, "dtype": e["dtype"], "rows": e["rows"], "dims": _dims(e),
+                         "heuristic_ms": heur, "tuned_ms": tuned, "gain": heur / tuned - 1, "tuned_gbps": gbps,
+                         "cut": any(s.get("cut") for s in (e.get("search") or {}).values()),
+                         "method": "+".join(methods) or "?"})
+    gains = [r["gain"] for r in rows]
+    return {"rows": rows,
+            "median_gain": statistics.median(gains) if gains else None,
+            "min_gain": min(gains) if gains else None,
+            "max_gain": max(gains) if gains else None,
+            "slower": [r for r in rows if r["tuned_ms"] > r["heuristic_ms"]],
+            "cut": [r for r in rows if r["cut"]]}
+
+
+def gain_table(summary: dict[str, Any]) -> Table:
+    """The rows of ``gain_summary`` as a rich table."""
+    table = Table(title="tuned vs heuristic: re-timed medians, forward + backward kernel time")
+    for col in ("op", "dtype", "rows", "dims", "heuristic ms", "tuned ms", "gain", "tuned GB/s", "timing",
+                "budget cut"):
+        table.add_column(col, justify="right", overflow="fold")
+    for r in summary["rows"]:
+        table.add_row(r["op"], r["dtype"], str(r["rows"]), r["dims"], f"{r['heuristic_ms']:.4f}",
+                      f"{r['tuned_ms']:.4f}", f"{100 * r['gain']:+.1f}%",
+                      "" if r["tuned_gbps"] is None else f"{r['tuned_gbps']:,.0f}", r["method"],
+                      "yes" if r["cut"] else "")
+    return table
+
+
+def gain_verdict(summary: dict[str, Any]) -> str:
+    """One line: median gain (and range) against the 10% target, and whether any tuned entry is slower."""
+    if not summary["rows"]:
+        return "no tuned entries"
+    med = summary["median_gain"]
+    verdict = "meets" if med >= TARGET_MEDIAN_GAIN and not summary["slower"] else "misses"
+    return (f"median gain over the heuristic {100 * med:+.1f}% over {len(summary['rows'])} entries (range "
+            f"{100 * summary['min_gain']:+.1f}% to {100 * summary['max_gain']:+.1f}%); "
+            f"{len(summary['slower'])} tuned entries slower than the heuristic; {len(summary['cut'])} searches cut "
+            f"by the time budget; {verdict} the target (median >= {100 * TARGET_MEDIAN_GAIN:.0f}%, none slower)")
 
 
 def _dims(entry: dict) -> str:
@@ -64,7 +180,7 @@ def _dims(entry: dict) -> str:
 
 def summary_table(op: str, entries: list[dict]) -> Table:
     """Shape, heuristic ms, tuned ms, speed-up and GB/s (forward + backward) for each tuned entry."""
-    table = Table(title=f"{op}: forward + backward kernel time (median, L2 flushed)")
+    table = Table(title=f"{op}: forward + backward kernel time (re-timed medians, L2 flushed)")
     for col in ("dtype", "rows", "dims", "heuristic ms", "tuned ms", "speed-up", "tuned GB/s"):
         table.add_column(col, justify="right", overflow="fold")
     for e in sorted(entries, key=entry_sort_key):

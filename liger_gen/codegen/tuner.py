@@ -1,35 +1,70 @@
-"""Optuna search over an op's space, one study per (op, phase, dtype, dims, variant, rows bucket).
+"""Optuna search over an op's space, one study per (op, phase, dtype, dims, variant, rows bucket); work spread
+over several GPUs through one shared Optuna storage.
 
 For each phase (forward and backward kernels are tuned separately):
   1. the analytic heuristic is enqueued first, so it is always measured;
   2. TPE samples the space; a sample that violates a constraint is pruned before anything compiles;
   3. each sample is built, checked against the float64 reference on the device (a wrong variant is pruned,
-     never kept), then timed (median kernel time, L2 flushed); compile or launch errors prune the trial;
+     never kept), then timed (``timing.gpu_timer``: CUDA-graph replay, L2 flushed); compile, launch and timing
+     errors prune the trial;
   4. a local polish moves the best point one param at a time to a neighbouring choice while that is faster;
-  5. the best few and the heuristic are re-timed in alternation, and the winner must beat the heuristic's
-     re-timed median or the heuristic is kept — so a tuned entry is never slower than the default.
-Every trial's params, status and time are kept in the table entry. With ``storage`` (an Optuna storage URL,
-e.g. ``sqlite:///tune.db`` or a journal file) an interrupted study resumes where it stopped.
+  5. the best few and the heuristic are re-timed in alternation (round by round, in a rotating order), and the
+     winner must beat the heuristic's re-timed median by ``retime_margin`` or the heuristic is kept — so a tuned
+     entry is never slower than the default.
+Every trial's params, status, time and timing method are kept in the table entry, with the re-timing rounds.
+
+Reproducible and resumable: the sampler is re-seeded before every trial from (seed, number of finished
+trials), so a study's sequence of points depends only on its stored history. With ``storage`` (an Optuna
+storage) a study interrupted anywhere — Ctrl-C, a killed worker — resumes where it stopped and ends at the
+entry an uninterrupted run gives (with a deterministic timer; on a GPU up to timing noise).
+
+Time cap: ``tune(problem, budget_s=...)`` splits the budget evenly over the phases; in each, the search stops
+once the next trial would end past ``search_share`` of the phase's share, the polish once it would end past the
+share; re-timing always runs. A cut is recorded in the entry (``search``).
+
+Several GPUs (``tune_ops`` with ``devices``): one worker process per GPU, all on one Optuna storage. The unit
+of work is one op at one dtype and token count (``WorkUnit``); a worker claims a unit, and then each problem it
+gives, by creating a claim study whose name is unique per run — the storage lets exactly one creation succeed —
+so every study is run start to finish by one worker with the same seeded sequence as on one GPU. Workers store
+their entries in the claim study's user attrs; the lead reads them back in unit order and writes the same tables
+a one-GPU run writes. A worker that dies leaves its studies in the storage: the same command with the same
+``--storage`` resumes them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
+import multiprocessing
+import os
+import queue as queue_module
 import statistics
-from typing import Any, Callable, Iterable, Mapping
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import optuna
+from optuna.study import StudyDirection
+from optuna.trial import TrialState
 
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.render import template_hash
-from liger_gen.codegen.spaces import dtype_name
-from liger_gen.codegen.timing import Timer, gpu_timer
+from liger_gen.codegen.spaces import dtype_from_name, dtype_name
+from liger_gen.codegen.timing import Timer, events_timer, gpu_timer, timing_method
 
 Builder = Callable[[str, Mapping[str, Any]], Any]
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
 class _TrialFailed(Exception):
     pass
+
+
+def _key(params: Mapping[str, Any]) -> tuple:
+    return tuple(sorted(params.items()))
 
 
 class Tuner:
@@ -45,10 +80,16 @@ class Tuner:
         storage: Optuna storage URL or object; None keeps studies in memory.
         seed: TPE seed.
         retime_top: how many of the best trials are re-timed against the heuristic.
-        retime_rounds: rounds of alternating re-timing.
+        retime_rounds: rounds of alternating re-timing (each candidate timed once per round).
+        retime_margin: fraction by which the best candidate's re-timed median must be below the heuristic's to
+            replace it (0.01: 1% faster); within the margin the heuristic is kept.
         polish_trials: variants measured by the local polish after the search (one param moved at a time to its
             neighbouring choice, from the best point, while that improves); None: a quarter of ``n_trials``.
+        search_share: part of a phase's time budget given to the search; the polish may use the rest.
+        fallback_timer: timer that re-times every candidate when ``timer`` measured them by different methods
+            (a CUDA graph for some, events for others); ``events_timer`` when ``timer`` is the default.
         on_trial: called after every finished trial (progress bars).
+        clock: seconds, monotonic (``time.monotonic``; tests pass a fake clock).
     """
 
     MEASURED = ("ok", "wrong", "error")
@@ -56,22 +97,56 @@ class Tuner:
 
     def __init__(self, *, n_trials: int = 24, timer: Timer | None = None, build: Builder | None = None,
                  storage: Any = None, seed: int = 0, retime_top: int = 3, retime_rounds: int = 3,
-                 polish_trials: int | None = None, on_trial: Callable[[], None] | None = None):
+                 retime_margin: float = 0.01, polish_trials: int | None = None, search_share: float = 0.8,
+                 fallback_timer: Timer | None = None, on_trial: Callable[[], None] | None = None,
+                 clock: Callable[[], float] | None = None):
         if n_trials < 1:
             raise ValueError(f"n_trials must be >= 1, got {n_trials}")
+        if retime_rounds < 1 or retime_top < 0:
+            raise ValueError(f"retime_rounds must be >= 1 and retime_top >= 0, got {retime_rounds}, {retime_top}")
+        if not 0 <= retime_margin < 1:
+            raise ValueError(f"retime_margin must be in [0, 1), got {retime_margin}")
+        if not 0 < search_share <= 1:
+            raise ValueError(f"search_share must be in (0, 1], got {search_share}")
+        if polish_trials is not None and polish_trials < 0:
+            raise ValueError(f"polish_trials must be >= 0, got {polish_trials}")
         self.n_trials = n_trials
         self.timer = timer or gpu_timer
+        self.fallback_timer = fallback_timer if fallback_timer is not None else (
+            events_timer if self.timer is gpu_timer else None)
         self.build = build or load_variant
         self.storage = storage
         self.seed = seed
         self.retime_top = retime_top
         self.retime_rounds = retime_rounds
+        self.retime_margin = retime_margin
         self.polish_trials = max(0, n_trials // 4) if polish_trials is None else polish_trials
+        self.search_share = search_share
         self.on_trial = on_trial
+        self.clock = clock or time.monotonic
 
     def study_name(self, problem, phase: str) -> str:
         """Unique per op, phase, dtype, shape, variant options and template text (so edits start fresh)."""
         return f"{problem.op}:{phase}:{problem.key()}:{template_hash(problem.template)}"
+
+    def _sampler(self, n_finished: int) -> optuna.samplers.BaseSampler:
+        """TPE seeded from (seed, trials finished so far): the next point depends only on the finished history.
+
+        No constant liar (Optuna 5's default): a study runs one trial at a time, and a trial left RUNNING by a
+        killed worker must not steer the resumed search."""
+        return optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + n_finished) % 2**32,
+                                          n_startup_trials=max(1, min(8, self.n_trials // 3)), constant_liar=False)
+
+    def _run_one(self, study: optuna.Study, objective, callbacks) -> None:
+        study.sampler = self._sampler(len(study.get_trials(deepcopy=False, states=FINISHED)))
+        study.optimize(objective, n_trials=1, callbacks=callbacks, gc_after_trial=False)
+
+    def _out_of_time(self, deadline: float | None, durations: list[float]) -> bool:
+        """True when the next trial, as long as the median of the last few, would end past ``deadline``."""
+        if deadline is None:
+            return False
+        expected = statistics.median(durations[-5:]) if durations else 0.0
+        return self.clock() + expected > deadline
 
     def _evaluate(self, problem, config, phase: str) -> float:
         """Build, check and time one variant; _TrialFailed with the status and reason if it cannot be kept."""
@@ -82,37 +157,50 @@ class Tuner:
         try:
             module = self.build(problem.template, params)
             error = problem.check(module, phase)
-        except Exception as exc:  # compile, resource and launch errors: prune, keep tuning
+            ms = None if error is not None else self.timer(problem.launcher(module, phase), params)
+        except Exception as exc:  # compile, resource, launch and timing errors: prune, keep tuning
             raise _TrialFailed("error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         if error is not None:
             raise _TrialFailed("wrong", error)
-        return float(self.timer(problem.launcher(module, phase), params))
+        if not (math.isfinite(ms) and ms >= 0):
+            raise _TrialFailed("error", f"timer returned {ms!r} ms")
+        return ms
 
-    def _tune_phase(self, problem, phase: str, heuristic) -> tuple[optuna.Study, list[dict[str, Any]]]:
+    def _tune_phase(self, problem, phase: str, heuristic, budget_s: float | None = None):
+        """Search, polish and record one phase; returns (study, trial records, search summary)."""
         space = problem.space
-        study = optuna.create_study(
-            study_name=self.study_name(problem, phase), storage=self.storage, direction="minimize",
-            load_if_exists=True,
-            sampler=optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=max(1, min(8, self.n_trials // 3))),
-        )
-        study.enqueue_trial(space.phase_params(heuristic, phase), skip_if_exists=True)
+        study = optuna.create_study(study_name=self.study_name(problem, phase), storage=self.storage,
+                                    direction="minimize", load_if_exists=True, sampler=self._sampler(0))
+        # a run killed between queueing a point and starting it leaves it WAITING, and it would run ahead of
+        # the search: close such points (they are re-queued below or by the polish if still wanted)
+        for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            study.tell(study.ask(), state=TrialState.FAIL)
+
+        def finished():
+            return study.get_trials(deepcopy=False, states=FINISHED)
+
+        heuristic_key = _key(space.phase_params(heuristic, phase))
+        if not any(_key(t.params) == heuristic_key for t in finished()):
+            study.enqueue_trial(space.phase_params(heuristic, phase))
 
         # TPE re-proposes points of small categorical spaces; a repeat reuses the recorded outcome instead of
         # re-measuring, and does not count against the budget of ``n_trials`` measured variants.
         outcomes: dict[tuple, tuple[str, Any]] = {}
-        for t in study.trials:
-            if t.state.is_finished() and t.user_attrs.get("status") not in (None, "duplicate"):
-                outcomes[tuple(sorted(t.params.items()))] = (t.user_attrs["status"], t.value)
+        for t in finished():
+            if t.user_attrs.get("status") not in (None, "duplicate"):
+                outcomes[_key(t.params)] = (t.user_attrs["status"], t.value)
+        durations: list[float] = []  # seconds per measured variant, for the time budget
 
         def objective(trial: optuna.Trial) -> float:
             config = space.suggest(trial, phase, heuristic)
-            key = tuple(sorted(trial.params.items()))
+            key = _key(trial.params)
             if key in outcomes:
                 status, value = outcomes[key]
                 trial.set_user_attr("status", "duplicate")
                 if status == "ok":
                     return value
                 raise optuna.TrialPruned(f"repeat of a {status} variant")
+            start = self.clock()
             try:
                 ms = self._evaluate(problem, config, phase)
             except _TrialFailed as failed:
@@ -121,9 +209,14 @@ class Tuner:
                 trial.set_user_attr("status", status)
                 trial.set_user_attr("reason", reason)
                 raise optuna.TrialPruned(reason) from None
-            outcomes[key] = ("ok", ms)
+            finally:
+                durations.append(self.clock() - start)
+            outcomes[key] = ("ok", float(ms))
             trial.set_user_attr("status", "ok")
-            return ms
+            trial.set_user_attr("method", timing_method(ms))
+            if getattr(ms, "note", ""):
+                trial.set_user_attr("timing_note", ms.note)
+            return float(ms)
 
         def measured() -> int:
             return sum(1 for status, _ in outcomes.values() if status in self.MEASURED)
@@ -132,49 +225,72 @@ class Tuner:
             if self.on_trial and trial.user_attrs.get("status") in self.MEASURED:
                 self.on_trial()
 
+        start = self.clock()
+        search_end = None if budget_s is None else start + self.search_share * budget_s
+        polish_end = None if budget_s is None else start + budget_s
         max_trials = self.MAX_TRIALS_FACTOR * self.n_trials
-        already = measured()
-        while measured() < self.n_trials and len(study.trials) < max_trials:
-            study.optimize(objective, n_trials=min(self.n_trials - measured(), max_trials - len(study.trials)),
-                           callbacks=[progress], gc_after_trial=False)
+        already, cut = measured(), None
+        while measured() < self.n_trials and len(finished()) < max_trials:
+            if heuristic_key in outcomes and self._out_of_time(search_end, durations):
+                cut = "search"
+                break
+            before = len(finished())
+            self._run_one(study, objective, [progress])
+            if len(finished()) == before:  # a trial neither completed nor pruned: do not spin on it
+                break
         for _ in range(max(0, self.n_trials - (measured() - already)) if self.on_trial else 0):
-            self.on_trial()  # budget not reached (space exhausted or resumed study): keep the bar's total honest
-        polished = self._polish(study, space, phase, objective, outcomes, progress)
+            self.on_trial()  # budget not reached (space exhausted, time cut or resumed): keep the bar's total honest
+        polished, polish_cut = self._polish(study, space, phase, objective, outcomes, progress, polish_end,
+                                            durations)
         for _ in range(max(0, self.polish_trials - polished) if self.on_trial else 0):  # as above
             self.on_trial()
-        records = [
-            {"number": t.number, "params": t.params, "status": t.user_attrs.get("status", t.state.name.lower()),
-             "ms": t.value, **({"reason": t.user_attrs["reason"]} if "reason" in t.user_attrs else {}),
-             **({"polish": True} if t.user_attrs.get("polish") else {})}
-            for t in study.trials if t.state.is_finished()
-        ]
-        return study, records
+        records = []
+        for number, t in enumerate(finished()):  # numbered in order, interrupted (failed) trials left out
+            record = {"number": number, "params": t.params,
+                      "status": t.user_attrs.get("status", t.state.name.lower()), "ms": t.value}
+            for attr in ("reason", "method", "timing_note"):
+                if attr in t.user_attrs:
+                    record[attr] = t.user_attrs[attr]
+            if t.user_attrs.get("polish"):
+                record["polish"] = True
+            records.append(record)
+        summary = {
+            "trials": sum(1 for r in records if r["status"] in self.MEASURED and not r.get("polish")),
+            "polish_trials": sum(1 for r in records if r["status"] in self.MEASURED and r.get("polish")),
+            "budget_s": None if budget_s is None else round(budget_s, 3),
+            "cut": cut or polish_cut,
+        }
+        return study, records, summary
 
-    def _polish(self, study, space, phase: str, objective, outcomes: dict, progress) -> int:
+    def _polish(self, study, space, phase: str, objective, outcomes: dict, progress, deadline: float | None = None,
+                durations: list[float] | None = None) -> tuple[int, str | None]:
         """Local search around the best point: move one param at a time to its neighbouring choice (half or
         double for the power-of-two params), keep a move that is faster, repeat from the new best. Returns the
-        number of variants measured (at most ``polish_trials``); every move is an ordinary, recorded trial."""
+        number of variants measured (at most ``polish_trials``) and "polish" if ``deadline`` stopped it; every
+        move is an ordinary, recorded trial."""
+        durations = durations if durations is not None else []
         # a resumed study has already spent part of the budget
-        measured = sum(1 for t in study.trials if t.user_attrs.get("polish") and t.user_attrs.get("status") in
-                       self.MEASURED)
+        measured = sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED)
+                       if t.user_attrs.get("polish") and t.user_attrs.get("status") in self.MEASURED)
         already = measured
         for _ in range(self.MAX_TRIALS_FACTOR * max(1, self.polish_trials)):  # bounds moves that measure nothing
             ok = [(v, k) for k, (st, v) in outcomes.items() if st == "ok" and v is not None]
             if not ok or measured >= self.polish_trials:
                 break
             best_ms, best_key = min(ok)
-            moves = [m for m in _neighbours(space.params(phase), dict(best_key))
-                     if tuple(sorted(m.items())) not in outcomes]
+            moves = [m for m in _neighbours(space.params(phase), dict(best_key)) if _key(m) not in outcomes]
             if not moves:
                 break
             improved = False
             for move in moves:
                 if measured >= self.polish_trials:
                     break
+                if self._out_of_time(deadline, durations):
+                    return measured - already, "polish"
                 study.enqueue_trial(move, user_attrs={"polish": True})
-                study.optimize(objective, n_trials=1, callbacks=[progress], gc_after_trial=False)
-                trial = study.trials[-1]
-                status, ms = outcomes.get(tuple(sorted(trial.params.items())), (None, None))
+                self._run_one(study, objective, [progress])
+                trial = study.get_trials(deepcopy=False)[-1]
+                status, ms = outcomes.get(_key(trial.params), (None, None))
                 if trial.user_attrs.get("status") in self.MEASURED:
                     measured += 1
                 if status == "ok" and ms < best_ms:
@@ -182,42 +298,62 @@ class Tuner:
                     break
             if not improved:
                 break
-        return measured - already
+        return measured - already, None
 
-    def _retime(self, problem, phase: str, configs: list) -> list[float]:
-        """Median time of each config over ``retime_rounds`` rounds, alternating, in a rotating order."""
+    def _retime(self, problem, phase: str, configs: list, timer: Timer | None = None):
+        """Time every config once per round for ``retime_rounds`` rounds, in a rotating order, so drift and
+        clock changes hit every config alike. Returns (medians, per-round times, set of timing methods)."""
+        timer = timer or self.timer
         modules = [self.build(problem.template, problem.template_params(c)) for c in configs]
         times: list[list[float]] = [[] for _ in configs]
+        methods: set[str] = set()
         for r in range(self.retime_rounds):
             order = list(range(len(configs)))
             order = order[r % len(order):] + order[: r % len(order)]
             for i in order:
-                params = problem.template_params(configs[i])
-                times[i].append(float(self.timer(problem.launcher(modules[i], phase), params)))
-        return [statistics.median(t) for t in times]
+                ms = timer(problem.launcher(modules[i], phase), problem.template_params(configs[i]))
+                methods.add(timing_method(ms))
+                times[i].append(float(ms))
+        return [statistics.median(t) for t in times], times, methods
 
-    def tune(self, problem) -> dict[str, Any]:
-        """Tune both phases of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``)."""
+    def tune(self, problem, budget_s: float | None = None) -> dict[str, Any]:
+        """Tune every phase of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``).
+
+        ``budget_s``: seconds of search and polish for the whole problem, split evenly over its phases (None:
+        no cap; the re-timing is not counted)."""
+        if budget_s is not None and not budget_s > 0:
+            raise ValueError(f"budget_s must be > 0 seconds or None, got {budget_s}")
         space = problem.space
         heuristic = space.heuristic()
         best = heuristic
+        share = None if budget_s is None else budget_s / len(problem.phases)
         timing: dict[str, dict[str, float]] = {}
+        methods: dict[str, str] = {}
         trials: dict[str, list] = {}
+        retimes: dict[str, list] = {}
+        searches: dict[str, dict] = {}
         for phase in problem.phases:
-            study, records = self._tune_phase(problem, phase, heuristic)
+            study, records, searches[phase] = self._tune_phase(problem, phase, heuristic, share)
             trials[phase] = records
-            ok = sorted((t for t in study.trials if t.user_attrs.get("status") == "ok" and t.value is not None),
-                        key=lambda t: t.value)
-            candidates, seen = [heuristic], {tuple(sorted(space.phase_params(heuristic, phase).items()))}
-            for t in ok:
-                key = tuple(sorted(t.params.items()))
-                if key not in seen and len(candidates) <= self.retime_top:
-                    seen.add(key)
-                    candidates.append(dataclasses.replace(heuristic, **t.params))
-            medians = self._retime(problem, phase, candidates)
-            winner = min(range(len(candidates)), key=lambda i: (medians[i], i))  # ties keep the heuristic
+            ok = sorted((r for r in records if r["status"] == "ok" and r["ms"] is not None),
+                        key=lambda r: (r["ms"], r["number"]))
+            candidates, seen = [heuristic], {_key(space.phase_params(heuristic, phase))}
+            for r in ok:
+                if _key(r["params"]) not in seen and len(candidates) <= self.retime_top:
+                    seen.add(_key(r["params"]))
+                    candidates.append(dataclasses.replace(heuristic, **r["params"]))
+            medians, rounds, used = self._retime(problem, phase, candidates)
+            method = used.pop() if len(used) == 1 else "mixed"
+            if method == "mixed" and self.fallback_timer is not None:  # compare like with like
+                medians, rounds, used = self._retime(problem, phase, candidates, self.fallback_timer)
+                method = used.pop() if len(used) == 1 else "mixed"
+            fastest = min(range(len(candidates)), key=lambda i: (medians[i], i))
+            winner = fastest if medians[fastest] < medians[0] * (1 - self.retime_margin) else 0
             best = dataclasses.replace(best, **space.phase_params(candidates[winner], phase))
             timing[phase] = {"tuned": medians[winner], "heuristic": medians[0]}
+            methods[phase] = method
+            retimes[phase] = [{"params": space.phase_params(c, phase), "ms": rounds[i], "median": medians[i]}
+                              for i, c in enumerate(candidates)]
         return {
             "dtype": dtype_name(problem.dtype),
             "dims": dict(problem.dims),
@@ -226,7 +362,10 @@ class Tuner:
             "config": best.to_dict(),
             "heuristic": heuristic.to_dict(),
             "timing_ms": timing,
+            "timing_method": methods,
             "bytes": {phase: problem.bytes_moved(phase) for phase in problem.phases},
+            "search": searches,
+            "retime": retimes,
             "trials": trials,
         }
 
@@ -251,12 +390,12 @@ def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[
     return {**table, "entries": [e for e in table["entries"] if key(e) not in fresh] + list(entries)}
 
 
-def tune_to_table(op: str, problems: Iterable, out_root, *, gpu: str, device_name: str, compute_capability: str,
-                  tuner: Tuner) -> tuple[Any, list[dict[str, Any]]]:
-    """Tune every problem, merge the entries into ``<out_root>/<gpu>/<op>.json`` (atomic write), re-read it.
+def write_entries(op: str, entries: list[dict[str, Any]], out_root, *, gpu: str, device_name: str,
+                  compute_capability: str) -> Path:
+    """Merge ``entries`` into ``<out_root>/<gpu>/<op>.json`` (atomic write), re-read it; returns the path.
 
     An existing table is kept and extended only if it belongs to this GPU, template and Triton version;
-    otherwise it is replaced. Returns (path, new entries).
+    otherwise it is replaced.
     """
     from liger_gen.runtime import tables
 
@@ -269,11 +408,362 @@ def tune_to_table(op: str, problems: Iterable, out_root, *, gpu: str, device_nam
                 table["entries"] = old["entries"]
         except tables.TableError:
             pass
-    entries = []
-    for problem in problems:  # may be a generator that builds each problem (GPU buffers) after the last is freed
-        entries.append(tuner.tune(problem))
-        del problem
     tables.write_table(path, merge_entries(table, entries))
     tables.load_table(path)  # re-read: what was written must parse
     tables.clear_caches()
+    return path
+
+
+def tune_to_table(op: str, problems: Iterable, out_root, *, gpu: str, device_name: str, compute_capability: str,
+                  tuner: Tuner) -> tuple[Any, list[dict[str, Any]]]:
+    """Tune every problem in this process and merge the entries into ``<out_root>/<gpu>/<op>.json``.
+
+    Returns (path, new entries). ``problems`` may be a generator that builds each problem (GPU buffers) after
+    the last is freed.
+    """
+    entries = []
+    for problem in problems:
+        entries.append(tuner.tune(problem))
+        del problem
+    path = write_entries(op, entries, out_root, gpu=gpu, device_name=device_name,
+                         compute_capability=compute_capability)
     return path, entries
+
+
+# ------------------------------------------------------------------------------------------------ work units
+
+CLAIM_PREFIX = "liger-gen-claim"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkUnit:
+    """One op at one dtype and token count: what one worker claims and tunes start to finish.
+
+    ``index`` is the unit's place in a one-GPU run (tables are assembled in that order); ``budget_s`` the seconds
+    of search and polish for all the problems the unit gives (None: no cap)."""
+
+    index: int
+    op: str
+    dtype: str
+    rows: int
+    budget_s: float | None = None
+
+
+def planned_rows(op: str, model, rows: Sequence[int]) -> list[int]:
+    """The distinct token counts ``op`` is tuned at for ``rows``, in order: ops that cap their tuning rows
+    (``tuning_rows(vocab, rows)`` or ``MAX_TUNING_ROWS`` in the op module) give fewer. Only plans the work and
+    splits the time budget; problems that still coincide are tuned once (their claim is taken)."""
+    from liger_gen.ops import get_op
+
+    module = get_op(op)
+    capper = getattr(module, "tuning_rows", None)
+    if callable(capper):
+        try:
+            return [int(r) for r in capper(model.vocab_size, list(rows))]
+        except Exception:  # another signature: fall back to the cap below
+            pass
+    cap = getattr(module, "MAX_TUNING_ROWS", None)
+    out: list[int] = []
+    for r in rows:
+        r = min(int(r), cap) if isinstance(cap, int) else int(r)
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def plan_units(ops: Sequence[str], model, rows: Sequence[int], dtypes: Sequence[str], *,
+               budget_s: float | None = None,
+               rows_for: Callable[[str, Any, Sequence[int]], list[int]] = planned_rows) -> list[WorkUnit]:
+    """Units in one-GPU order (op, dtype, rows). ``budget_s``: seconds of search and polish per op, split
+    evenly over the op's units. ValueError for a budget that is not positive."""
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"budget_s must be > 0 seconds or None, got {budget_s}")
+    units: list[WorkUnit] = []
+    for op in ops:
+        op_rows = rows_for(op, model, rows)
+        pairs = [(d, r) for d in dtypes for r in op_rows]
+        share = None if budget_s is None else budget_s / max(1, len(pairs))
+        for d, r in pairs:
+            units.append(WorkUnit(len(units), op, d, int(r), share))
+    return units
+
+
+def op_problems(unit: WorkUnit, model, device, seed: int) -> list:
+    """The tuning problems of one unit: the op module's ``tuning_problems`` at the unit's dtype and rows."""
+    from liger_gen.ops import get_op
+
+    return list(get_op(unit.op).tuning_problems(model, [unit.rows], dtype_from_name(unit.dtype), device, seed))
+
+
+def open_storage(spec: Any):
+    """An Optuna storage from ``spec``: None stays None (in memory); a URL (``sqlite:///tune.db``,
+    ``postgresql://...``) opens that database; any other string or path is a journal file (``JournalStorage``,
+    safe for several processes on one disk; created with its folder); a storage object is returned as is."""
+    if spec is None or not isinstance(spec, (str, os.PathLike)):
+        return spec
+    spec = str(spec)
+    if "://" in spec:
+        return optuna.storages.get_storage(spec)
+    from optuna.storages.journal import JournalFileBackend
+
+    Path(spec).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(JournalFileBackend(spec))
+
+
+def claim(storage, name: str) -> int | None:
+    """Create the study ``name`` in ``storage``; its id if this call created it, None if it already existed.
+
+    Exactly one of several processes creating the same name succeeds (a unique name in an RDB; the first
+    creation in a journal's order)."""
+    try:
+        return storage.create_new_study([StudyDirection.MINIMIZE], name)
+    except optuna.exceptions.DuplicatedStudyError:
+        return None
+
+
+@dataclasses.dataclass
+class TuneJob:
+    """Everything a worker needs, picklable: the units, the model shapes, a Tuner (its ``storage`` and
+    ``on_trial`` are set by the process that runs it), the run id that names the claims, the storage spec,
+    the problem factory ``make_problems(unit, model, device, seed) -> [Problem]``, the input seed, the device
+    type ("cuda" or "cpu") and the canonical GPU name every worker must see (None: not checked)."""
+
+    units: list[WorkUnit]
+    model: Any
+    tuner: Tuner
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
+    storage: Any = None
+    make_problems: Callable = op_problems
+    seed: int = 0
+    device: str = "cuda"
+    gpu: str | None = None
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """What ``tune_ops`` returns: entries per op (one-GPU order), seconds per op (``wall``: first unit start
+    to last unit end; ``busy``: sum over units of their workers' time), units left unfinished, worker errors."""
+
+    entries: dict[str, list[dict[str, Any]]]
+    seconds: dict[str, dict[str, float]]
+    unfinished: list[WorkUnit]
+    errors: list[str]
+    run_id: str
+
+
+def _unit_claim(run_id: str, unit: WorkUnit) -> str:
+    return f"{CLAIM_PREFIX}:{run_id}:unit:{unit.index}"
+
+
+def _problem_claim(run_id: str, op: str, key: str) -> str:
+    return f"{CLAIM_PREFIX}:{run_id}:problem:{op}:{key}"
+
+
+def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: int = 0, device=None) -> None:
+    """The worker loop: claim each unit in order, build its problems, claim and tune each problem, store the
+    entry in the problem's claim study, report events (dicts with ``kind``: start, problem, trial, done)."""
+    tuner = copy.copy(job.tuner)
+    tuner.storage = storage
+    tuner.on_trial = lambda: report({"kind": "trial", "worker": worker})
+    for unit in job.units:
+        unit_id = claim(storage, _unit_claim(job.run_id, unit))
+        if unit_id is None:
+            continue
+        start = time.monotonic()
+        report({"kind": "start", "unit": unit.index, "op": unit.op, "worker": worker})
+        problems = job.make_problems(unit, job.model, device, job.seed)
+        share = None if unit.budget_s is None else unit.budget_s / max(1, len(problems))
+        tuned = 0
+        for pos in range(len(problems)):
+            problem, problems[pos] = problems[pos], None  # freed (GPU buffers) once tuned
+            problem_id = claim(storage, _problem_claim(job.run_id, unit.op, problem.key()))
+            if problem_id is None:  # the same problem from another row count (capped rows): tuned once
+                continue
+            report({"kind": "problem", "unit": unit.index, "op": unit.op, "phases": len(problem.phases),
+                    "worker": worker})
+            entry = tuner.tune(problem, budget_s=share)
+            storage.set_study_user_attr(problem_id, "unit", unit.index)
+            storage.set_study_user_attr(problem_id, "pos", pos)
+            storage.set_study_user_attr(problem_id, "entry", entry)
+            tuned += 1
+            del problem
+        del problems
+        if device is not None and getattr(device, "type", device) == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        seconds = time.monotonic() - start
+        storage.set_study_user_attr(unit_id, "seconds", seconds)
+        storage.set_study_user_attr(unit_id, "done", True)
+        report({"kind": "done", "unit": unit.index, "op": unit.op, "seconds": seconds, "problems": tuned,
+                "worker": worker})
+
+
+def collect_entries(storage, run_id: str, units: Sequence[WorkUnit]) -> dict[str, list[dict[str, Any]]]:
+    """Entries stored by the workers of ``run_id``, per op, in one-GPU order (unit, then problem)."""
+    by_index = {u.index: u for u in units}
+    prefix = f"{CLAIM_PREFIX}:{run_id}:problem:"
+    found = []
+    for study in storage.get_all_studies():
+        attrs = study.user_attrs
+        if study.study_name.startswith(prefix) and "entry" in attrs and attrs.get("unit") in by_index:
+            found.append((attrs["unit"], attrs["pos"], attrs["entry"]))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for index, _pos, entry in sorted(found, key=lambda f: (f[0], f[1])):
+        out.setdefault(by_index[index].op, []).append(entry)
+    return out
+
+
+def finished_units(storage, run_id: str, units: Sequence[WorkUnit]) -> set[int]:
+    """Indices of the units of ``run_id`` whose worker finished them."""
+    names = {_unit_claim(run_id, u): u.index for u in units}
+    return {names[s.study_name] for s in storage.get_all_studies()
+            if s.study_name in names and s.user_attrs.get("done")}
+
+
+def cuda_visible(devices: Sequence[int]) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` values that pin one worker each to ``devices`` (indices as this process sees
+    them, so an outer ``CUDA_VISIBLE_DEVICES=2,3`` maps index 0 to "2")."""
+    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [v.strip() for v in outer.split(",")] if outer else None
+    out = []
+    for d in devices:
+        if visible is not None:
+            if not 0 <= d < len(visible):
+                raise ValueError(f"device {d} is not visible (CUDA_VISIBLE_DEVICES={outer!r})")
+            out.append(visible[d])
+        else:
+            out.append(str(d))
+    return out
+
+
+def _worker_main(worker: int, visible: str | None, job: TuneJob, events) -> None:
+    """Entry point of a spawned worker: pin the GPU, open the shared storage, run the units."""
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before anything initialises CUDA in this process
+    try:
+        import torch
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        device = torch.device(job.device, 0) if job.device == "cuda" else torch.device(job.device)
+        if job.gpu is not None:
+            from liger_gen.runtime.devices import current_gpu
+
+            seen = current_gpu()
+            if seen is None or seen[0] != job.gpu:
+                raise RuntimeError(f"worker {worker} (CUDA_VISIBLE_DEVICES={visible}) sees {seen}, not {job.gpu}")
+        run_units(job, open_storage(job.storage), events.put, worker=worker, device=device)
+    except KeyboardInterrupt:
+        events.put({"kind": "error", "worker": worker, "error": "interrupted"})
+        raise SystemExit(130) from None
+    except BaseException as exc:
+        events.put({"kind": "error", "worker": worker, "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()})
+        raise SystemExit(1) from None
+
+
+def tune_ops(job: TuneJob, *, devices: Sequence[Any] | None = None, on_event: Callable[[dict], None] | None = None,
+             on_op_done: Callable[[str, list[dict], dict[str, float]], None] | None = None) -> TuneResult:
+    """Tune every unit of ``job``; one worker process per entry of ``devices`` (each a ``CUDA_VISIBLE_DEVICES``
+    value, see ``cuda_visible``, or None for a worker that leaves it alone). None or one entry: in this process,
+    on the current device.
+
+    Several workers need ``job.storage`` to be a spec every process can open (a journal file path or a
+    database URL); ValueError otherwise. ``on_event(event)`` sees every worker event in this process (progress);
+    ``on_op_done(op, entries, seconds)`` is called once all of an op's units are finished, with its entries in
+    one-GPU order. The result is the same, entry for entry, whichever worker ran which unit.
+    """
+    units_of: dict[str, set[int]] = {}
+    for unit in job.units:
+        units_of.setdefault(unit.op, set()).add(unit.index)
+    started: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    busy: dict[str, float] = {}
+    done: set[int] = set()
+    errors: list[str] = []
+    current: dict[int, int] = {}  # worker -> unit it is on
+    entries: dict[str, list[dict]] = {}
+    state: dict[str, Any] = {}
+
+    def handle(event: dict) -> None:
+        kind, now = event["kind"], time.monotonic()
+        if kind == "start":
+            started.setdefault(event["op"], now)
+            current[event["worker"]] = event["unit"]
+        elif kind == "done":
+            op = event["op"]
+            done.add(event["unit"])
+            busy[op] = busy.get(op, 0.0) + event["seconds"]
+            current.pop(event["worker"], None)
+            if units_of[op] <= done:
+                ended[op] = now
+                entries[op] = collect_entries(state["storage"], job.run_id, job.units).get(op, [])
+                if on_op_done is not None:
+                    on_op_done(op, entries[op], {"wall": ended[op] - started.get(op, now), "busy": busy[op]})
+        elif kind == "error":
+            unit = current.get(event["worker"])
+            where = f" on unit {unit} ({job.units[unit].op} {job.units[unit].dtype} rows={job.units[unit].rows})" \
+                if unit is not None else ""
+            errors.append(f"worker {event['worker']}{where}: {event['error']}")
+        if on_event is not None:
+            on_event(event)
+
+    if devices is None or len(devices) <= 1:
+        storage = open_storage(job.storage)
+        state["storage"] = storage if storage is not None else optuna.storages.InMemoryStorage()
+        device = None
+        if job.device is not None:
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device()) if job.device == "cuda" \
+                else torch.device(job.device)
+        run_units(job, state["storage"], handle, worker=0, device=device)
+    else:
+        if job.storage is None or not isinstance(job.storage, (str, os.PathLike)):
+            raise ValueError("several workers need a shared storage that every process can open: a journal file "
+                             f"path or a database URL, got {job.storage!r}")
+        state["storage"] = open_storage(job.storage)
+        tuner = copy.copy(job.tuner)
+        tuner.storage, tuner.on_trial = None, None  # each worker opens the storage and reports its own trials
+        job = dataclasses.replace(job, tuner=tuner)
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        events = context.Queue()
+        procs = [context.Process(target=_worker_main, args=(w, dev, job, events), name=f"liger-gen-tune-{w}")
+                 for w, dev in enumerate(devices)]
+        for p in procs:
+            p.start()
+        try:
+            while True:
+                try:
+                    handle(events.get(timeout=0.2))
+                except queue_module.Empty:
+                    if not any(p.is_alive() for p in procs):
+                        break
+            while True:  # what the last workers sent just before exiting
+                try:
+                    handle(events.get(timeout=0.5))
+                except queue_module.Empty:
+                    break
+        except BaseException:
+            for p in procs:
+                p.join(timeout=5)  # an interrupt reaches the workers too: let them close their trials
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join()
+            raise
+        for p in procs:
+            p.join()
+            if p.exitcode and not any(e.startswith(f"worker {procs.index(p)}") for e in errors):
+                errors.append(f"worker {procs.index(p)} exited with code {p.exitcode}")
+    all_done = done | finished_units(state["storage"], job.run_id, job.units)  # a unit can end between the
+    unfinished = [u for u in job.units if u.index not in all_done]            # last event read and the exit
+    for op, indices in units_of.items():
+        if op not in entries and indices <= all_done:
+            entries[op] = collect_entries(state["storage"], job.run_id, job.units).get(op, [])
+            if on_op_done is not None:
+                now = time.monotonic()
+                on_op_done(op, entries[op], {"wall": now - started.get(op, now), "busy": busy.get(op, 0.0)})
+    seconds = {op: {"wall": ended.get(op, time.monotonic()) - started[op], "busy": busy.get(op, 0.0)}
+               for op in started}
+    return TuneResult(entries=entries, seconds=seconds, unfinished=unfinished, errors=errors, run_id=job.run_id)

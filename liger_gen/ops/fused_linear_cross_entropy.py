@@ -1,25 +1,27 @@
 """Fused linear cross-entropy (FLCE): the LM-head matmul and the cross-entropy loss, chunked over rows so the
 (tokens × vocab) logits are never materialised. References, search space, tuning problem, custom ops, public op.
 
-    logits = x @ W^T + b                       (fp32 GEMM output from bf16/fp16 inputs, never rounded)
+    logits = x @ W^T + b                       (fp32 accumulation; see LOGITS_FP32 for the stored dtype)
     logits = softcap · tanh(logits / softcap)  (optional, Gemma 2)
     loss   = cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing)
              + lse_square_scale · lse²       (z-loss, PaLM; mean over non-ignored rows for reduction="mean")
 
-Per chunk of CHUNK_ROWS rows: one GEMM writes the chunk's fp32 logits, one launch of cross-entropy's row-level
-kernel (``liger_gen.ops.cross_entropy.cross_entropy_loss_and_grad``; same semantics as ``cross_entropy``) computes
-the rows' losses and writes d(loss)/d(logits), then dX_chunk = dlogits @ W and dW += dlogits^T @ x_chunk (fp32
-accumulator) and db += Σ_rows dlogits. The chunk plan (CHUNK_ROWS) is
-``templates/fused_linear_cross_entropy.py.jinja``; the cross-entropy kernel's launch settings come from the
-cross_entropy table (looked up for fp32 logits of the chunk's shape).
-For reduction "mean"/"sum" the gradients are computed in the forward (as Liger-Kernel's FLCE and Cut
-Cross-Entropy do) and only scaled by the upstream gradient in the backward; for reduction "none" the upstream
-gradient differs per row, so the backward recomputes each chunk's logits. Peak extra memory is one chunk
-(CHUNK_ROWS × vocab × (4 + element size) bytes) plus the fp32 dW accumulator, independent of the token count.
+Per chunk of CHUNK_ROWS rows: one GEMM writes the chunk's logits (fp32 accumulation; stored in fp32 or, as
+transformers' bf16 ``lm_head`` output, in x's dtype), one launch of cross-entropy's row-level kernel
+(``liger_gen.ops.cross_entropy.cross_entropy_loss_and_grad``; same semantics as ``cross_entropy``) computes the
+rows' losses and writes d(loss)/d(logits) (over the logits when they are in x's dtype), then dX_chunk =
+dlogits @ W and dW += dlogits^T @ x_chunk (an fp32 accumulator, or cuBLAS's beta=1 addition in x's dtype) and
+db += Σ_rows dlogits. The plan (CHUNK_ROWS, LOGITS_FP32, DW_FP32) is tuned per GPU under a memory budget
+(``FusedLinearCrossEntropySpace.MAX_EXTRA_BYTES``); the cross-entropy kernel's launch settings come from the
+cross_entropy table. For reduction "mean"/"sum" the gradients are computed in the forward (as Liger-Kernel's
+FLCE and Cut Cross-Entropy do) and only scaled by the upstream gradient in the backward (nothing is read or
+written when it is exactly 1); for reduction "none" the upstream gradient differs per row, so the backward
+recomputes each chunk's logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
-from liger_gen.ops.cross_entropy import (REDUCTIONS, TARGET_DTYPES, cross_entropy_float64,
+from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, CrossEntropySpace, _aux_module, TARGET_DTYPES, cross_entropy_float64,
                                          cross_entropy_loss_and_grad, cross_entropy_mean_scale,
                                          cross_entropy_reduce, cross_entropy_torch)
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
@@ -133,25 +135,39 @@ def fused_linear_cross_entropy_float64_chunked(x, lm_head_weight, target, bias=N
 
 @dataclass(frozen=True)
 class FusedLinearCrossEntropyConfig(KernelConfig):
-    """Launch settings of FLCE: rows per chunk (both the fused forward and the reduction="none" backward).
+    """Launch plan of FLCE: rows per chunk, the chunk's logits dtype and the dW accumulator's dtype.
 
-    A chunk's logits GEMM is (CHUNK_ROWS × hidden) @ (hidden × vocab); the dW update is a (vocab × CHUNK_ROWS)
-    @ (CHUNK_ROWS × hidden) GEMM that reads and writes the whole fp32 accumulator, so small chunks make the dW
-    update memory bound while large chunks cost memory. By arithmetic (not measured) at Llama-3-8B shapes on an
-    H200: 4.2 GB of accumulator traffic per chunk (~0.9 ms at 4.8 TB/s) against 2·CHUNK_ROWS·vocab·hidden flops
-    (~0.34 ms per GEMM at 256 rows), so the update stays memory bound below ~600 rows; the 256-row chunks that
-    the memory cap allows at that vocab cost about half again the GEMMs' compute time.
+    CHUNK_ROWS: the M of the logits and dx GEMMs and the K of the dW GEMM. Each chunk's dW GEMM reads and writes
+        the whole dW (vocab × hidden), so small chunks make it memory bound; large chunks cost memory.
+    LOGITS_FP32: 1 = the logits GEMM writes fp32 (never rounded) and the gradient goes to a second buffer in
+        x's dtype; 0 = the GEMM writes logits in x's dtype (as transformers' bf16 ``lm_head`` output does;
+        cuBLAS accumulates in fp32 and rounds once) and the cross-entropy kernel overwrites them with the
+        gradient in place: a third of the chunk memory, so chunks three times as large fit the same budget.
+    DW_FP32: 1 = dW is summed over chunks in an fp32 accumulator (vocab × hidden × 4 bytes extra); 0 = each
+        chunk's dW GEMM adds into dW in x's dtype (``addmm`` with beta 1: fp32 inside the GEMM, one rounding per
+        chunk). bfloat16 only (float16 sums could overflow, float32 needs no accumulator).
+    Both flags are 1 for float32 inputs (their logits and dW are fp32 anyway).
+    CE_*: launch settings of the cross-entropy kernel that writes each chunk's losses and dlogits (cross_entropy's
+        BLOCK_V_BWD, BLOCK_M_BWD, num_warps_bwd, num_stages_bwd), tuned here at the chunk's shape because a
+        chunk has far fewer rows than cross_entropy's own tuning problems (rows per program set the parallelism).
     """
 
-    CHUNK_ROWS: int = 256
+    CHUNK_ROWS: int = 1024
+    LOGITS_FP32: int = 0
+    DW_FP32: int = 0
+    CE_BLOCK_V: int = 2048
+    CE_BLOCK_M: int = 1
+    CE_WARPS: int = 4
+    CE_STAGES: int = 1
 
 
 class FusedLinearCrossEntropySpace(Space):
     """Search space, constraints and heuristic of FLCE at dims ``{"hidden": H, "vocab": V}`` and a dtype.
 
     Tuned as one phase ("fwd": the fused forward that also computes every gradient, reduction "mean"); the
-    reduction="none" backward reuses CHUNK_ROWS. A chunk may hold at most MAX_CHUNK_BYTES of logits and
-    rounded gradients, except the smallest choice, which is always allowed (huge vocabularies).
+    reduction="none" backward reuses the plan. Memory constraint: the chunk buffers plus (DW_FP32=1 with bfloat16)
+    the fp32 dW accumulator may take at most MAX_EXTRA_BYTES, except that the smallest chunk is always allowed
+    (huge vocabularies). float16 always sums dW in fp32 (not counted: it has no alternative).
     """
 
     op = "fused_linear_cross_entropy"
@@ -159,42 +175,82 @@ class FusedLinearCrossEntropySpace(Space):
     config_cls = FusedLinearCrossEntropyConfig
     DIMS = ("hidden", "vocab")
     phases = ("fwd",)
-    CHUNK_CHOICES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    # heuristic: the chunk's fp32 logits take about this much (keeps M of the GEMMs >= 256 up to vocab 131072)
-    LOGITS_BUDGET_BYTES = 128 * 2**20
-    # hard cap on a chunk's fp32 logits + rounded gradient copy: keeps peak extra memory under 256 MiB
-    MAX_CHUNK_BYTES = 192 * 2**20
+    CHUNK_CHOICES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
+    # peak extra memory of one call beyond its inputs and gradients (the issue's +256 MiB at Llama-3 shapes)
+    MAX_EXTRA_BYTES = 256 * 2**20
 
     PARAMS = (
         Param("CHUNK_ROWS", CHUNK_CHOICES, "fwd"),
+        Param("LOGITS_FP32", (0, 1), "fwd"),
+        Param("DW_FP32", (0, 1), "fwd"),
+        Param("CE_BLOCK_V", BLOCK_V_CHOICES, "fwd"),
+        Param("CE_BLOCK_M", (1, 2, 4, 8, 16, 32, 64), "fwd"),
+        Param("CE_WARPS", (1, 2, 4, 8, 16, 32), "fwd"),
+        Param("CE_STAGES", (1, 2, 3, 4), "fwd"),
     )
 
     def check_dims(self) -> None:
         self.hidden, self.vocab = self.dims["hidden"], self.dims["vocab"]
 
-    def chunk_bytes(self, chunk_rows: int) -> int:
-        """fp32 logits of a chunk, plus their copy in the inputs' dtype fed to the gradient GEMMs."""
-        extra = self.element_size if self.element_size < 4 else 0
-        return chunk_rows * self.vocab * (4 + extra)
+    def params(self, phase: str) -> tuple[Param, ...]:
+        """The tunables, with CE_BLOCK_V narrowed as cross_entropy's space narrows its tiles for this vocab."""
+        allowed = {c for p in CrossEntropySpace(self.vocab, torch.float32, self.limits).params("fwd")
+                   if p.name == "BLOCK_V_BWD" for c in p.choices}
+        return tuple(dataclasses.replace(p, choices=tuple(c for c in p.choices if c in allowed))
+                     if p.name == "CE_BLOCK_V" else p for p in super().params(phase))
+
+    def logits_dtype(self, config: FusedLinearCrossEntropyConfig) -> torch.dtype:
+        return torch.float32 if (config.LOGITS_FP32 or self.element_size == 4) else self.dtype
+
+    def ce_config(self, config: FusedLinearCrossEntropyConfig) -> CrossEntropyConfig:
+        """The cross-entropy kernel config of a plan (only its *_BWD fields are used)."""
+        base = CrossEntropySpace(self.vocab, self.logits_dtype(config), self.limits).heuristic()
+        return dataclasses.replace(base, GRAD_IN_FWD=0, BLOCK_V_BWD=config.CE_BLOCK_V, BLOCK_M_BWD=config.CE_BLOCK_M,
+                                   num_warps_bwd=config.CE_WARPS, num_stages_bwd=config.CE_STAGES)
+
+    def extra_bytes(self, config: FusedLinearCrossEntropyConfig) -> int:
+        """Chunk buffers (+ the fp32 dW accumulator of bfloat16 with DW_FP32=1) in bytes."""
+        e = self.element_size
+        if e == 4:
+            return config.CHUNK_ROWS * self.vocab * 4
+        chunk = config.CHUNK_ROWS * self.vocab * ((4 + e) if config.LOGITS_FP32 else e)
+        accumulator = self.vocab * self.hidden * 4 if config.DW_FP32 and self.dtype == torch.bfloat16 else 0
+        return chunk + accumulator
 
     def heuristic(self) -> FusedLinearCrossEntropyConfig:
-        """Largest chunk whose fp32 logits fit LOGITS_BUDGET_BYTES (and the hard cap); at least the smallest."""
-        rows = self.CHUNK_CHOICES[0]
+        """Rounded logits, dW summed in x's dtype (bf16), and the largest chunk within MAX_EXTRA_BYTES."""
+        fp32 = self.element_size == 4
+        dw_fp32 = int(fp32 or self.dtype == torch.float16)
+        logits = torch.float32 if fp32 else self.dtype
+        ce = CrossEntropySpace(self.vocab, logits, self.limits).heuristic()
+        ce_params = dict(CE_BLOCK_V=ce.BLOCK_V_BWD, CE_BLOCK_M=ce.BLOCK_M_BWD, CE_WARPS=ce.num_warps_bwd,
+                         CE_STAGES=ce.num_stages_bwd)
+        best = FusedLinearCrossEntropyConfig(CHUNK_ROWS=self.CHUNK_CHOICES[0], LOGITS_FP32=int(fp32), DW_FP32=dw_fp32,
+                                             **ce_params)
         for choice in self.CHUNK_CHOICES:
-            if choice * self.vocab * 4 <= self.LOGITS_BUDGET_BYTES and self.chunk_bytes(choice) <= self.MAX_CHUNK_BYTES:
-                rows = choice
-        config = FusedLinearCrossEntropyConfig(CHUNK_ROWS=rows)
-        problems = self.violations(config)
+            config = dataclasses.replace(best, CHUNK_ROWS=choice)
+            if not self.shape_violations(config):
+                best = config
+        problems = self.violations(best)
         assert not problems, f"heuristic is invalid for {self.dims}: {problems}"
-        return config
+        return best
 
     def shape_violations(self, config: FusedLinearCrossEntropyConfig) -> list[str]:
-        """Chunk memory: CHUNK_ROWS × vocab × (4 + element size) <= MAX_CHUNK_BYTES (smallest chunk exempt)."""
-        size = self.chunk_bytes(config.CHUNK_ROWS)
-        if config.CHUNK_ROWS > self.CHUNK_CHOICES[0] and size > self.MAX_CHUNK_BYTES:
-            return [f"fwd: CHUNK_ROWS={config.CHUNK_ROWS} needs {size / 2**20:.0f} MiB of chunk buffers at vocab "
-                    f"{self.vocab} > {self.MAX_CHUNK_BYTES / 2**20:.0f} MiB"]
-        return []
+        """Flags fixed by the dtype; extra memory <= MAX_EXTRA_BYTES (smallest chunk exempt)."""
+        problems = []
+        if self.element_size == 4 and not (config.LOGITS_FP32 and config.DW_FP32):
+            problems.append("fwd: float32 inputs have fp32 logits and dW: LOGITS_FP32 and DW_FP32 must be 1")
+        if self.dtype == torch.float16 and not config.DW_FP32:
+            problems.append("fwd: float16 dW sums over chunks could overflow: DW_FP32 must be 1")
+        problems += [f"{p} (CE_* params)" for p in CrossEntropySpace(self.vocab, self.logits_dtype(config),
+                                                                        self.limits).shape_violations(
+            self.ce_config(config)) if p.startswith("bwd")]
+        size = self.extra_bytes(config)
+        if config.CHUNK_ROWS > self.CHUNK_CHOICES[0] and size > self.MAX_EXTRA_BYTES:
+            problems.append(f"fwd: CHUNK_ROWS={config.CHUNK_ROWS}, LOGITS_FP32={config.LOGITS_FP32}, "
+                            f"DW_FP32={config.DW_FP32} need {size / 2**20:.0f} MiB of extra memory at "
+                            f"{self.dims} > {self.MAX_EXTRA_BYTES / 2**20:.0f} MiB")
+        return problems
 
 
 SPACE = FusedLinearCrossEntropySpace
@@ -228,40 +284,67 @@ def _accumulate_dw(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc[v0:v0 + step] += torch.mm(a[v0:v0 + step], b, out_dtype=torch.float32)
 
 
+def _plan(x: torch.Tensor, hidden: int, vocab: int, rows: int, plan) -> FusedLinearCrossEntropyConfig:
+    """The launch plan: ``plan`` itself (a config, or a dict of its fields), else the table's or the heuristic."""
+    if isinstance(plan, FusedLinearCrossEntropyConfig):
+        return plan
+    if isinstance(plan, dict):
+        return FusedLinearCrossEntropyConfig.from_dict(plan)
+    dims = {"hidden": hidden, "vocab": vocab}
+    if uses_triton(x):
+        _, config, _ = kernel_module("fused_linear_cross_entropy", x, dims, max(1, rows))
+        return config
+    space = FusedLinearCrossEntropySpace(dims, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32)
+    return space.heuristic()
+
+
 class _Chunked:
-    """One call's chunk loop: inputs, chunk size, and the per-chunk GEMMs around the cross-entropy kernel."""
+    """One call's chunk loop: inputs, launch plan, and the per-chunk GEMMs around the cross-entropy kernel."""
 
     def __init__(self, x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                 chunk_rows=None):
+                 plan=None):
         self.x, self.w, self.target = x, w, target
         self.rows, self.hidden = x.shape
         self.vocab = w.shape[0]
         self.options = dict(weight=None if weight is None else weight.detach(), ignore_index=ignore_index,
                             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
         self.cuda = x.device.type == "cuda"
-        # CUDA GEMMs take the 16-bit operands as they are and write fp32 (mm's out_dtype); the CPU has no such
-        # kernels, so the CPU paths multiply fp32 copies (exact: every bf16/fp16 value is an fp32 value)
+        low = x.dtype in _LOW_PRECISION
+        # CUDA GEMMs take the 16-bit operands as they are (fp32 accumulation) and write fp32 or x's dtype; the CPU
+        # has no such kernels, so the CPU paths multiply fp32 copies (exact: every bf16/fp16 value is an fp32 value)
         self.w_mm = w if self.cuda else w.float()
-        self.bias = None if bias is None else bias.float()
-        if chunk_rows is None:
-            dims = {"hidden": self.hidden, "vocab": self.vocab}
-            if uses_triton(x):
-                _, config, _ = kernel_module("fused_linear_cross_entropy", x, dims, max(1, self.rows))
-            else:
-                config = FusedLinearCrossEntropySpace(dims, x.dtype).heuristic()
-            chunk_rows = config.CHUNK_ROWS
-        self.chunk_rows = chunk_rows
+        self.bias = bias
+        config = _plan(x, self.hidden, self.vocab, self.rows, plan)
+        self.chunk_rows = config.CHUNK_ROWS
+        space_dtype = x.dtype if x.dtype in KERNEL_DTYPES else torch.float32
+        self.ce_config = FusedLinearCrossEntropySpace({"hidden": self.hidden, "vocab": self.vocab},
+                                                      space_dtype).ce_config(config)
+        self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
+        # dW summed in fp32 unless the plan adds each chunk's product into dW in x's dtype (bfloat16 only)
+        self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype
+        # bfloat16 and float32 gradients carry the mean's 1/Σw from the kernel on; float16 ones are left unscaled
+        # (they would underflow) and are multiplied by grad_scale at the end
+        self.prescale = x.dtype != torch.float16
 
     def _logits(self, xc: torch.Tensor, out: torch.Tensor) -> None:
         if self.cuda and xc.dtype in _LOW_PRECISION:
-            torch.mm(xc, self.w_mm.t(), out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(xc.float(), self.w_mm.t(), out=out)
+            if out.dtype == torch.float32:
+                torch.mm(xc, self.w_mm.t(), out_dtype=torch.float32, out=out)
+                if self.bias is not None:
+                    out.add_(self.bias)
+            elif self.bias is not None:  # bias added inside the GEMM's epilogue, one rounding
+                torch.addmm(self.bias, xc, self.w_mm.t(), out=out)
+            else:
+                torch.mm(xc, self.w_mm.t(), out=out)
+            return
+        product = torch.mm(xc.float(), self.w_mm.t().float())
         if self.bias is not None:
-            out.add_(self.bias)
+            product += self.bias.float()
+        out.copy_(product)
 
     def run(self, scale, grad_output, need_dx: bool, need_dw: bool, need_db: bool):
-        """Loop over chunks: per-row (loss, z-loss) in fp32 and, if any need_*, dx (x's dtype), dW and db (fp32).
+        """Loop over chunks: per-row (loss, z-loss) in fp32 and, if any need_*, dx (x's dtype), dW (fp32 or x's
+        dtype, see ``dw_dtype``) and db (fp32).
 
         The gradients are those of Σ_i g_i·(s_ce·ce_i + s_z·zl_i) with ``[s_ce, s_z] = scale`` (None: ones) and
         ``g = grad_output`` (None: ones, else (rows,)), as ``cross_entropy_loss_and_grad`` defines them.
@@ -271,58 +354,70 @@ class _Chunked:
         f32 = dict(dtype=torch.float32, device=x.device)
         loss_rows, zl_rows = torch.empty(rows, **f32), torch.empty(rows, **f32)
         dx = torch.empty((rows, self.hidden), dtype=dtype, device=x.device) if need_dx else None
-        dw = torch.zeros((vocab, self.hidden), **f32) if need_dw else None
+        dw = torch.empty((vocab, self.hidden), dtype=self.dw_dtype, device=x.device) if need_dw else None
         db = torch.zeros(vocab, **f32) if need_db else None
         chunk = min(self.chunk_rows, max(rows, 1))
-        logits_buf = torch.empty((chunk, vocab), **f32) if rows else None
-        # the gradient GEMMs take dlogits in the inputs' dtype (cuBLAS needs one operand dtype): the kernel
-        # writes it there directly (rounded once from fp32); fp32 inputs get it in place of the logits
-        round_grad = dtype in _LOW_PRECISION
-        grad_buf = torch.empty((chunk, vocab), dtype=dtype, device=x.device) if rows and want_grad and round_grad \
-            else None
+        logits_buf = torch.empty((chunk, vocab), dtype=self.logits_dtype, device=x.device) if rows else None
+        # the gradient GEMMs take dlogits in x's dtype (cuBLAS needs one operand dtype): the kernel writes them
+        # there directly (rounded once from fp32); when the logits are already in x's dtype, in place
+        separate = want_grad and self.logits_dtype != dtype
+        grad_buf = torch.empty((chunk, vocab), dtype=dtype, device=x.device) if rows and separate else None
+        if need_dw and rows == 0:
+            dw.zero_()
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             xc = x[start:end]
             logits = logits_buf[:end - start]
             self._logits(xc, logits)
-            grad = (grad_buf[:end - start] if round_grad else logits) if want_grad else None
+            grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
             loss_c, zl_c, _ = cross_entropy_loss_and_grad(
                 logits, self.target[start:end], grad, scale=scale,
-                grad_output=None if grad_output is None else grad_output[start:end], **self.options)
+                grad_output=None if grad_output is None else grad_output[start:end], config=self.ce_config,
+                **self.options)
             loss_rows[start:end] = loss_c
             zl_rows[start:end] = zl_c
             if not want_grad:
                 continue
             if need_db:
                 db += grad.sum(dim=0, dtype=torch.float32)
+            first = start == 0
             if self.cuda:
                 if need_dx:
                     torch.mm(grad, self.w, out=dx[start:end])
                 if need_dw:
-                    if round_grad:
-                        _accumulate_dw(dw, grad.t(), xc)
+                    if dw.dtype == dtype:  # x's dtype (bf16 plan, or fp32 inputs): cuBLAS adds in fp32, rounds once
+                        if first:
+                            torch.mm(grad.t(), xc, out=dw)
+                        else:
+                            dw.addmm_(grad.t(), xc)
                     else:
-                        dw.addmm_(grad.t(), xc)
+                        if first:
+                            dw.zero_()
+                        _accumulate_dw(dw, grad.t(), xc)
             else:
-                grad = grad.float()
+                grad32 = grad.float()
                 if need_dx:
-                    dx[start:end] = grad @ self.w_mm
+                    dx[start:end] = grad32 @ self.w_mm
                 if need_dw:
-                    dw.addmm_(grad.t(), xc.float())
+                    product = grad32.t() @ xc.float()
+                    if first:
+                        dw.copy_(product)
+                    else:
+                        dw.copy_(dw.float() + product)  # x's dtype: one rounding per chunk, as cuBLAS's addmm
         return loss_rows, zl_rows, dx, dw, db
 
 
 def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-              need_dx, need_dw, need_db, chunk_rows=None):
+              need_dx, need_dw, need_db, plan=None):
     """(loss, z_loss, dx_unscaled, grad_scale, dW, db) of a 2-D x; losses and grad_scale fp32.
 
     For reduction "none", loss/z_loss are per row and no gradient is computed (the backward recomputes).
     Otherwise the requested gradients are those of the reduced loss for an upstream gradient of 1, except
-    that dx is left unscaled: dx = dx_unscaled · grad_scale (dlogits are computed without the mean's 1/Σw, so
-    fp16 gradients do not underflow before the upstream gradient scales them). Unrequested gradients are
-    empty tensors.
+    that dx is left unscaled: dx = dx_unscaled · grad_scale. grad_scale is 1 except for float16 with
+    reduction "mean", whose dlogits are computed without the mean's 1/Σw (they would underflow). Unrequested
+    gradients are empty tensors. ``plan``: a FusedLinearCrossEntropyConfig (or dict); None: table or heuristic.
     """
-    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, chunk_rows)
+    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, plan)
     one = torch.ones((), dtype=torch.float32, device=x.device)
 
     def empty():  # distinct tensors: a custom op's outputs may not alias each other
@@ -333,46 +428,71 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
         return loss_rows, zl_rows, empty(), one, empty(), empty()
     scale = cross_entropy_mean_scale(target, run.vocab, run.options["weight"], ignore_index) \
         if reduction == "mean" else None
-    chunk_scale, grad_scale = None, one
-    if scale is not None:
+    chunk_scale, grad_scale = scale, one
+    if scale is not None and run.prescale:
+        # every row ignored makes the mean's scale inf (a NaN loss, as torch's) while the gradients stay 0
+        chunk_scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+    elif scale is not None:
         # the kernel gets [1, s_z / s_ce] and the fp32 results are multiplied by s_ce = 1/Σw afterwards; every
         # row ignored makes the scale inf (NaN loss, as torch) while the gradients stay 0, as torch's
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_scale = torch.where(torch.isfinite(scale[0]), scale[0], zero)
+        chunk_scale = None
         if lse_square_scale:
             ratio = scale[1] / scale[0]
             chunk_scale = torch.stack([one, torch.where(torch.isfinite(ratio), ratio, zero)])
     loss_rows, zl_rows, dx, dw, db = run.run(chunk_scale, None, need_dx, need_dw, need_db)
     loss, z_loss = cross_entropy_reduce(loss_rows, zl_rows, reduction, scale)
+    prescale = run.prescale
     del run, loss_rows, zl_rows
     if dw is not None:
-        dw = dw.mul_(grad_scale).to(w.dtype)
+        if not prescale:
+            dw.mul_(grad_scale)
+        dw = dw.to(w.dtype)
     if db is not None:
-        db = db.mul_(grad_scale).to(bias.dtype)
+        if not prescale:
+            db.mul_(grad_scale)
+        db = db.to(bias.dtype)
     return (loss, z_loss, empty() if dx is None else dx, grad_scale, empty() if dw is None else dw,
             empty() if db is None else db)
 
 
 def _bwd_none_impl(grad_rows, x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                   need_dx, need_dw, need_db, chunk_rows=None):
+                   need_dx, need_dw, need_db, plan=None):
     """(dx, dW, db) of reduction "none" for a per-row upstream gradient: recomputes each chunk's logits."""
-    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, chunk_rows)
+    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, plan)
     _, _, dx, dw, db = run.run(None, grad_rows, need_dx, need_dw, need_db)
     del run
     return (x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw.to(w.dtype),
             x.new_empty(0) if db is None else db.to(bias.dtype))
 
 
+def _scale_in_place(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """t *= factor (0-dim) in place; on the kernel path nothing is read or written when factor is exactly 1."""
+    if not t.numel():
+        return t
+    if uses_triton(t) and t.is_contiguous():
+        _aux_module().scale_grad_(t.view(-1, t.shape[-1]), factor.float())
+        return t
+    return t.mul_(factor)
+
+
 def _scale_grads(grad_loss, dx_unscaled, grad_scale, dw, db, in_place: bool):
     """Gradients of mean/sum: the forward's gradients times the upstream (scalar) gradient."""
     g = grad_loss.float()
     if in_place:
-        return (dx_unscaled.mul_(grad_scale * g) if dx_unscaled.numel() else dx_unscaled,
-                dw.mul_(g) if dw.numel() else dw, db.mul_(g) if db.numel() else db)
+        return _scale_in_place(dx_unscaled, grad_scale * g), _scale_in_place(dw, g), _scale_in_place(db, g)
     return (dx_unscaled * (grad_scale * g)).to(dx_unscaled.dtype), (dw * g).to(dw.dtype), (db * g).to(db.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ tuning
+
+
+def loss_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of the loss against float64: FP32_OUT_TOL for float32 inputs; for 16-bit inputs the
+    unit roundoff of x's dtype, because LOGITS_FP32=0 rounds the logits to it (as transformers' lm_head output
+    does), which moves a row's loss by about u·|logit| (measured in the mean over 512-1024 bf16 rows: 1e-5)."""
+    return torch.finfo(dtype).eps / 2 if dtype in _LOW_PRECISION else FP32_OUT_TOL
 
 
 class FusedLinearCrossEntropyProblem(Problem):
@@ -402,18 +522,18 @@ class FusedLinearCrossEntropyProblem(Problem):
         b = self.buffers
         loss, _, dx, dw, _ = fused_linear_cross_entropy_float64_chunked(b["x"], b["w"], b["target"])
         self.ref = {"loss": loss, "dx": dx, "dw": dw}
-        self.tol = {"loss": FP32_OUT_TOL, "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
+        self.tol = {"loss": loss_tolerance(dtype), "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
         self.outputs = {"fwd": ("loss", "dx", "dw")}
 
     def launcher(self, module, phase: str):
         if phase != "fwd":
             raise ValueError(f"phase must be 'fwd' (FLCE is tuned as one fused phase), got {phase!r}")
         b = self.buffers
-        chunk_rows = module.chunk_rows()
+        plan = module.plan()
 
         def launch():
             loss, _, dx_u, scale, dw, _ = _fwd_impl(b["x"], b["w"], b["target"], None, None, -100, "mean", 0.0, 0.0,
-                                                    None, True, True, False, chunk_rows)
+                                                    None, True, True, False, plan)
             b["loss"].copy_(loss)
             torch.mul(dx_u, scale, out=b["dx"])
             b["dw"].copy_(dw)
@@ -673,10 +793,13 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     cross-entropy: ``softcap`` (logits ← softcap·tanh(logits/softcap) before the loss, Gemma 2) and the z-loss
     ``lse_square_scale · logsumexp(logits)²`` of each non-ignored row (PaLM, Chowdhery et al. 2022), added to
     the loss and divided by the number of non-ignored rows for "mean". Rows are processed in chunks: each chunk's
-    logits come from an fp32-output GEMM (never rounded to the inputs' dtype), the per-chunk cross-entropy kernel
-    turns them into losses and d(loss)/d(logits), and the gradients dx, dW (fp32 accumulator) and db follow by
-    two more GEMMs. Gradients are exact (no filtering). Peak extra memory is one chunk of logits plus the fp32
-    dW accumulator (vocab × hidden × 4 bytes), whatever the number of tokens.
+    logits come from a GEMM with fp32 accumulation, stored in fp32 or (for bf16/fp16 inputs, when the tuned plan
+    says so) rounded to x's dtype exactly as ``lm_head(x)`` in transformers; the per-chunk cross-entropy kernel
+    turns them into losses and d(loss)/d(logits), and dx, dW and db follow by two more GEMMs (dW summed over
+    chunks in fp32, or added into dW in bf16 with one rounding per chunk). Gradients are exact (no filtering of
+    small terms). Peak extra memory is at most ``FusedLinearCrossEntropySpace.MAX_EXTRA_BYTES`` (256 MiB; more
+    only when even a 16-row chunk needs more, and float16 adds an fp32 dW accumulator), whatever the number of
+    tokens.
 
     Args:
         x: (..., hidden) or (N, hidden) float32, bfloat16 or float16; any strides.

@@ -30,7 +30,7 @@ def interpreter_enabled() -> bool:
 
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether ``t`` goes through the Triton kernels (CUDA, or CPU under the interpreter)."""
-    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreter_enabled())
+    return t.is_cuda or (t.is_cpu and interpreter_enabled())  # attributes: no torch.device object per call
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,1099 @@
+"""End-to-end training-step benchmark: plain transformers vs Liger-Kernel vs liger-gen vs torch.compile.
+
+What it measures
+----------------
+For each model shape (``STEP_MODELS``: the published Llama-3.2-1B and Qwen2.5-0.5B architectures, built from
+transformers configs written out by hand, plus ``tiny`` / ``tiny-qwen2`` for CPU runs) and each provider, in the
+order given, in one process:
+
+- ``transformers``  plain transformers (``attn_implementation="sdpa"``);
+- ``liger-kernel``  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(model=model)`` with its defaults
+                    (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); CUDA only;
+- ``liger-gen``     ``liger_gen.apply_to(model)`` (RMSNorm, RoPE, SwiGLU MLP, LM-head loss without logits);
+- ``torch-compile`` ``torch.compile(model)`` (default mode); the first step's wall time, which holds the
+                    compilation, is reported apart (``first_step_s``, ``compile_s``).
+
+Every provider trains a freshly built model from the same initial weights (built once with ``seed``, copied to
+the host, loaded into each provider's model) for ``warmup_steps + steps + profile_steps`` AdamW steps (bf16
+parameters, ``fused=True``, constant ``lr``, ``use_cache=False``, ``model.train()``) on the same batches:
+random windows of tiny Shakespeare read as bytes (token ids 0..255, no tokenizer), ``labels = input_ids``
+(the model shifts them). Module-level patches a provider makes in transformers' modeling module (Liger-Kernel
+replaces ``apply_rotary_pos_emb``, the RMSNorm and MLP classes; liger-gen replaces ``apply_rotary_pos_emb``)
+are undone after it (``liger_gen``'s ``restore_rope()`` plus a snapshot of the module's globals), so the next
+provider runs what it claims to run. Between providers: model and optimizer deleted, ``gc.collect()``,
+``torch.cuda.empty_cache()``, ``torch.cuda.reset_peak_memory_stats()``.
+
+Per provider:
+
+- ``tokens_per_s`` / ``ms_per_step``: the ``steps`` timed steps, wall clock between two
+  ``torch.cuda.synchronize()`` calls (warm-up steps excluded); ``step_ms``: each timed step from CUDA events.
+- ``peak_allocated_gib`` / ``peak_reserved_gib``: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``
+  from model build to the end of the timed steps (weights, gradients, AdamW state and activations), GiB = 2**30.
+- ``losses``: the loss of every step (warm-up, timed and profiled), in nats per token.
+- ``profile`` (CUDA only): ``torch.profiler`` over ``profile_steps`` steps; every GPU activity (kernels, memcpy,
+  memset) is put in one of ``KERNEL_CLASSES`` by :func:`classify_kernel` and summed (``kernel_ms``, per step;
+  a sum of durations, so two kernels overlapping on two streams count twice). ``busy_ms`` is the union of the
+  activity intervals per step (overlaps counted once); ``idle_ms = ms_per_step - busy_ms``: the unprofiled step
+  time minus the profiled GPU busy time, i.e. the time per step the GPU waits for the host (launch overhead,
+  Python, syncs). It can come out slightly negative from run-to-run noise; it is reported as measured.
+- ``loss_check`` (every provider but the reference, ``transformers``): per step ``|loss - loss_ref| /
+  |loss_ref|``; ``pass`` when the first step's and the mean over steps are <= ``rel_tol`` (see
+  :func:`loss_rel_tolerance` and :func:`compare_losses`) and every loss is finite; the max is reported.
+- ``speedup_vs_transformers`` / ``speedup_vs_liger_kernel``: tokens/s ratio (None when that provider did not run).
+
+Output schema (``run_step_benchmark``'s return value, also written as JSON to ``out_dir/step.json``)::
+
+    {
+      "schema": "liger-gen/bench-step/1",
+      "metadata": {"date": ISO-8601 UTC, "command": str, "device": "cuda:0" | "cpu", "gpu": str | None,
+                   "cpu": str, "python", "torch", "triton", "transformers", "liger_kernel" (None if absent),
+                   "liger_gen": str, "triton_interpret": str},
+      "settings": {"models": [str], "providers": [str], "batch_size": int, "seq_len": int,
+                   "warmup_steps": int, "steps": int, "profile_steps": int, "lr": float, "seed": int,
+                   "dtype": str, "attn_implementation": str, "text": str, "loss_rel_tol": float,
+                   "loss_reference": "transformers", "idle_definition": str},
+      "models": {
+        MODEL: {
+          "config": {transformers config fields that set the shapes}, "n_params": int,
+          "providers": {
+            PROVIDER: {
+              "status": "ok" | "skipped" | "error", "reason": str | None, "traceback": str (errors only),
+              "setup_s": float (build, load, patch/compile wrapper), "first_step_s": float,
+              "compile_s": float | None (torch-compile: first_step_s minus the median timed step),
+              "tokens_per_s": float, "ms_per_step": float, "step_ms": [float],
+              "peak_allocated_gib": float | None, "peak_reserved_gib": float | None,
+              "losses": [float | None (non-finite)],
+              "patch": {"rope": str, "norm_classes": [str], "mlp_classes": [str], "forward": str},
+              "profile": None | {"steps": int, "kernel_ms": {CLASS: float}, "kernel_calls": {CLASS: float},
+                                 "busy_ms": float, "idle_ms": float, "profiled_ms_per_step": float,
+                                 "top_kernels": [{"name", "class", "ms", "calls"}]},
+              "loss_check": None | {"reference": str, "max_rel_diff": float | None,
+                                    "mean_rel_diff": float | None,
+                                    "max_abs_diff": float | None, "first_step_rel_diff": float | None,
+                                    "rel_tol": float, "pass": bool, "reason": str (only when no
+                                    difference could be computed: lengths differ, non-finite loss)},
+              "speedup_vs_transformers": float | None, "speedup_vs_liger_kernel": float | None
+            }}}}
+    }
+
+How to run
+----------
+On the GPU (the defaults, 3 warm-up + 10 timed + 2 profiled steps of 8 x 2048 tokens, are sized for both models
+and three providers in a few minutes on an H200)::
+
+    python -m liger_gen.bench.step --out $OUT/step
+    python -m liger_gen.bench.step --models llama3.2-1b --providers transformers,liger-kernel,liger-gen,torch-compile
+
+On a CPU (tiny model; liger-gen's kernels run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before
+Python starts)::
+
+    TRITON_INTERPRET=1 python -m liger_gen.bench.step --models tiny --providers transformers,liger-gen \\
+        --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0
+
+Library use: ``run_step_benchmark(models=[...], providers=[...], ...)`` returns the dict above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+SCHEMA = "liger-gen/bench-step/1"
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
+
+PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen", "torch-compile")
+DEFAULT_PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen")
+DEFAULT_MODELS: tuple[str, ...] = ("llama3.2-1b", "qwen2.5-0.5b")
+REFERENCE_PROVIDER = "transformers"
+
+IDLE_DEFINITION = ("idle_ms = ms_per_step (unprofiled timed steps) - busy_ms (union of GPU activity intervals "
+                   "per profiled step)")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model shapes
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """One benchmark model: its transformers family and the config fields that set its shapes.
+
+    ``rope`` holds transformers v5's ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling fields);
+    :func:`build_config` turns it into ``rope_theta`` + ``rope_scaling`` on transformers 4.x.
+    ``shape_preset`` names the matching ``liger_gen.models.PRESETS`` entry (None for the tiny models).
+    """
+
+    name: str
+    family: str  # "llama" or "qwen2": config.model_type
+    fields: dict[str, Any]
+    rope: dict[str, Any]
+    shape_preset: str | None = None
+    description: str = ""
+
+
+STEP_MODELS: dict[str, StepModel] = {
+    m.name: m
+    for m in (
+        # meta-llama/Llama-3.2-1B's config.json: 1.24 B parameters with the tied embedding counted once.
+        StepModel(
+            "llama3.2-1b", "llama",
+            dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
+                 max_position_embeddings=131072, tie_word_embeddings=True, hidden_act="silu",
+                 attention_bias=False, mlp_bias=False),
+            dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=8192),
+            shape_preset="llama3.2-1b", description="Llama-3.2-1B"),
+        # Qwen/Qwen2.5-0.5B's config.json: 494 M parameters; q/k/v projections carry a bias (Qwen2Attention
+        # hard-codes it, there is no config field), head_dim = 896 / 14 = 64.
+        StepModel(
+            "qwen2.5-0.5b", "qwen2",
+            dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                 tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False, sliding_window=32768,
+                 max_window_layers=24),
+            dict(rope_type="default", rope_theta=1000000.0),
+            shape_preset="qwen2.5-0.5b", description="Qwen2.5-0.5B"),
+        # CPU-sized models for tests: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's
+        # q/k/v bias) at a few kB of weights; vocab 256 covers the byte tokens exactly.
+        StepModel(
+            "tiny", "llama",
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, rms_norm_eps=1e-5,
+                 max_position_embeddings=2048, tie_word_embeddings=True, hidden_act="silu"),
+            dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=256),
+            description="tiny Llama (CPU tests)"),
+        StepModel(
+            "tiny-qwen2", "qwen2",
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                 tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False),
+            dict(rope_type="default", rope_theta=1000000.0),
+            description="tiny Qwen2 (CPU tests)"),
+    )
+}
+
+_FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+_MODELING_MODULES = {"llama": "transformers.models.llama.modeling_llama",
+                     "qwen2": "transformers.models.qwen2.modeling_qwen2"}
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def build_config(name: str, attn_implementation: str = "sdpa"):
+    """The transformers config of ``STEP_MODELS[name]`` with ``use_cache=False`` and the attention backend.
+
+    Raises ValueError for an unknown name (listing the known ones).
+    """
+    spec = _step_model(name)
+    import transformers
+
+    config_cls = getattr(transformers, _FAMILY_CLASSES[spec.family][0])
+    kwargs = dict(spec.fields)
+    if _transformers_major() >= 5:
+        kwargs["rope_parameters"] = dict(spec.rope)
+    else:  # transformers 4.x: rope_theta at top level, scaling (if any) in rope_scaling
+        rope = dict(spec.rope)
+        kwargs["rope_theta"] = rope.pop("rope_theta")
+        if rope.get("rope_type", "default") != "default":
+            kwargs["rope_scaling"] = rope
+    return config_cls(**kwargs, use_cache=False, attn_implementation=attn_implementation)
+
+
+def _step_model(name: str) -> StepModel:
+    if name not in STEP_MODELS:
+        raise ValueError(f"models: unknown model {name!r}; known: {', '.join(STEP_MODELS)}")
+    return STEP_MODELS[name]
+
+
+def build_model(name: str, device: torch.device | str, dtype: torch.dtype, seed: int,
+                attn_implementation: str = "sdpa"):
+    """A randomly initialised ``*ForCausalLM`` of ``name`` on ``device`` with ``dtype`` parameters, train mode.
+
+    The weights are drawn in float32 on ``device`` right after ``torch.manual_seed(seed)`` and then cast, so
+    the same (seed, device) gives the same weights.
+    """
+    spec = _step_model(name)
+    import transformers
+
+    config = build_config(name, attn_implementation)
+    model_cls = getattr(transformers, _FAMILY_CLASSES[spec.family][1])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+    model = model.to(dtype=dtype)
+    model.train()
+    return model
+
+
+def config_summary(config) -> dict[str, Any]:
+    """The shape-setting fields of a transformers config (what the JSON records per model)."""
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+            "tie_word_embeddings", "hidden_act", "rope_parameters", "rope_theta", "rope_scaling",
+            "attention_bias", "_attn_implementation", "use_cache")
+    out = {}
+    for key in keys:
+        value = getattr(config, key, None)
+        if value is not None:
+            out[key.lstrip("_")] = dict(value) if isinstance(value, dict) else value
+    if "rope_parameters" in out:  # transformers 5 keeps rope_scaling as an alias of the same dict
+        out.pop("rope_scaling", None)
+    if "head_dim" not in out:
+        out["head_dim"] = config.hidden_size // config.num_attention_heads
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------------------
+
+
+def byte_tokens(path: str | Path = DEFAULT_TEXT) -> torch.Tensor:
+    """The file's bytes as an int64 token stream (ids 0..255). Raises ValueError (naming ``text``) if unreadable
+    or empty."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"text: cannot read {path}: {exc}") from exc
+    if not data:
+        raise ValueError(f"text: {path} is empty")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def make_step_batches(tokens: torch.Tensor, n_steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``[n_steps, batch_size, seq_len]`` int64 windows of ``tokens`` at seeded random offsets (the same for every
+    provider); reuses ``liger_gen.examples.train_llama.make_batches``."""
+    from liger_gen.examples.train_llama import make_batches
+
+    return make_batches(tokens, n_steps, batch_size, seq_len, seed)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernel classes
+# --------------------------------------------------------------------------------------------------------------
+
+#: Classes of GPU activity, in report order (``idle`` is computed, not classified).
+KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "liger_gen", "triton_other", "optimizer", "elementwise",
+                                   "other")
+CLASS_LABELS = {"gemm": "GEMM", "attention": "attn", "liger_gen": "liger-gen", "triton_other": "triton other",
+                "optimizer": "optim", "elementwise": "elem/reduce", "other": "memcpy/other", "idle": "idle"}
+
+_KERNEL_DEF = re.compile(r"^def\s+(\w+_kernel)\s*\(", re.MULTILINE)
+_INDUCTOR_GEMM = re.compile(r"^triton_tem_.*(?:mm|conv)", re.IGNORECASE)
+_ATTENTION = re.compile(r"flash|fmha|sdpa|efficient_attention|attention|_attn", re.IGNORECASE)
+_OPTIMIZER = re.compile(r"multi_tensor_apply|adam|FusedOptimizer", re.IGNORECASE)
+_GEMM = re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|splitkreduce", re.IGNORECASE)
+_BARE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def liger_gen_kernel_names(templates_dir: Path = TEMPLATES_DIR) -> frozenset[str]:
+    """Names of the Triton kernels liger-gen's templates define (``def <name>_kernel(`` in ``*.jinja``).
+
+    Triton names a compiled kernel after its Python function, so these are the names the profiler reports.
+    """
+    names: set[str] = set()
+    for path in sorted(Path(templates_dir).glob("*.jinja")):
+        names.update(_KERNEL_DEF.findall(path.read_text(encoding="utf-8")))
+    return frozenset(names)
+
+
+def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> str:
+    """The class in ``KERNEL_CLASSES`` of a GPU activity named ``name`` (as torch.profiler reports it).
+
+    Rules, first match wins:
+
+    1. ``liger_gen``: a liger-gen template kernel (``liger_gen_kernel_names()``), optionally with a suffix that
+       older Tritons appended (``rms_norm_fwd_kernel_0d1d2d``).
+    2. Inductor kernels (``triton_*``): its matmul templates (``triton_tem_fused_mm...``) are ``gemm``, the
+       rest ``triton_other`` (checked before attention: a fused pointwise kernel may carry an SDPA op name).
+    3. ``attention``: flash / fmha / sdpa / efficient_attention (before GEMM: ``fmha_cutlassF...`` is attention).
+    4. ``optimizer``: ``multi_tensor_apply`` kernels (fused AdamW, foreach ops) and anything named adam.
+    5. ``gemm``: cuBLAS / cuBLASLt / CUTLASS kernels (gemm, gemv, cutlass, cublas, xmma, nvjet, splitKreduce).
+    6. ``triton_other``: any other bare identifier (Triton kernels are named after a Python function, e.g.
+       Liger-Kernel's ``_rms_norm_forward_kernel``; CUDA C++ kernels are reported with ``void ...<...>(...)``).
+    7. ``elementwise``: PyTorch's native C++ kernels (names with ``::`` or ``void``): elementwise, reductions,
+       copies, index/gather/scatter, embedding.
+    8. ``other``: memcpy, memset and anything not recognised.
+    """
+    names = liger_gen_kernel_names() if liger_gen_names is None else liger_gen_names
+    base = name.strip()
+    if base in names or any(base.startswith(n + "_") and re.fullmatch(r"[0-9a-z]+", base[len(n) + 1:])
+                            for n in names):
+        return "liger_gen"
+    if base.startswith("triton_"):
+        return "gemm" if _INDUCTOR_GEMM.match(base) else "triton_other"
+    if _ATTENTION.search(base):
+        return "attention"
+    if _OPTIMIZER.search(base):
+        return "optimizer"
+    if _GEMM.search(base):
+        return "gemm"
+    if _BARE_NAME.match(base):
+        return "triton_other"
+    if "::" in base or base.startswith("void "):
+        return "elementwise"
+    return "other"
+
+
+def busy_union_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals (overlapping time counted once), same unit."""
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(intervals):
+        if end < start:
+            raise ValueError(f"intervals: end {end} < start {start}")
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+@dataclass(frozen=True)
+class DeviceEvent:
+    """One GPU activity from a profile: name, start and duration in microseconds."""
+
+    name: str
+    start_us: float
+    duration_us: float
+
+
+def summarize_profile(events: Sequence[DeviceEvent], n_steps: int, ms_per_step: float | None,
+                      profiled_wall_s: float | None = None, liger_gen_names: Iterable[str] | None = None,
+                      top: int = 15) -> dict[str, Any]:
+    """Per-step kernel time by class, GPU busy time, idle time and the top kernels of ``n_steps`` profiled steps.
+
+    Args:
+        events: GPU activities (kernels, memcpy, memset) of the profiled steps.
+        n_steps: how many steps the profile covers (>= 1).
+        ms_per_step: the unprofiled step time (ms) ``idle_ms`` is computed from (None: idle is None).
+        profiled_wall_s: wall time of the profiled steps (s), reported as ``profiled_ms_per_step``.
+
+    Returns the ``profile`` dict of the module docstring (all times in ms per step; ``kernel_calls`` launches
+    per step). Raises ValueError if ``n_steps < 1``.
+    """
+    if n_steps < 1:
+        raise ValueError(f"n_steps must be >= 1, got {n_steps}")
+    names = liger_gen_kernel_names() if liger_gen_names is None else frozenset(liger_gen_names)
+    kernel_ms = {c: 0.0 for c in KERNEL_CLASSES}
+    calls = {c: 0 for c in KERNEL_CLASSES}
+    per_name: dict[str, list] = {}
+    for ev in events:
+        cls = classify_kernel(ev.name, names)
+        kernel_ms[cls] += ev.duration_us / 1e3
+        calls[cls] += 1
+        entry = per_name.setdefault(ev.name, [cls, 0.0, 0])
+        entry[1] += ev.duration_us / 1e3
+        entry[2] += 1
+    busy_ms = busy_union_us((ev.start_us, ev.start_us + ev.duration_us) for ev in events) / 1e3 / n_steps
+    tops = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "steps": n_steps,
+        "kernel_ms": {c: v / n_steps for c, v in kernel_ms.items()},
+        "kernel_calls": {c: v / n_steps for c, v in calls.items()},
+        "busy_ms": busy_ms,
+        "idle_ms": None if ms_per_step is None else ms_per_step - busy_ms,
+        "profiled_ms_per_step": None if profiled_wall_s is None else 1e3 * profiled_wall_s / n_steps,
+        "top_kernels": [{"name": n[:200], "class": c, "ms": ms / n_steps, "calls": k / n_steps}
+                        for n, (c, ms, k) in tops],
+    }
+
+
+def device_events(prof) -> list[DeviceEvent]:
+    """The GPU activities of a finished ``torch.profiler.profile`` (GPU-side user annotations skipped)."""
+    out = []
+    for evt in prof.events():
+        if getattr(getattr(evt, "device_type", None), "name", None) != "CUDA":
+            continue
+        if getattr(evt, "is_user_annotation", False):
+            continue
+        tr = evt.time_range
+        out.append(DeviceEvent(str(evt.name), float(tr.start), float(tr.end - tr.start)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loss-curve check
+# --------------------------------------------------------------------------------------------------------------
+
+
+def loss_rel_tolerance(dtype: torch.dtype | str) -> float:
+    """Per-step relative tolerance between a provider's loss curve and plain transformers'.
+
+    bfloat16 / float16: the dtype's machine epsilon (bf16: 2**-7 = 7.8e-3; fp16: 2**-10). Every provider runs
+    the same model with bf16 weights and activations; they differ only in rounding (fused kernels keep fp32 where
+    transformers rounds to bf16, e.g. FLCE's fp32 logits) and summation order. bf16 numbers near a value x are
+    spaced 2**-8·|x| to 2**-7·|x| apart, so a difference below eps·|x| is at most two bf16 steps (ulps) at the
+    loss's magnitude: the curves agree to the precision the model is trained in. A change in what the model
+    computes (a wrong gradient, a wrong norm) moves the curve by more once a few updates have been applied.
+    float32: 1e-5 (see tests/test_train_example.py for that bound's derivation).
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    if dtype in (torch.bfloat16, torch.float16):
+        return float(torch.finfo(dtype).eps)
+    if dtype == torch.float32:
+        return 1e-5
+    raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+
+
+def compare_losses(losses: Sequence[float | None], reference: Sequence[float | None], rel_tol: float,
+                   reference_name: str = REFERENCE_PROVIDER) -> dict[str, Any]:
+    """Compare two per-step loss curves: first-step, mean and max relative differences and a pass flag.
+
+    ``pass`` is True when the curves have the same length, every loss of both is finite, the first step's
+    relative difference (one forward from identical weights: the kernels' numerics alone) is <= ``rel_tol``, and
+    so is the mean over all steps of ``|loss - ref| / |ref|``. The max is reported, not judged: two bf16
+    training runs that differ only in rounding drift apart step by step (measured on an H200, 2026-11-30:
+    Liger-Kernel vs transformers at Llama-3.2-1B, 8 steps, lr 3e-4: first step 3e-5, max 1.3e-2, mean 3.5e-3),
+    so a per-step bound would fail correct kernels, while a systematic error shows in the first step or the
+    mean. Non-finite losses give None differences and ``pass: False``. Raises ValueError if ``rel_tol`` is not
+    positive.
+    """
+    if not rel_tol > 0:
+        raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
+    out: dict[str, Any] = {"reference": reference_name, "rel_tol": rel_tol, "max_rel_diff": None,
+                           "mean_rel_diff": None, "max_abs_diff": None, "first_step_rel_diff": None,
+                           "pass": False}
+    if len(losses) != len(reference) or not losses:
+        out["reason"] = f"{len(losses)} losses vs {len(reference)} reference losses"
+        return out
+    vals = [x if x is not None else math.nan for x in losses]
+    refs = [x if x is not None else math.nan for x in reference]
+    if not all(math.isfinite(x) for x in vals + refs):
+        out["reason"] = "non-finite loss"
+        return out
+    rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(vals, refs)]
+    out["max_rel_diff"] = max(rel)
+    out["max_abs_diff"] = max(abs(a - b) for a, b in zip(vals, refs))
+    out["mean_rel_diff"] = sum(rel) / len(rel)
+    out["first_step_rel_diff"] = rel[0]
+    out["pass"] = rel[0] <= rel_tol and out["mean_rel_diff"] <= rel_tol
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Providers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _dist_version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provider_unavailable(provider: str, device: torch.device) -> str | None:
+    """Why ``provider`` cannot run on ``device`` (None when it can)."""
+    if provider == "liger-kernel":
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed (pip install liger-kernel)"
+        if device.type != "cuda":
+            return "Liger-Kernel's Triton kernels need a CUDA device"
+    return None
+
+
+@contextlib.contextmanager
+def restore_module_globals(module_names: Iterable[str]):
+    """Snapshot the globals of the named modules and put them back on exit (added names are removed).
+
+    Liger-Kernel's ``apply_liger_kernel_to_*`` rebinds module-level names of transformers' modeling modules
+    (``apply_rotary_pos_emb``, ``LlamaRMSNorm``, ``LlamaMLP``) for the whole process; this keeps one provider's
+    patches from leaking into the next.
+    """
+    modules = [importlib.import_module(n) for n in module_names]
+    saved = [dict(vars(m)) for m in modules]
+    try:
+        yield
+    finally:
+        for module, snapshot in zip(modules, saved):
+            current = vars(module)
+            for key in [k for k in current if k not in snapshot]:
+                delattr(module, key)
+            for key, value in snapshot.items():
+                if current.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
+
+
+_MISSING = object()
+
+
+def _apply_liger_kernel(model, family: str):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+
+    apply = {"llama": apply_liger_kernel_to_llama, "qwen2": apply_liger_kernel_to_qwen2}[family]
+    apply(model=model)  # defaults: rope, rms_norm, swiglu, fused_linear_cross_entropy
+    return model
+
+
+def _undo_liger_gen() -> None:
+    import liger_gen
+
+    restore = getattr(liger_gen, "restore_rope", None)
+    if restore is None:
+        from liger_gen.runtime.integrations.transformers import restore_rope as restore
+    restore()
+
+
+def patch_report(model, family: str) -> dict[str, Any]:
+    """What the model will run: its family's ``apply_rotary_pos_emb``, the norm and MLP classes (with the module
+    their ``forward`` comes from), and the causal-LM ``forward``."""
+    modeling = importlib.import_module(_MODELING_MODULES[family])
+    rope = modeling.apply_rotary_pos_emb
+
+    def origin(obj) -> str:
+        fn = getattr(obj, "__func__", obj)
+        if not hasattr(fn, "__globals__"):  # a callable object, e.g. liger-gen's FusedLossForward
+            return f"{type(fn).__module__}.{type(fn).__qualname__}"
+        name = f"{fn.__module__}.{fn.__qualname__}"
+        # functools.wraps copies __module__/__qualname__ from the wrapped function; the globals still name the
+        # module that defined the code (liger-gen's RoPE wrapper keeps transformers' name, for one).
+        defined_in = fn.__globals__.get("__name__", "?")
+        if defined_in.split(".")[0] != name.split(".")[0]:
+            name += f" (wrapped by {defined_in})"
+        return name
+
+    norms, mlps = set(), set()
+    for m in model.modules():
+        cls = type(m).__name__
+        if cls.endswith("RMSNorm"):
+            norms.add(f"{cls} ({origin(m.forward)})")
+        elif cls.endswith("MLP"):
+            mlps.add(f"{cls} ({origin(m.forward)})")
+    return {"rope": origin(rope), "norm_classes": sorted(norms), "mlp_classes": sorted(mlps),
+            "forward": origin(model.forward)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Running one provider
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@dataclass
+class _Run:
+    """Settings shared by every provider of one model."""
+
+    model_name: str
+    family: str
+    initial_state: dict[str, torch.Tensor]
+    batches: torch.Tensor  # [n_steps, B, T] on the device
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    lr: float
+    warmup_steps: int
+    steps: int
+    profile_steps: int
+    attn_implementation: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _train_step(model, optimizer, input_ids: torch.Tensor) -> torch.Tensor:
+    loss = model(input_ids=input_ids, labels=input_ids).loss  # transformers shifts the labels
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _make_optimizer(model, lr: float, device: torch.device):
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    except RuntimeError:
+        if device.type == "cuda":
+            raise
+        return torch.optim.AdamW(model.parameters(), lr=lr)  # a CPU build without fused AdamW for this dtype
+
+
+def run_provider(provider: str, run: _Run) -> dict[str, Any]:
+    """Build, patch and train one provider's model; return its result dict (see the module docstring).
+
+    Raises whatever the provider raises; :func:`run_step_benchmark` records it as ``status: "error"``.
+    """
+    device = run.device
+    cuda = device.type == "cuda"
+    _free(device)
+    res: dict[str, Any] = {"status": "ok", "reason": None, "compile_s": None}
+    modeling = _MODELING_MODULES[run.family]
+    with restore_module_globals([modeling]):
+        t0 = time.perf_counter()
+        model = build_model(run.model_name, device, run.dtype, run.seed, run.attn_implementation)
+        model.load_state_dict(run.initial_state)
+        model.train()
+        try:
+            if provider == "liger-kernel":
+                _apply_liger_kernel(model, run.family)
+            elif provider == "liger-gen":
+                import liger_gen
+
+                liger_gen.apply_to(model)
+            res["patch"] = patch_report(model, run.family)
+            step_model = torch.compile(model) if provider == "torch-compile" else model
+            optimizer = _make_optimizer(model, run.lr, device)
+            _sync(device)
+            res["setup_s"] = time.perf_counter() - t0
+
+            losses: list[torch.Tensor] = []
+            batches = run.batches
+            k = 0
+            first = []
+            for _ in range(run.warmup_steps):
+                _sync(device)
+                t = time.perf_counter()
+                losses.append(_train_step(step_model, optimizer, batches[k]))
+                _sync(device)
+                first.append(time.perf_counter() - t)
+                k += 1
+            res["first_step_s"] = first[0] if first else None
+
+            step_ms: list[float] = []
+            if cuda:
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(run.steps + 1)]
+            _sync(device)
+            t_start = time.perf_counter()
+            host_marks = [t_start]
+            if cuda:
+                marks[0].record()
+            for i in range(run.steps):
+                losses.append(_train_step(step_model, optimizer, batches[k]))
+                k += 1
+                if cuda:
+                    marks[i + 1].record()
+                else:
+                    host_marks.append(time.perf_counter())
+            _sync(device)
+            timed_s = time.perf_counter() - t_start
+            if cuda:
+                step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(run.steps)]
+            else:
+                step_ms = [1e3 * (b - a) for a, b in zip(host_marks, host_marks[1:])]
+            tokens = run.steps * batches.shape[1] * batches.shape[2]
+            res["tokens_per_s"] = tokens / timed_s if run.steps else None
+            res["ms_per_step"] = 1e3 * timed_s / run.steps if run.steps else None
+            res["step_ms"] = step_ms
+            res["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+            res["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None
+            if provider == "torch-compile" and res["first_step_s"] is not None and step_ms:
+                median_s = sorted(step_ms)[len(step_ms) // 2] / 1e3
+                res["compile_s"] = res["first_step_s"] - median_s
+
+            res["profile"] = None
+            if run.profile_steps:
+                if cuda:
+                    events, wall = _profile_steps(step_model, optimizer, batches, k, run.profile_steps, losses,
+                                                  device)
+                    res["profile"] = summarize_profile(events, run.profile_steps, res["ms_per_step"], wall)
+                else:  # no GPU activity to classify: run the steps for the loss curve only
+                    for i in range(run.profile_steps):
+                        losses.append(_train_step(step_model, optimizer, batches[k + i]))
+                k += run.profile_steps
+            res["losses"] = [float(x) for x in torch.stack(losses).float().cpu()]
+        finally:
+            if provider == "liger-gen":
+                _undo_liger_gen()
+            if provider == "torch-compile":
+                torch._dynamo.reset()
+    del model, step_model, optimizer, losses
+    _free(device)
+    return res
+
+
+def _profile_steps(model, optimizer, batches, first: int, n: int, losses: list, device):
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Pp]rofiler.*")
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for i in range(n):
+                losses.append(_train_step(model, optimizer, batches[first + i]))
+            _sync(device)
+            wall = time.perf_counter() - t
+        return device_events(prof), wall
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The benchmark
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _csv(value: str | Sequence[str], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    items = [v for v in items if v]
+    if not items:
+        raise ValueError(f"{what}: expected at least one name")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{what}: repeated name in {items}")
+    return items
+
+
+def _validate(models, providers, batch_size, seq_len, warmup_steps, steps, profile_steps, lr, dtype, device):
+    unknown = [m for m in models if m not in STEP_MODELS]
+    if unknown:
+        raise ValueError(f"models: unknown {unknown}; known: {', '.join(STEP_MODELS)}")
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"providers: unknown {unknown}; known: {', '.join(PROVIDERS)}")
+    for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 2), ("warmup_steps", warmup_steps, 0),
+                             ("steps", steps, 1), ("profile_steps", profile_steps, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this PyTorch build sees no CUDA GPU (use device='cpu')")
+    for m in models:
+        max_pos = STEP_MODELS[m].fields["max_position_embeddings"]
+        if seq_len > max_pos:
+            raise ValueError(f"seq_len {seq_len} exceeds {m}'s max_position_embeddings {max_pos}")
+
+
+def run_step_benchmark(
+    models: str | Sequence[str] = DEFAULT_MODELS,
+    providers: str | Sequence[str] = DEFAULT_PROVIDERS,
+    *,
+    batch_size: int = 8,
+    seq_len: int = 2048,
+    warmup_steps: int = 3,
+    steps: int = 10,
+    profile_steps: int = 2,
+    lr: float = 3e-4,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+    text: str | Path = DEFAULT_TEXT,
+    loss_rel_tol: float | None = None,
+    out_dir: str | Path | None = None,
+    console=None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run the training-step benchmark and return the results dict (schema in the module docstring).
+
+    Args:
+        models: names from ``STEP_MODELS`` (list or comma-separated string).
+        providers: names from ``PROVIDERS``, run in this order for every model.
+        batch_size, seq_len: sequences per step and tokens per sequence.
+        warmup_steps: untimed steps first (they hold Triton/cuBLAS/compile warm-up).
+        steps: timed steps. profile_steps: steps under torch.profiler after them (0: no profile).
+        lr: AdamW learning rate (constant). seed: initial weights and batch offsets.
+        dtype: parameter dtype, ``bfloat16`` (default), ``float16`` or ``float32``.
+        device: torch device (default: cuda if available, else cpu).
+        text: the training text, read as bytes.
+        loss_rel_tol: loss-curve tolerance (default :func:`loss_rel_tolerance` of ``dtype``).
+        out_dir: if given, the dict is written to ``out_dir/step.json``.
+        console: a ``rich.console.Console`` for the report (None: a new one; False: print nothing).
+        command: recorded in the metadata (default: ``sys.argv`` joined).
+
+    Raises ValueError naming the argument for bad input. A provider that raises is recorded with
+    ``status: "error"`` and its message; the others still run.
+    """
+    models = _csv(models, "models")
+    providers = _csv(providers, "providers")
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                           else "cpu")
+    _validate(models, providers, batch_size, seq_len, warmup_steps, steps, profile_steps, lr, dtype, device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch_dtype = _DTYPES[dtype]
+    rel_tol = loss_rel_tolerance(torch_dtype) if loss_rel_tol is None else float(loss_rel_tol)
+    if not rel_tol > 0:
+        raise ValueError(f"loss_rel_tol must be > 0, got {loss_rel_tol!r}")
+    n_total = warmup_steps + steps + profile_steps
+    tokens = byte_tokens(text)
+    batches_cpu = make_step_batches(tokens, n_total, batch_size, seq_len, seed)
+
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "metadata": _metadata(device, command),
+        "settings": {"models": models, "providers": providers, "batch_size": batch_size, "seq_len": seq_len,
+                     "warmup_steps": warmup_steps, "steps": steps, "profile_steps": profile_steps, "lr": lr,
+                     "seed": seed, "dtype": dtype, "attn_implementation": attn_implementation, "text": str(text),
+                     "loss_rel_tol": rel_tol, "loss_reference": REFERENCE_PROVIDER,
+                     "idle_definition": IDLE_DEFINITION},
+        "models": {},
+    }
+    batches = batches_cpu.to(device)
+    for model_name in models:
+        spec = STEP_MODELS[model_name]
+        _free(device)
+        model = build_model(model_name, device, torch_dtype, seed, attn_implementation)
+        entry: dict[str, Any] = {"config": config_summary(model.config),
+                                 "n_params": sum(p.numel() for p in model.parameters()), "providers": {}}
+        initial_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        del model
+        run = _Run(model_name, spec.family, initial_state, batches, device, torch_dtype, seed, lr, warmup_steps,
+                   steps, profile_steps, attn_implementation)
+        for provider in providers:
+            why = provider_unavailable(provider, device)
+            if why is not None:
+                entry["providers"][provider] = {"status": "skipped", "reason": why}
+                continue
+            try:
+                entry["providers"][provider] = run_provider(provider, run)
+            except Exception as exc:  # noqa: BLE001 - one provider failing must not lose the others' results
+                entry["providers"][provider] = {
+                    "status": "error", "reason": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(limit=-10)}
+            _free(device)  # outside the handler: the exception's frames hold the failed run's tensors until then
+        del run, initial_state
+        add_comparisons(entry["providers"], rel_tol)
+        result["models"][model_name] = entry
+
+    if out_dir is not None:
+        write_json(result, Path(out_dir) / "step.json")
+    if console is not False:
+        print_report(result, console)
+    return result
+
+
+def add_comparisons(providers: dict[str, dict[str, Any]], rel_tol: float) -> None:
+    """Fill ``loss_check`` and the speed-ups of every ``ok`` provider in place (against ``transformers`` and
+    ``liger-kernel`` when those ran)."""
+    ref = providers.get(REFERENCE_PROVIDER)
+    ref_ok = ref is not None and ref.get("status") == "ok"
+    lk = providers.get("liger-kernel")
+    lk_ok = lk is not None and lk.get("status") == "ok"
+    for name, res in providers.items():
+        if res.get("status") != "ok":
+            continue
+        res["loss_check"] = (compare_losses(res["losses"], ref["losses"], rel_tol)
+                             if ref_ok and name != REFERENCE_PROVIDER else None)
+        tps = res.get("tokens_per_s")
+        res["speedup_vs_transformers"] = tps / ref["tokens_per_s"] if ref_ok and tps and ref["tokens_per_s"] else None
+        res["speedup_vs_liger_kernel"] = tps / lk["tokens_per_s"] if lk_ok and tps and lk["tokens_per_s"] else None
+
+
+def _metadata(device: torch.device, command: str | None) -> dict[str, Any]:
+    import liger_gen
+
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _dist_version("triton"),
+        "transformers": _dist_version("transformers"),
+        "liger_kernel": _dist_version("liger-kernel") or _dist_version("liger_kernel"),
+        "liger_gen": getattr(liger_gen, "__version__", None),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
+    }
+
+
+def _json_safe(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> Path:
+    """Write ``result`` as strict JSON (non-finite floats become null), creating the folder; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n",
+                   encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _f(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def print_report(result: dict[str, Any], console=None) -> None:
+    """Print the summary table (speed, memory, loss check) and the kernel-class breakdown with ``rich``.
+
+    Providers that were skipped or failed are listed under the summary with the reason.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    # Piped output (logs) gets a width that fits the tables; a terminal keeps its own.
+    console = console or Console(width=None if sys.stdout.isatty() else 180)
+    meta, s = result["metadata"], result["settings"]
+    console.print(f"[bold]Training step[/bold] on {meta['gpu'] or meta['device']}: batch {s['batch_size']} x "
+                  f"{s['seq_len']} tokens, {s['dtype']}, AdamW lr {s['lr']:g}; {s['warmup_steps']} warm-up + "
+                  f"{s['steps']} timed + {s['profile_steps']} profiled steps; torch {meta['torch']}, triton "
+                  f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel {meta['liger_kernel']}")
+    summary = Table(title="Speed, memory and loss curve",
+                    caption=f"x: tokens/s ratio. loss: |loss - transformers| / transformers at step 1, mean and max "
+                            f"over steps; pass if step 1 and mean <= {s['loss_rel_tol']:.2e}. 1st s: first step wall "
+                            f"time (compile time apart)")
+    for col in ("model", "provider", "tok/s", "ms/step", "x HF", "x Liger", "peak GiB", "rsvd GiB",
+                "loss Δrel 1/mean/max", "", "1st s"):
+        summary.add_column(col, justify="left" if col in ("model", "provider", "") else "right")
+    breakdown = Table(title="GPU time per step by kernel class (ms, torch.profiler)",
+                      caption="busy: union of GPU activity per step; idle: ms/step (unprofiled) - busy")
+    breakdown.add_column("model")
+    breakdown.add_column("provider")
+    for c in (*KERNEL_CLASSES, "idle"):
+        breakdown.add_column(CLASS_LABELS[c], justify="right")
+    breakdown.add_column("busy", justify="right")
+    notes, any_profile = [], False
+    for model_name, entry in result["models"].items():
+        for name, r in entry["providers"].items():
+            if r["status"] != "ok":
+                summary.add_row(model_name, name, *["-"] * 7, r["status"], "-")
+                notes.append(f"{model_name} / {name}: {r['status']}: {r['reason']}")
+                continue
+            check = r.get("loss_check")
+            verdict = ("ref" if check is None else "[green]pass[/green]" if check["pass"] else "[red]FAIL[/red]")
+            first = _f(r.get("first_step_s"), ".2f")
+            if r.get("compile_s") is not None:
+                first += f" ({r['compile_s']:.1f} compile)"
+            summary.add_row(model_name, name, _f(r["tokens_per_s"], ",.0f"), _f(r["ms_per_step"], ".1f"),
+                            _f(r.get("speedup_vs_transformers"), ".2f"), _f(r.get("speedup_vs_liger_kernel"), ".2f"),
+                            _f(r.get("peak_allocated_gib"), ".2f"), _f(r.get("peak_reserved_gib"), ".2f"),
+                            "-" if check is None else " / ".join(
+                                _f(check.get(k), ".1e", "nan")
+                                for k in ("first_step_rel_diff", "mean_rel_diff", "max_rel_diff")), verdict, first)
+            p = r.get("profile")
+            if p:
+                any_profile = True
+                breakdown.add_row(model_name, name, *[f"{p['kernel_ms'][c]:.1f}" for c in KERNEL_CLASSES],
+                                  _f(p["idle_ms"], ".1f"), f"{p['busy_ms']:.1f}")
+    console.print(summary)
+    for note in notes:
+        console.print(f"  {note}", highlight=False)
+    if any_profile:
+        console.print(breakdown)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------------
+
+
+def step_command_options(function: Callable) -> Callable:
+    """click options for a ``bench-step`` command whose parameters are :func:`run_step_benchmark`'s keywords::
+
+        @main.command("bench-step")
+        @step_command_options
+        def bench_step(**options):
+            run_step_benchmark(**options)
+    """
+    import click
+
+    def csv(ctx, param, value):
+        try:
+            return _csv(value, param.name)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+    options = [
+        click.option("--models", default=",".join(DEFAULT_MODELS), show_default=True, callback=csv,
+                     help=f"Comma-separated models: {', '.join(STEP_MODELS)}."),
+        click.option("--providers", default=",".join(DEFAULT_PROVIDERS), show_default=True, callback=csv,
+                     help=f"Comma-separated providers, run in this order: {', '.join(PROVIDERS)}."),
+        click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1), help="Sequences per step."),
+        click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(2),
+                     help="Tokens per sequence."),
+        click.option("--warmup-steps", default=3, show_default=True, type=click.IntRange(0),
+                     help="Untimed steps first."),
+        click.option("--steps", default=10, show_default=True, type=click.IntRange(1), help="Timed steps."),
+        click.option("--profile-steps", default=2, show_default=True, type=click.IntRange(0),
+                     help="Steps under torch.profiler after the timed ones (0: no kernel breakdown)."),
+        click.option("--lr", default=3e-4, show_default=True, type=float, help="AdamW learning rate."),
+        click.option("--seed", default=0, show_default=True, type=int, help="Seed of the weights and batches."),
+        click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(sorted(_DTYPES)),
+                     help="Parameter dtype."),
+        click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)."),
+        click.option("--attn-implementation", default="sdpa", show_default=True,
+                     help="transformers attention implementation."),
+        click.option("--text", default=str(DEFAULT_TEXT), type=click.Path(dir_okay=False, exists=True),
+                     help="Training text, read as bytes (default: tiny Shakespeare)."),
+        click.option("--loss-rel-tol", default=None, type=float,
+                     help="Loss-curve tolerance, relative per step (default: the dtype's eps; bf16 2**-7)."),
+        click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+                     help="Write OUT/step.json."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _main() -> None:
+    import click
+
+    @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+    @step_command_options
+    def cli(**options):
+        """Training-step benchmark: transformers vs Liger-Kernel vs liger-gen vs torch.compile."""
+        command = " ".join(["python -m liger_gen.bench.step", *sys.argv[1:]])
+        try:
+            result = run_step_benchmark(**options, command=command)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        failed = [(m, p) for m, e in result["models"].items() for p, r in e["providers"].items()
+                  if r["status"] == "error" or (r.get("loss_check") and not r["loss_check"]["pass"])]
+        sys.exit(1 if failed else 0)
+
+    cli()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,428 @@
+"""CPU tests of ``liger_gen.bench.step``: kernel classes, profile arithmetic, the loss-curve check, the model
+configs, the click options, the report, and a tiny end-to-end run of plain transformers vs liger-gen (its
+Triton kernels run in the interpreter: tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from liger_gen.bench import step  # noqa: E402
+from liger_gen.models import PRESETS  # noqa: E402
+
+TEMPLATES = Path(step.__file__).resolve().parent.parent / "templates"
+
+
+def launched_template_kernels() -> set[str]:
+    """Every kernel the templates launch (``name[grid](``), read independently of the module's own parser."""
+    names: set[str] = set()
+    for path in TEMPLATES.glob("*.jinja"):
+        names.update(re.findall(r"\b(\w+)\[[^\]\n]*\]\(", path.read_text(encoding="utf-8")))
+    return names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel classes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_every_launched_template_kernel_is_liger_gen():
+    launched = launched_template_kernels()
+    assert len(launched) >= 15, launched  # rms_norm, rope, glu, cross_entropy, ... each launch one or more
+    assert step.liger_gen_kernel_names() == launched
+    for name in sorted(launched):
+        assert step.classify_kernel(name) == "liger_gen", name
+        # Tritons before 3.0 appended the argument specialisation to the name
+        assert step.classify_kernel(name + "_0d1d2d3de") == "liger_gen", name
+
+
+# Names as torch.profiler reports them (H100/H200 traces of transformers / Liger-Kernel / inductor runs).
+KERNEL_NAMES = [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+     "kernel__5x_cublas", "gemm"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>"
+     "(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8::Params)", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, false, false, "
+     "false>(cublasLt::cublasSplitKParams<float>, float const*, __nv_bfloat16 const*, __nv_bfloat16*)", "gemm"),
+    ("triton_tem_fused_mm_0", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+     "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, "
+     "false, true, true, false, false>(pytorch_flash::Flash_fwd_params)", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, "
+     "4, 4, 4, false, false, cutlass::bfloat16_t>, true, false, false, false, false>(pytorch_flash::"
+     "Flash_bwd_params)", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+     "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64_4x1x1_kernel0_0", "attention"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<c10::BFloat16, "
+     "4, (at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, bool*, bool*>"
+     "(at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>)", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float, "
+     "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, at::native::BinaryFunctor"
+     "<float, float, float, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul>)",
+     "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+     "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+     "float>, unsigned int, float, 4, 4>)", "elementwise"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+     "namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", "elementwise"),
+    ("_rms_norm_forward_kernel", "triton_other"),  # Liger-Kernel
+    ("_swiglu_backward_kernel", "triton_other"),
+    ("liger_cross_entropy_kernel", "triton_other"),
+    ("_triton_rope", "triton_other"),
+    ("triton_poi_fused__to_copy_add_mul_0", "triton_other"),  # inductor
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "triton_other"),
+    ("triton_poi_fused__scaled_dot_product_efficient_attention_backward_3", "triton_other"),
+    ("Memcpy HtoD (Pageable -> Device)", "other"),
+    ("Memset (Device)", "other"),
+]
+
+
+@pytest.mark.parametrize("name,expected", KERNEL_NAMES, ids=[n[:40] for n, _ in KERNEL_NAMES])
+def test_classify_real_kernel_names(name, expected):
+    assert step.classify_kernel(name) == expected
+
+
+def test_busy_union_counts_overlap_once():
+    assert step.busy_union_us([(0, 10), (5, 15), (20, 25)]) == 20
+    assert step.busy_union_us([(0, 10), (2, 3)]) == 10
+    assert step.busy_union_us([(20, 25), (0, 10)]) == 15
+    assert step.busy_union_us([]) == 0
+    with pytest.raises(ValueError, match="intervals"):
+        step.busy_union_us([(5, 1)])
+
+
+def test_device_events_keeps_gpu_activity_only():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(name, device_type, start, end, annotation=False):
+        return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device_type,
+                             is_user_annotation=annotation)
+
+    prof = types.SimpleNamespace(events=lambda: [
+        event("aten::mm", DeviceType.CPU, 0.0, 50.0),                    # the host op that launched it
+        event("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", DeviceType.CUDA, 10.0, 40.0),
+        event("my_step", DeviceType.CUDA, 0.0, 100.0, annotation=True),  # GPU-side record_function range
+        event("Memset (Device)", DeviceType.CUDA, 45.0, 47.0),
+    ])
+    assert step.device_events(prof) == [step.DeviceEvent("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 10.0, 30.0),
+                                         step.DeviceEvent("Memset (Device)", 45.0, 2.0)]
+
+
+def test_summarize_profile_arithmetic():
+    ev = step.DeviceEvent
+    # Two steps. Per step: a 4 ms GEMM, a 1 ms liger-gen norm, a 0.5 ms optimizer kernel overlapping the GEMM.
+    events = []
+    for base in (0.0, 10_000.0):
+        events += [ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", base, 4000.0),
+                   ev("rms_norm_fwd_kernel", base + 5000.0, 1000.0),
+                   ev("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>()", base + 3500.0, 500.0)]
+    p = step.summarize_profile(events, n_steps=2, ms_per_step=8.0, profiled_wall_s=0.02)
+    assert p["kernel_ms"]["gemm"] == pytest.approx(4.0)
+    assert p["kernel_ms"]["liger_gen"] == pytest.approx(1.0)
+    assert p["kernel_ms"]["optimizer"] == pytest.approx(0.5)
+    assert p["kernel_ms"]["attention"] == 0.0
+    assert set(p["kernel_ms"]) == set(step.KERNEL_CLASSES)
+    assert p["kernel_calls"]["gemm"] == 1.0
+    assert p["busy_ms"] == pytest.approx(5.0)  # the optimizer kernel hides under the GEMM
+    assert p["idle_ms"] == pytest.approx(3.0)  # 8 ms per unprofiled step - 5 ms busy
+    assert p["profiled_ms_per_step"] == pytest.approx(10.0)
+    assert [t["class"] for t in p["top_kernels"]] == ["gemm", "liger_gen", "optimizer"]
+    assert p["top_kernels"][0]["ms"] == pytest.approx(4.0)
+    assert step.summarize_profile(events, 2, None)["idle_ms"] is None
+    with pytest.raises(ValueError, match="n_steps"):
+        step.summarize_profile(events, 0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loss-curve check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_loss_tolerance_is_the_dtype_eps():
+    assert step.loss_rel_tolerance(torch.bfloat16) == 2.0**-7
+    assert step.loss_rel_tolerance("bfloat16") == 2.0**-7
+    assert step.loss_rel_tolerance(torch.float16) == 2.0**-10
+    assert step.loss_rel_tolerance(torch.float32) == 1e-5
+    with pytest.raises(ValueError, match="dtype"):
+        step.loss_rel_tolerance("int8")
+    with pytest.raises(ValueError, match="dtype"):
+        step.loss_rel_tolerance(torch.int32)
+
+
+REFERENCE = [11.76, 11.2, 10.1, 9.0, 8.3, 7.9, 7.5]
+
+
+def test_compare_losses_passes_within_tolerance():
+    tol = step.loss_rel_tolerance(torch.bfloat16)
+    close = [x * (1 + 0.5 * tol * (-1) ** i) for i, x in enumerate(REFERENCE)]
+    c = step.compare_losses(close, REFERENCE, tol)
+    assert c["pass"] is True
+    assert c["max_rel_diff"] == pytest.approx(0.5 * tol)
+    assert c["first_step_rel_diff"] == pytest.approx(0.5 * tol)
+    assert c["max_abs_diff"] == pytest.approx(0.5 * tol * REFERENCE[0])
+    assert c["reference"] == "transformers" and c["rel_tol"] == tol
+
+
+def test_compare_losses_flags_a_perturbed_curve():
+    tol = step.loss_rel_tolerance(torch.bfloat16)
+    n = len(REFERENCE)
+    drift = list(REFERENCE)
+    drift[4] *= 1 + 2 * tol  # one later step off by two bf16 spacings: chaotic drift, reported but tolerated
+    c = step.compare_losses(drift, REFERENCE, tol)
+    assert c["pass"] is True
+    assert c["max_rel_diff"] == pytest.approx(2 * tol)
+    assert c["mean_rel_diff"] == pytest.approx(2 * tol / n)
+    assert c["first_step_rel_diff"] == 0.0
+    first = list(REFERENCE)
+    first[0] *= 1 + 2 * tol  # the first step (one forward from equal weights) off: a numerics error
+    assert step.compare_losses(first, REFERENCE, tol)["pass"] is False
+    biased = [r * (1 + 2 * tol) for r in REFERENCE[:1]] + [r * (1 + 1.5 * tol) for r in REFERENCE[1:]]
+    biased[0] = REFERENCE[0]  # a systematic offset after the first step shows in the mean
+    c = step.compare_losses(biased, REFERENCE, tol)
+    assert c["pass"] is False and c["mean_rel_diff"] > tol
+
+
+@pytest.mark.parametrize("losses", [REFERENCE[:-1], [*REFERENCE[:-1], math.nan], [*REFERENCE[:-1], None], []])
+def test_compare_losses_fails_on_missing_or_nonfinite(losses):
+    ref = REFERENCE if losses else []
+    c = step.compare_losses(losses, ref, 1e-2)
+    assert c["pass"] is False and c["max_rel_diff"] is None and c["reason"]
+
+
+def test_compare_losses_rejects_bad_tolerance():
+    with pytest.raises(ValueError, match="rel_tol"):
+        step.compare_losses(REFERENCE, REFERENCE, 0.0)
+
+
+def test_add_comparisons_speedups_and_checks():
+    tol = 1e-2
+    providers = {
+        "transformers": {"status": "ok", "tokens_per_s": 100.0, "losses": [5.0, 4.0]},
+        "liger-kernel": {"status": "ok", "tokens_per_s": 120.0, "losses": [5.0, 4.01]},
+        "liger-gen": {"status": "ok", "tokens_per_s": 150.0, "losses": [5.0, 4.2]},
+        "torch-compile": {"status": "error", "reason": "boom"},
+    }
+    step.add_comparisons(providers, tol)
+    assert providers["transformers"]["loss_check"] is None
+    assert providers["transformers"]["speedup_vs_transformers"] == 1.0
+    assert providers["liger-gen"]["speedup_vs_transformers"] == pytest.approx(1.5)
+    assert providers["liger-gen"]["speedup_vs_liger_kernel"] == pytest.approx(1.25)
+    assert providers["liger-kernel"]["loss_check"]["pass"] is True
+    assert providers["liger-gen"]["loss_check"]["pass"] is False  # 4.2 vs 4.0: 5 % off
+    assert "loss_check" not in providers["torch-compile"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model configs
+# ---------------------------------------------------------------------------------------------------------------
+
+# Published parameter counts (tied embedding counted once) and layer counts, which PRESETS does not hold.
+PUBLISHED = {"llama3.2-1b": (1_235_814_400, 16), "qwen2.5-0.5b": (494_032_768, 24)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_configs_have_the_published_dims(name):
+    spec = step.STEP_MODELS[name]
+    preset = PRESETS[spec.shape_preset]
+    config = step.build_config(name)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
+            head_dim, config.vocab_size, config.rms_norm_eps) == (
+        preset.hidden_size, preset.intermediate_size, preset.num_attention_heads, preset.num_key_value_heads,
+        preset.head_dim, preset.vocab_size, preset.rms_norm_eps)
+    n_params, n_layers = PUBLISHED[name]
+    assert config.num_hidden_layers == n_layers
+    assert config.tie_word_embeddings is True and config.use_cache is False
+    assert config._attn_implementation == "sdpa"
+    import transformers
+
+    cls = getattr(transformers, step._FAMILY_CLASSES[spec.family][1])
+    with torch.device("meta"):
+        model = cls(config)
+    assert sum(p.numel() for p in model.parameters()) == n_params
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    attn = model.model.layers[0].self_attn
+    # Qwen2 puts a bias on q/k/v (not on o); Llama has none
+    assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None) == ((True, False) if spec.family == "qwen2"
+                                                                         else (False, False))
+
+
+def test_rope_parameters():
+    rope = step.build_config("llama3.2-1b").rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
+    assert (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]) == (32.0, 1.0, 4.0, 8192)
+    assert step.build_config("qwen2.5-0.5b").rope_parameters["rope_theta"] == 1000000.0
+    summary = step.config_summary(step.build_config("qwen2.5-0.5b"))
+    assert summary["head_dim"] == 64 and summary["num_hidden_layers"] == 24
+    json.dumps(summary)  # JSON-serialisable
+
+
+def test_unknown_model_and_bad_arguments_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="models: unknown"):
+        step.build_config("llama9")
+    kw = dict(device="cpu", console=False)
+    with pytest.raises(ValueError, match="models"):
+        step.run_step_benchmark("llama9", ["transformers"], **kw)
+    with pytest.raises(ValueError, match="providers"):
+        step.run_step_benchmark("tiny", ["deepspeed"], **kw)
+    with pytest.raises(ValueError, match="providers: repeated"):
+        step.run_step_benchmark("tiny", "transformers,transformers", **kw)
+    with pytest.raises(ValueError, match="steps must be"):
+        step.run_step_benchmark("tiny", ["transformers"], steps=0, **kw)
+    with pytest.raises(ValueError, match="seq_len 4096 exceeds tiny"):
+        step.run_step_benchmark("tiny", ["transformers"], seq_len=4096, **kw)
+    with pytest.raises(ValueError, match="dtype"):
+        step.run_step_benchmark("tiny", ["transformers"], dtype="int8", **kw)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="text"):
+        step.run_step_benchmark("tiny", ["transformers"], text=empty, **kw)
+
+
+def test_liger_kernel_is_skipped_without_cuda():
+    why = step.provider_unavailable("liger-kernel", torch.device("cpu"))
+    assert why is not None and ("CUDA" in why or "not installed" in why)
+    assert step.provider_unavailable("liger-gen", torch.device("cpu")) is None
+
+
+def test_restore_module_globals(monkeypatch):
+    mod = types.ModuleType("fake_modeling_for_step_test")
+    mod.apply_rotary_pos_emb = original = object()
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    with step.restore_module_globals([mod.__name__]):
+        mod.apply_rotary_pos_emb = object()
+        mod.added_by_a_patch = 1
+    assert mod.apply_rotary_pos_emb is original
+    assert not hasattr(mod, "added_by_a_patch")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command-line options and report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_click_options_map_onto_run_step_benchmark():
+    from click.testing import CliRunner
+
+    import click
+
+    seen = {}
+
+    @click.command()
+    @step.step_command_options
+    def cmd(**options):
+        seen.update(options)
+
+    result = CliRunner().invoke(cmd, ["--models", "tiny", "--providers", "liger-gen,transformers", "--steps", "4"])
+    assert result.exit_code == 0, result.output
+    params = inspect.signature(step.run_step_benchmark).parameters
+    assert set(seen) <= set(params)
+    assert seen["models"] == ["tiny"] and seen["providers"] == ["liger-gen", "transformers"] and seen["steps"] == 4
+    for name in ("batch_size", "seq_len", "warmup_steps", "profile_steps", "lr", "seed", "dtype",
+                 "attn_implementation", "loss_rel_tol", "out_dir", "device"):
+        assert seen[name] == params[name].default, name
+    assert seen["text"] == str(params["text"].default)
+    bad = CliRunner().invoke(cmd, ["--steps", "0"])
+    assert bad.exit_code != 0 and "--steps" in bad.output
+
+
+def test_report_lists_failures_and_skips():
+    from rich.console import Console
+
+    result = {
+        "metadata": {"gpu": "NVIDIA H200", "device": "cuda:0", "torch": "2.11", "triton": "3.6",
+                     "transformers": "5.17", "liger_kernel": "0.8.5"},
+        "settings": {"batch_size": 8, "seq_len": 2048, "dtype": "bfloat16", "lr": 3e-4, "warmup_steps": 3,
+                     "steps": 10, "profile_steps": 2, "loss_rel_tol": 2**-7},
+        "models": {"llama3.2-1b": {"providers": {
+            "transformers": {"status": "ok", "tokens_per_s": 40000.0, "ms_per_step": 409.6, "first_step_s": 1.0,
+                             "compile_s": None, "peak_allocated_gib": 50.0, "peak_reserved_gib": 60.0,
+                             "loss_check": None, "speedup_vs_transformers": 1.0, "speedup_vs_liger_kernel": None,
+                             "profile": {"kernel_ms": {c: 1.0 for c in step.KERNEL_CLASSES}, "idle_ms": 2.5,
+                                         "busy_ms": 7.0}},
+            "liger-gen": {"status": "ok", "tokens_per_s": 50000.0, "ms_per_step": 327.7, "first_step_s": 2.0,
+                          "compile_s": None, "peak_allocated_gib": 30.0, "peak_reserved_gib": 35.0,
+                          "loss_check": {"max_rel_diff": 0.05, "pass": False}, "speedup_vs_transformers": 1.25,
+                          "speedup_vs_liger_kernel": None, "profile": None},
+            "liger-kernel": {"status": "error", "reason": "TypeError: lce_forward() got an unexpected keyword"},
+        }}},
+    }
+    console = Console(record=True, width=220)
+    step.print_report(result, console)
+    text = console.export_text()
+    assert "FAIL" in text and "5.0e-02" in text and "1.25" in text
+    assert "liger-kernel: error: TypeError: lce_forward()" in text
+    assert "40,000" in text and "2.5" in text  # tokens/s, idle ms
+
+
+def test_write_json_is_strict(tmp_path):
+    path = step.write_json({"a": [1.0, math.nan, math.inf], "b": {"c": 2}}, tmp_path / "x" / "step.json")
+    assert json.loads(path.read_text()) == {"a": [1.0, None, None], "b": {"c": 2}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end on the CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
+    """Two AdamW steps (one warm-up, one timed) of the tiny Llama in bf16, plain transformers then liger-gen.
+
+    lr 1e-2 makes the second step's loss reflect one real update (it drops by about 9 %), so the check compares
+    trained states, not two evaluations of the same random init.
+    """
+    from rich.console import Console
+
+    modeling = importlib.import_module("transformers.models.llama.modeling_llama")
+    rope_before = modeling.apply_rotary_pos_emb
+    console = Console(record=True, width=200)
+    result = step.run_step_benchmark("tiny", ["transformers", "liger-gen"], batch_size=2, seq_len=64,
+                                     warmup_steps=1, steps=1, profile_steps=0, lr=1e-2, device="cpu",
+                                     out_dir=tmp_path, console=console, command="pytest")
+    tol = result["settings"]["loss_rel_tol"]
+    assert tol == 2.0**-7
+    runs = result["models"]["tiny"]["providers"]
+    plain, lg = runs["transformers"], runs["liger-gen"]
+    assert plain["status"] == "ok" and lg["status"] == "ok", (plain.get("reason"), lg.get("reason"))
+    for r in (plain, lg):
+        assert len(r["losses"]) == 2
+        assert r["losses"][0] == pytest.approx(math.log(256), rel=0.02)  # random init: uniform over 256 bytes
+        assert r["losses"][1] < r["losses"][0] * (1 - 5 * tol)  # the update moved the loss
+        assert r["tokens_per_s"] > 0 and len(r["step_ms"]) == 1 and r["profile"] is None
+    check = lg["loss_check"]
+    assert check["pass"] is True and check["max_rel_diff"] <= tol
+    assert check["max_rel_diff"] == pytest.approx(
+        max(abs(a - b) / b for a, b in zip(lg["losses"], plain["losses"])))
+    # what actually ran
+    assert plain["patch"]["rope"] == "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"
+    assert plain["patch"]["norm_classes"] == ["LlamaRMSNorm (transformers.models.llama.modeling_llama."
+                                              "LlamaRMSNorm.forward)"]
+    assert lg["patch"]["rope"].endswith("(wrapped by liger_gen.runtime.integrations.transformers)")
+    assert all("liger_gen" in c for c in lg["patch"]["norm_classes"] + lg["patch"]["mlp_classes"])
+    assert lg["patch"]["forward"].endswith("FusedLossForward")
+    assert modeling.apply_rotary_pos_emb is rope_before  # liger-gen's process-wide RoPE patch was undone
+    # JSON and report
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert data["schema"] == step.SCHEMA
+    assert data["metadata"]["command"] == "pytest" and data["metadata"]["device"] == "cpu"
+    assert {"torch", "triton", "transformers", "liger_kernel", "date", "gpu"} <= set(data["metadata"])
+    assert data["models"]["tiny"]["config"]["hidden_size"] == 64
+    assert data["models"]["tiny"]["providers"]["liger-gen"]["losses"] == lg["losses"]
+    assert "pass" in console.export_text()
