@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, rel_l2
+from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.codegen.tuner import Tuner
 from liger_gen.models import PRESETS

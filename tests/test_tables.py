@@ -164,7 +164,4 @@ def test_packaged_tables_parse_and_belong_to_their_gpu():
         for e in table["entries"]:
             space = space_for(table["op"], e["dims"], getattr(torch, e["dtype"]))
             assert not space.violations(space.config_cls.from_dict(e["config"])), (path, e["dims"], e["rows"])
-    # every op has a packaged (H200) table, except those whose templates changed after the last H200 tuning run
-    # (2026-11-30: cross_entropy gained L2_HINTS, FLCE its plan params; they run their heuristics until retuned)
-    untuned = {"cross_entropy", "fused_linear_cross_entropy"}
-    assert ops == set(available_ops()) - untuned
+    assert ops == set(available_ops())  # every op has a packaged (H200) table

@@ -460,9 +460,10 @@ def _lk_flce():
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-    #  softcap, return_z_loss, accum_dtype): dW accumulated in fp32, as liger-gen does
+    #  softcap, return_z_loss, accum_dtype): Liger's default accum_dtype=None sums dW over chunks in the weight's
+    #  dtype, as liger-gen's bf16 plans do (DW_FP32=0)
     return lambda t, o: (LigerFusedLinearCrossEntropyFunction.apply(
-        t["x"], t["w"], t["target"], None, None, IGNORE_INDEX, 0.0, 0.0, "mean", None, False, torch.float32)[0],)
+        t["x"], t["w"], t["target"], None, None, IGNORE_INDEX, 0.0, 0.0, "mean", None, False, None)[0],)
 
 
 def _cce_flce():
@@ -599,8 +600,8 @@ CASES: dict[str, Case] = {c.op: c for c in (
          _flce_make, ("loss",), _flce_eager,
          "transformers' causal-LM loss: x @ W.T in the activations' dtype, logits.float(), F.cross_entropy (mean)",
          _flce_lg, _flce_ref, lambda d: {"hidden": d["hidden"], "vocab": d["vocab"]}, _lk_flce,
-         "LigerFusedLinearCrossEntropyFunction(reduction='mean', accum_dtype=float32): dW accumulated in fp32 as in "
-         "liger-gen (Liger's default accum_dtype=None accumulates in the weight's dtype); host syncs per forward",
+         "LigerFusedLinearCrossEntropyFunction(reduction='mean', accum_dtype=None, its default): dW summed over "
+         "chunks in the weight's dtype, as liger-gen's bf16 plans (DW_FP32=0); host syncs per forward",
          _flce_flops, "6·R·H·V",
          peers={"cut-cross-entropy": (_cce_flce, "cut_cross_entropy.linear_cross_entropy(reduction='mean') with its "
                                       "default filter_eps='high': logit-gradient entries below eps(dtype)/32 are "

@@ -877,6 +877,18 @@ def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlog
                          + (describe("grad_output", grad_output) if isinstance(grad_output, torch.Tensor)
                             else type(grad_output).__name__))
     check_same_device(op, logits=logits, dlogits=dlogits, scale=scale, grad_output=grad_output)
+    if uses_triton(logits) and logits.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
+                        f"{describe('logits', logits)}")
+    return _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                          scale, grad_output, config)
+
+
+def _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap, scale,
+                   grad_output, config):
+    """``cross_entropy_loss_and_grad`` without its argument checks (for callers that validated them once, such
+    as FLCE's chunk loop, which calls it once per chunk)."""
+    rows, n_cols = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     loss_rows, zl_rows, lse = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32)
     if rows == 0:
@@ -884,9 +896,6 @@ def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlog
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     if uses_triton(logits):
-        if logits.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
-                            f"{describe('logits', logits)}")
         if config is None:
             module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
         else:

@@ -29,8 +29,9 @@ import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
-from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, CrossEntropySpace, _aux_module, TARGET_DTYPES, cross_entropy_float64,
-                                         cross_entropy_loss_and_grad, cross_entropy_mean_scale,
+from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, TARGET_DTYPES, CrossEntropyConfig,
+                                         CrossEntropySpace, _aux_module,
+                                         _loss_and_grad, cross_entropy_float64, cross_entropy_mean_scale,
                                          cross_entropy_reduce, cross_entropy_torch)
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
                                    no_double_backward, saveable, uses_triton)
@@ -370,10 +371,12 @@ class _Chunked:
             logits = logits_buf[:end - start]
             self._logits(xc, logits)
             grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
-            loss_c, zl_c, _ = cross_entropy_loss_and_grad(
-                logits, self.target[start:end], grad, scale=scale,
-                grad_output=None if grad_output is None else grad_output[start:end], config=self.ce_config,
-                **self.options)
+            # the arguments were validated once by the public function: the unchecked entry point, per chunk
+            o = self.options
+            loss_c, zl_c, _ = _loss_and_grad(
+                logits, self.target[start:end], grad, o["weight"], o["ignore_index"], o["label_smoothing"],
+                o["lse_square_scale"], o["softcap"], scale,
+                None if grad_output is None else grad_output[start:end], self.ce_config)
             loss_rows[start:end] = loss_c
             zl_rows[start:end] = zl_c
             if not want_grad:
