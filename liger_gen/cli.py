@@ -192,11 +192,14 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
     if render_path is not None:
         try:
             data = report.derive(report.load_json(render_path))
+            markdown = report.render_markdown(data)
         except report.ReportError as exc:
             raise click.ClickException(str(exc)) from None
+        except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:  # parses, wrong field types
+            raise click.ClickException(f"{render_path} is not a liger-gen bench result this version can read "
+                                       f"(a field has an unexpected type: {type(exc).__name__}: {exc})") from None
         folder = out_dir or render_path.parent
         folder.mkdir(parents=True, exist_ok=True)
-        markdown = report.render_markdown(data)
         (folder / f"{render_path.stem}.md").write_text(markdown, encoding="utf-8")
         click.echo(markdown, nl=False)
         png = _bench_plot(report, data, folder / f"{render_path.stem}.png")
@@ -224,6 +227,13 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
             "a GPU; or use `--device cpu` for a functional run with tiny shapes (e.g. `liger-gen bench --device "
             "cpu --model tiny --providers liger-gen,torch-eager`, in Triton's interpreter with TRITON_INTERPRET=1); "
             "`liger-gen bench --render result.json` needs no GPU.")
+    if device == "cpu":
+        from liger_gen.runtime.ops import interpreter_enabled
+
+        click.echo("note: --device cpu times host execution, not GPU kernels; "
+                   + ("liger-gen runs its Triton kernels in Triton's interpreter." if interpreter_enabled() else
+                      "TRITON_INTERPRET=1 is not set, so liger-gen runs its plain-PyTorch path, not its kernels "
+                      "(set it before starting Python to run the kernels in the interpreter)."), err=True)
     data = run_bench(model, ops=ops, providers=names, rows=rows, dtype=torch_dtype, device=device,
                      settings=Settings(iters=iters, wall_iters=wall_iters, warmup=warmup), seed=seed)
     folder = out_dir or Path(".")
@@ -250,7 +260,14 @@ def bench_step(**options) -> None:
     """
     from liger_gen.bench.step import run_step_benchmark
 
-    result = run_step_benchmark(**options)
+    try:
+        result = run_step_benchmark(**options)
+    except ValueError as exc:  # a bad option value (unknown model/provider, bad number, too little text)
+        raise click.BadParameter(str(exc)) from None
+    except RuntimeError as exc:
+        if "device" not in str(exc).lower():
+            raise
+        raise click.BadParameter(str(exc), param_hint="--device") from None
     if any(p.get("status") == "error" or (p.get("loss_check") or {}).get("pass") is False
            for m in result.get("models", {}).values() for p in m.get("providers", {}).values()):
         sys.exit(1)
@@ -260,7 +277,7 @@ def _bench_plot(report, data: dict, path: Path) -> Path | None:
     """The PNG, or None with a message when there is nothing to draw (a warning covers a missing matplotlib)."""
     try:
         return report.plot(data, path)
-    except ValueError as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         click.echo(f"no PNG: {exc}", err=True)
         return None
 

@@ -100,3 +100,28 @@ def test_canonical_gpu_names():
     assert canonical_gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
     assert canonical_gpu_name("NVIDIA L4") == "l4" and canonical_gpu_name("NVIDIA L40S") == "l40s"
     assert canonical_gpu_name("Some Future GPU X1") == "some-future-gpu-x1"
+
+
+def test_bench_render_of_a_wrongly_typed_result_is_a_clean_error(runner, tmp_path):
+    """A JSON that parses but holds the wrong types (hand-edited, another version) gives a message, not a
+    traceback; the committed H200 result still renders."""
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parent.parent / "benchmarks/results/issue4/bench_llama3-8b_nvidia_h200.json"
+    data = json.loads(committed.read_text())
+    ok = runner.invoke(main, ["bench", "--render", str(committed), "--out", str(tmp_path / "ok")])
+    assert ok.exit_code == 0 and "| rms_norm | liger-gen |" in ok.output
+    data["meta"]["ceilings"] = None
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    result = runner.invoke(main, ["bench", "--render", str(bad), "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 1 and "not a liger-gen bench result" in result.output
+    assert not isinstance(result.exception, (TypeError, AttributeError))
+
+
+def test_bench_step_bad_options_are_usage_errors(runner):
+    for args, needle in ((["--models", "nope"], "unknown"), (["--lr", "nan"], "lr"),
+                         (["--loss-rel-tol", "-1"], "loss_rel_tol")):
+        result = runner.invoke(main, ["bench-step", *args, "--device", "cpu"])
+        assert result.exit_code == 2, (args, result.output)
+        assert needle in result.output and "Traceback" not in result.output

@@ -212,6 +212,29 @@ def test_matches_unfused_pytorch_and_no_grad_forward(device, small_chunks):
     torch.testing.assert_close(w.grad, w2.grad)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_no_grad_modes_compute_the_loss_only(mode, interpret, monkeypatch):
+    """Under no_grad / inference_mode (an eval loop with a trainable lm_head) the op computes no dx or dW, on the
+    kernel path and on the plain CPU path alike, and gives the same loss."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(21)
+    x, w, _, target = _case(19, 8, 11, torch.float32, "cpu", gen)
+    expected = F.cross_entropy(x.detach() @ w.detach().t(), target)
+    seen = []
+    run = flce_mod._Chunked.run
+
+    def spy(self, scale, grad_output, need_dx, need_dw, need_db):
+        seen.append((need_dx, need_dw, need_db))
+        return run(self, scale, grad_output, need_dx, need_dw, need_db)
+
+    monkeypatch.setattr(flce_mod._Chunked, "run", spy)
+    with getattr(torch, mode)():
+        loss = OP(x, w, target)
+    torch.testing.assert_close(loss, expected)
+    assert seen == [(False, False, False)] and not loss.requires_grad
+
+
 def test_grad_for_one_input_only(device, small_chunks):
     gen = torch.Generator().manual_seed(12)
     x, w, b, target = _case(20, 8, 11, torch.float32, device, gen, bias=True)

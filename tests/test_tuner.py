@@ -361,3 +361,30 @@ def test_a_timer_that_returns_nan_prunes_the_trial(fast):
     assert bad and all(r["status"] in ("error", "duplicate") for r in bad)
     assert any("timer returned nan" in r.get("reason", "") for r in bad)
     assert entry["config"]["BLOCK_M_FWD"] != 4
+
+
+def test_retime_disqualifies_configs_that_fail_or_time_to_nonsense(fast):
+    """A config whose re-timing raises, or gives NaN, inf or a negative time, cannot win; if no config at all
+    can be re-timed the tuner says so instead of writing a meaningless entry."""
+    import dataclasses
+
+    configs = [dataclasses.replace(fast.space.heuristic(), BLOCK_M_FWD=b) for b in (1, 2, 4, 8)]
+    bad = {2: RuntimeError("launch failed"), 4: float("nan"), 8: -5.0}
+
+    def timer(launch, p):
+        value = bad.get(p["BLOCK_M_FWD"], 1.0)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    tuner = Tuner(build=fake_build, n_trials=1, timer=timer, retime_rounds=2)
+    medians, rounds, _ = tuner._retime(fast, "fwd", configs)
+    assert medians[0] == 1.0 and all(m == float("inf") for m in medians[1:])
+
+    def broken(launch, p):
+        raise RuntimeError("no GPU")
+
+    with pytest.raises(RuntimeError, match="could be re-timed"):
+        Tuner(build=fake_build, n_trials=1, timer=broken)._retime(fast, "fwd", configs)
+    with pytest.raises(ValueError, match="n_trials"):
+        Tuner(n_trials=2.5)

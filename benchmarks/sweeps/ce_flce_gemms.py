@@ -8,9 +8,15 @@ sweep_ce_flce_gemms_h200.log). Needs CUDA.
 
     python benchmarks/sweeps/ce_flce_gemms.py
 """
-import os, sys, time, itertools, json, torch, triton, triton.testing
+import itertools
+import os
+
+import torch
+import triton
+import triton.testing
+
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.cross_entropy import CrossEntropySpace, CrossEntropyProblem, CrossEntropyConfig
+from liger_gen.ops.cross_entropy import CrossEntropyConfig, CrossEntropyProblem
 OUT = os.environ.get("OUT", "/tmp")
 dev = "cuda"
 def bench(fn, rep=60):

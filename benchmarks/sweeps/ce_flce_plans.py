@@ -4,7 +4,14 @@
 
     python benchmarks/sweeps/ce_flce_plans.py
 """
-import os, itertools, torch, triton, triton.testing, dataclasses, time
+import dataclasses
+import itertools
+import time
+
+import torch
+import triton
+import triton.testing
+
 from liger_gen.codegen.build import load_variant
 from liger_gen.ops.cross_entropy import CrossEntropyProblem, CrossEntropyConfig
 from liger_gen.ops import fused_linear_cross_entropy as F

@@ -100,8 +100,8 @@ class Tuner:
                  retime_margin: float = 0.01, polish_trials: int | None = None, search_share: float = 0.8,
                  fallback_timer: Timer | None = None, on_trial: Callable[[], None] | None = None,
                  clock: Callable[[], float] | None = None):
-        if n_trials < 1:
-            raise ValueError(f"n_trials must be >= 1, got {n_trials}")
+        if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+            raise ValueError(f"n_trials must be an int >= 1, got {n_trials!r}")
         if retime_rounds < 1 or retime_top < 0:
             raise ValueError(f"retime_rounds must be >= 1 and retime_top >= 0, got {retime_rounds}, {retime_top}")
         if not 0 <= retime_margin < 1:
@@ -311,10 +311,17 @@ class Tuner:
             order = list(range(len(configs)))
             order = order[r % len(order):] + order[: r % len(order)]
             for i in order:
-                ms = timer(problem.launcher(modules[i], phase), problem.template_params(configs[i]))
-                methods.add(timing_method(ms))
-                times[i].append(float(ms))
-        return [statistics.median(t) for t in times], times, methods
+                try:  # as in the search: a config that cannot be timed (or times to nonsense) cannot win
+                    ms = timer(problem.launcher(modules[i], phase), problem.template_params(configs[i]))
+                    methods.add(timing_method(ms))
+                    value = float(ms)
+                except Exception:  # noqa: BLE001 - any launch/timer failure disqualifies this config
+                    value = math.inf
+                times[i].append(value if math.isfinite(value) and value >= 0 else math.inf)
+        medians = [statistics.median(t) for t in times]
+        if not any(math.isfinite(m) for m in medians):
+            raise RuntimeError(f"{problem.op} {phase}: no candidate (the heuristic included) could be re-timed")
+        return medians, times, methods or {"events"}
 
     def tune(self, problem, budget_s: float | None = None) -> dict[str, Any]:
         """Tune every phase of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``).
@@ -350,7 +357,8 @@ class Tuner:
             fastest = min(range(len(candidates)), key=lambda i: (medians[i], i))
             winner = fastest if medians[fastest] < medians[0] * (1 - self.retime_margin) else 0
             best = dataclasses.replace(best, **space.phase_params(candidates[winner], phase))
-            timing[phase] = {"tuned": medians[winner], "heuristic": medians[0]}
+            timing[phase] = {"tuned": medians[winner],  # finite: a config that could not be re-timed never wins
+                             "heuristic": medians[0] if math.isfinite(medians[0]) else None}
             methods[phase] = method
             retimes[phase] = [{"params": space.phase_params(c, phase), "ms": rounds[i], "median": medians[i]}
                               for i, c in enumerate(candidates)]

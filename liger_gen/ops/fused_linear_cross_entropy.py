@@ -697,6 +697,13 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignor
                                   lse_square_scale, softcap):
     """(loss, z_loss) of a 2-D x, differentiable in x, lm_head_weight and bias: the custom op while
     torch.compile traces (no graph break), the autograd.Function in eager mode."""
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or lm_head_weight.requires_grad
+                                              or (bias is not None and bias.requires_grad))
+    if not wants_grad and not torch.compiler.is_compiling():
+        # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd node)
+        out = _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                        lse_square_scale, softcap, False, False, False)
+        return out[0], out[1]
     if torch.compiler.is_compiling():
         grad = torch.is_grad_enabled()
         need_dx = grad and x.requires_grad
