@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -17,7 +18,7 @@ from liger_gen.codegen.spaces import dtype_name
 from liger_gen.codegen.tuner import TuneJob, TuneResult, Tuner, op_problems, plan_units, tune_ops, write_entries
 from liger_gen.runtime.tables import entry_sort_key
 
-console = Console()
+console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
 
 #: The issue's acceptance: median gain over the heuristic of at least 10%, no tuned entry slower.
 TARGET_MEDIAN_GAIN = 0.10
