@@ -262,12 +262,8 @@ def bench_step(**options) -> None:
 
     try:
         result = run_step_benchmark(**options)
-    except ValueError as exc:  # a bad option value (unknown model/provider, bad number, too little text)
+    except ValueError as exc:  # a bad option value (unknown model/provider/device, bad number, too little text)
         raise click.BadParameter(str(exc)) from None
-    except RuntimeError as exc:
-        if "device" not in str(exc).lower():
-            raise
-        raise click.BadParameter(str(exc), param_hint="--device") from None
     if any(p.get("status") == "error" or (p.get("loss_check") or {}).get("pass") is False
            for m in result.get("models", {}).values() for p in m.get("providers", {}).values()):
         sys.exit(1)

@@ -121,7 +121,7 @@ def test_bench_render_of_a_wrongly_typed_result_is_a_clean_error(runner, tmp_pat
 
 def test_bench_step_bad_options_are_usage_errors(runner):
     for args, needle in ((["--models", "nope"], "unknown"), (["--lr", "nan"], "lr"),
-                         (["--loss-rel-tol", "-1"], "loss_rel_tol")):
-        result = runner.invoke(main, ["bench-step", *args, "--device", "cpu"])
+                         (["--loss-rel-tol", "-1"], "loss_rel_tol"), (["--device", "garbage"], "device")):
+        result = runner.invoke(main, ["bench-step", "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
         assert needle in result.output and "Traceback" not in result.output

@@ -84,10 +84,11 @@ __all__ = ["PROVIDERS", "Provider", "run_bench", "summarize_kernels", "summarize
 def device_time_us(evt: Any) -> float:
     """Device time of one profiler event (a kernel, memcpy or memset), in microseconds.
 
-    torch >= 2.4 spells it ``self_device_time_total`` / ``device_time_total``; older releases ``*cuda_time*``.
-    For a device-side event each of them is its duration, so ``time_range`` is the last resort.
+    ``self_device_time_total`` / ``device_time_total`` (the project needs torch >= 2.5, which has them; the older
+    ``*cuda_time*`` spellings only warn there). For a device-side event each is its duration, so ``time_range`` is
+    the last resort.
     """
-    for attr in ("self_device_time_total", "device_time_total", "self_cuda_time_total", "cuda_time_total"):
+    for attr in ("self_device_time_total", "device_time_total"):
         try:
             value = getattr(evt, attr)
         except Exception:  # noqa: BLE001 - a property may raise on odd event kinds

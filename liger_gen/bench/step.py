@@ -429,16 +429,11 @@ def summarize_profile(events: Sequence[DeviceEvent], n_steps: int, ms_per_step: 
 
 
 def device_events(prof) -> list[DeviceEvent]:
-    """The GPU activities of a finished ``torch.profiler.profile`` (GPU-side user annotations skipped)."""
-    out = []
-    for evt in prof.events():
-        if getattr(getattr(evt, "device_type", None), "name", None) != "CUDA":
-            continue
-        if getattr(evt, "is_user_annotation", False):
-            continue
-        tr = evt.time_range
-        out.append(DeviceEvent(str(evt.name), float(tr.start), float(tr.end - tr.start)))
-    return out
+    """The GPU activities of a finished ``torch.profiler.profile`` in start order (GPU-side user annotations
+    skipped): ``liger_gen.bench.device_events``, the op harness's filter, as DeviceEvent records."""
+    from liger_gen.bench import device_events as gpu_activities
+
+    return [DeviceEvent(name, start, duration) for start, name, duration in gpu_activities(prof.events())]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -841,8 +836,11 @@ def run_step_benchmark(
     """
     models = _csv(models, "models")
     providers = _csv(providers, "providers")
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
-                                                                           else "cpu")
+    try:
+        device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                               else "cpu")
+    except RuntimeError as exc:  # torch's parse error for a malformed device string
+        raise ValueError(f"device: {exc}") from None
     _validate(models, providers, batch_size, seq_len, warmup_steps, steps, profile_steps, lr, dtype, device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

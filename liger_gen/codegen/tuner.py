@@ -321,7 +321,7 @@ class Tuner:
         medians = [statistics.median(t) for t in times]
         if not any(math.isfinite(m) for m in medians):
             raise RuntimeError(f"{problem.op} {phase}: no candidate (the heuristic included) could be re-timed")
-        return medians, times, methods or {"events"}
+        return medians, times, methods
 
     def tune(self, problem, budget_s: float | None = None) -> dict[str, Any]:
         """Tune every phase of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``).

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
-                                   describe, kernel_module, no_double_backward, saveable, uses_triton,
-                                   _module_for)
+                                   describe, kernel_module, module_for, no_double_backward, saveable,
+                                   uses_triton)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -899,7 +899,7 @@ def _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothin
         if config is None:
             module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
         else:
-            module = _module_for("cross_entropy", config, ())
+            module = module_for("cross_entropy", config, ())
         module.forward(logits, target, weight, loss_rows, zl_rows, lse, None, dlogits, scale, grad_output,
                        ignore_index, label_smoothing, lse_square_scale, softcap)
         return loss_rows, zl_rows, lse

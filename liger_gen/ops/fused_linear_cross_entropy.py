@@ -22,6 +22,7 @@ recomputes each chunk's logits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -285,6 +286,12 @@ def _accumulate_dw(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc[v0:v0 + step] += torch.mm(a[v0:v0 + step], b, out_dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=256)
+def _ce_config(hidden: int, vocab: int, dtype: torch.dtype, plan: FusedLinearCrossEntropyConfig):
+    """The per-chunk cross-entropy kernel config of a plan, built once per (shape, dtype, plan), not per call."""
+    return FusedLinearCrossEntropySpace({"hidden": hidden, "vocab": vocab}, dtype).ce_config(plan)
+
+
 def _plan(x: torch.Tensor, hidden: int, vocab: int, rows: int, plan) -> FusedLinearCrossEntropyConfig:
     """The launch plan: ``plan`` itself (a config, or a dict of its fields), else the table's or the heuristic."""
     if isinstance(plan, FusedLinearCrossEntropyConfig):
@@ -317,9 +324,8 @@ class _Chunked:
         self.bias = bias
         config = _plan(x, self.hidden, self.vocab, self.rows, plan)
         self.chunk_rows = config.CHUNK_ROWS
-        space_dtype = x.dtype if x.dtype in KERNEL_DTYPES else torch.float32
-        self.ce_config = FusedLinearCrossEntropySpace({"hidden": self.hidden, "vocab": self.vocab},
-                                                      space_dtype).ce_config(config)
+        self.ce_config = _ce_config(self.hidden, self.vocab, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32,
+                                    config)
         self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
         # dW summed in fp32 unless the plan adds each chunk's product into dW in x's dtype (bfloat16 only)
         self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype

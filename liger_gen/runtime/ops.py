@@ -43,7 +43,7 @@ def device_info(device: torch.device) -> tuple[str | None, DeviceLimits]:
 
 
 @functools.lru_cache(maxsize=None)
-def _module_for(template: str, config, variant: tuple) -> ModuleType:
+def module_for(template: str, config, variant: tuple) -> ModuleType:
     """Rendered and imported kernel module of one config (rendering happens once per distinct config)."""
     return load_variant(template, {**config.to_dict(), **dict(variant)})
 
@@ -56,7 +56,7 @@ def _variant(op: str, device: torch.device, dtype: torch.dtype, dims: tuple | in
     gpu, limits = device_info(device)
     found = tables.lookup(op, dtype, dims if isinstance(dims, int) else dict(dims), rows, gpu, limits,
                           variant=dict(variant))
-    return _module_for(template_of(op), found["config"], variant), found["config"], limits
+    return module_for(template_of(op), found["config"], variant), found["config"], limits
 
 
 def kernel_module(op: str, t: torch.Tensor, dims: Mapping[str, int] | int, rows: int,
@@ -74,7 +74,7 @@ def kernel_module(op: str, t: torch.Tensor, dims: Mapping[str, int] | int, rows:
 def clear_caches() -> None:
     """Forget chosen variants (after writing tables or changing $LIGER_GEN_TUNED_DIR)."""
     _variant.cache_clear()
-    _module_for.cache_clear()
+    module_for.cache_clear()
     tables.clear_caches()
 
 
