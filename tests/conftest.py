@@ -29,3 +29,63 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: CUDA when present, else the CPU through the interpreter."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class StoragePeak:
+    """Peak bytes of the tensor storages created while it is active and still alive (a TorchDispatchMode).
+
+    Every storage a non-aliasing op returns is counted once, from its creation until it is freed (a weakref finalizer on the
+    storage object, which PyTorch keeps for the storage's lifetime). Storages made before ``__enter__`` (the
+    inputs) are not counted; scratch memory inside a single native kernel is not seen. Works on any device,
+    which makes it the CPU paths' memory meter (``torch.cuda.max_memory_allocated`` has no CPU twin).
+    """
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def _track(self, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or key in self._seen:
+                continue
+            self._seen.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not any(r.alias_info is not None for r in func._schema.returns):  # views, in-place: no allocation
+                    meter._track(out)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@pytest.fixture
+def storage_peak():
+    """``with storage_peak() as meter: ...; meter.peak`` — see ``StoragePeak``."""
+    return StoragePeak

@@ -1,6 +1,7 @@
 """Fused linear cross-entropy (chunk loop + per-chunk kernel, Triton interpreter on the CPU) against float64."""
 
 import dataclasses
+import gc
 import math
 
 import optuna
@@ -98,6 +99,16 @@ def test_every_option_matches_float64(option, reduction, dtype, device, small_ch
     if "ignore_index" in opts:
         target[target == -100] = opts["ignore_index"]
     _check_against_float64(x, w, b, target, reduction=reduction, **opts)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_option_matches_float64_on_the_plain_cpu_path(option, reduction, dtype, monkeypatch, small_chunks):
+    """The same cases without the interpreter: the chunk loop's CPU GEMMs and cross_entropy's closed-form CPU
+    gradient (no autograd inside the op)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    test_every_option_matches_float64(option, reduction, dtype, torch.device("cpu"), small_chunks)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -546,3 +557,71 @@ def test_llama3_8b_shape_bf16_against_float64_and_peak_memory(record_property):
     assert err["loss"] < flce_mod.loss_tolerance(torch.bfloat16)
     assert err["dx"] < REL_TOL[torch.bfloat16] and err["dW"] < REL_TOL[torch.bfloat16]
 
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_torch_compile_on_both_cpu_paths(reduction, interpret, monkeypatch):
+    """torch.compile of the op on the CPU, in the interpreter and on the plain path (where the per-chunk loss and
+    gradient run inside the custom op, with autograd off): same loss and gradients as eager, every option on."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(31)
+    x, w, b, target = _case(23, 8, 13, torch.bfloat16, "cpu", gen, bias=True)
+    opts = dict(bias=b, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2, softcap=4.0,
+                weight=torch.rand(13, generator=gen) + 0.5)
+
+    def f(x, w):
+        loss = OP(x, w, target, **opts)
+        return (loss * torch.arange(1, loss.numel() + 1).view(loss.shape)).sum()
+
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w)
+    loss.backward()
+    grads = (x.grad, w.grad, b.grad)
+    for t in (x, w, b):
+        t.grad = None
+    ref = f(x, w)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for a, r in zip(grads, (x.grad, w.grad, b.grad)):
+        torch.testing.assert_close(a, r)
+
+
+MEMORY_BUDGET = 2**20  # 1 MiB for the test shape below; the full fp32 logits take 2.2 MiB
+
+
+@pytest.mark.parametrize("plan", ["heuristic", "fp32_logits_and_dw"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_extra_memory_stays_within_the_budget_on_cpu_paths(interpret, dtype, reduction, plan, monkeypatch,
+                                                           storage_peak):
+    """Forward + backward allocate at most MAX_EXTRA_BYTES beyond x's and W's gradients, on the plain CPU path
+    and in the interpreter, with every option that adds buffers (soft-capping, class weights, bias) and with
+    the plan of fp32 logits and an fp32 dW accumulator (float16's accumulator is exempt, as on the GPU).
+
+    Triton's interpreter keeps each launch's arguments in a reference cycle (a recursive closure in its
+    argument copying) until Python's next garbage collection: the forward's chunk buffers would outlive it
+    into the backward, so the test collects between the two; what it measures is what liger-gen allocates."""
+    if plan != "heuristic" and dtype == torch.float32:
+        pytest.skip("float32 has one plan")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(FusedLinearCrossEntropySpace, "MAX_EXTRA_BYTES", MEMORY_BUDGET)
+    monkeypatch.setattr(flce_mod, "_SLICE_BYTES", 32 * 2**10)
+    if plan != "heuristic":
+        heuristic = FusedLinearCrossEntropySpace.heuristic
+        monkeypatch.setattr(FusedLinearCrossEntropySpace, "heuristic",
+                            lambda self: dataclasses.replace(heuristic(self), LOGITS_FP32=1, DW_FP32=1))
+    clear_caches()
+    rows, hidden, vocab = 192, 32, 3000
+    gen = torch.Generator().manual_seed(32)
+    x, w, b, target = _case(rows, hidden, vocab, dtype, "cpu", gen, bias=True)
+    weight = torch.rand(vocab, generator=gen) + 0.5
+    with storage_peak() as meter:
+        loss = OP(x, w, target, bias=b, weight=weight, reduction=reduction, softcap=5.0, label_smoothing=0.1)
+        gc.collect()
+        loss.sum().backward()
+    grads = sum(t.grad.untyped_storage().nbytes() for t in (x, w, b))
+    fp16_accumulator = vocab * hidden * 4 if dtype == torch.float16 else 0
+    row_vectors = 16 * (rows + vocab) * 4  # per-row losses, lse, scales; per-class sums
+    clear_caches()
+    assert meter.peak - grads <= MEMORY_BUDGET + fp16_accumulator + row_vectors, (meter.peak - grads) / 2**20

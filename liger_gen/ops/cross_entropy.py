@@ -59,6 +59,67 @@ def _ce_rows(x: torch.Tensor, t: torch.Tensor, weight: torch.Tensor | None, igno
     return ce, zl, lse, w_y, valid
 
 
+def _ce_rows_closed_form_(z: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+                          label_smoothing: float, lse_square_scale: float, softcap: float | None,
+                          scale: torch.Tensor | None = None, grad_output: torch.Tensor | None = None,
+                          want_grad: bool = False):
+    """(ce_rows, zl_rows, lse) of fp32 logits ``z`` (rows, V) by the closed form, overwriting ``z``; with
+    ``want_grad`` z ends up holding d/dz of ``Σ_i g_i · (s_ce · ce_i + s_z · zl_i)`` (``[s_ce, s_z] = scale``,
+    ``g = grad_output``; ones when None) — what the kernels compute, for the CPU paths.
+
+    No autograd (it runs inside custom ops, where autograd is off) and no temporary of z's size except one for
+    ``softcap`` with ``want_grad`` (the tanh, for the chain rule): everything else is in place or per row. With
+    p = softmax(z) and W = Σ_j w_j (V without class weights)::
+
+        d ce_i / d z_ij = (1 − ε) · w_y · (p_ij − [j = y_i]) + (ε / V) · (W · p_ij − w_j)
+        d zl_i / d z_ij = 2λ · lse_i · p_ij
+        d z_ij / d x_ij = 1 − tanh²(x_ij / softcap)        (soft-capping)
+    """
+    rows, n_cols = z.shape
+    target = target.long()
+    valid = target != ignore_index
+    t_safe = torch.where(valid, target, torch.zeros_like(target))[:, None]
+    w = None if weight is None else weight.to(torch.float32)
+    tanh = None
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        if want_grad:
+            tanh = z.clone()
+        z.mul_(softcap)
+    zmax = z.amax(dim=1)
+    z.sub_(zmax[:, None])  # shifted logits: exp cannot overflow
+    z_y = z.gather(1, t_safe).squeeze(1)
+    if label_smoothing > 0.0:
+        sum_wz = z.sum(dim=1) if w is None else torch.mv(z, w)
+    z.exp_()
+    sum_exp = z.sum(dim=1)
+    lse_shifted = sum_exp.log()
+    lse = lse_shifted + zmax
+    valid_f = valid.to(torch.float32)
+    w_y = valid_f if w is None else w[t_safe.squeeze(1)] * valid_f
+    ce = (lse_shifted - z_y) * w_y
+    w_total = float(n_cols) if w is None else w.sum()
+    if label_smoothing > 0.0:
+        smooth = (w_total * lse_shifted - sum_wz) * valid_f
+        ce = (1.0 - label_smoothing) * ce + (label_smoothing / n_cols) * smooth
+    zl = lse_square_scale * lse.square() * valid_f
+    if want_grad:
+        one = torch.ones((), dtype=torch.float32, device=z.device)
+        s_ce, s_z = (scale[0], scale[1]) if scale is not None else (one, one)
+        g = one if grad_output is None else grad_output.to(torch.float32)
+        a = g * s_ce * valid_f  # (rows,)
+        coef = (a * ((1.0 - label_smoothing) * w_y + (label_smoothing / n_cols) * w_total)
+                + g * s_z * valid_f * (2.0 * lse_square_scale) * lse)
+        z.div_(sum_exp[:, None]).mul_(coef[:, None])  # p · coefficient
+        z.scatter_add_(1, t_safe, (-(1.0 - label_smoothing) * a * w_y)[:, None])
+        if label_smoothing > 0.0:
+            z.addr_(-(label_smoothing / n_cols) * a, torch.ones(n_cols, dtype=torch.float32, device=z.device)
+                    if w is None else w)
+        if tanh is not None:
+            z.mul_(tanh.square_().neg_().add_(1.0))
+    return ce, zl, lse
+
+
 def cross_entropy_float64(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                           ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                           lse_square_scale: float = 0.0,
@@ -463,29 +524,30 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
                         q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
                         loss=out["loss"], zl=out["zl"])
     else:  # CPU without the interpreter: the kernel's formulas in PyTorch (only reached when the op is called
-        # directly; the public function takes cross_entropy_torch on this path)
-        x = logits.reshape(rows, n_cols).float()
-        with torch.enable_grad():
-            x.requires_grad_(grad_in_fwd)
-            ce, zl, lse, w_y, valid = _ce_rows(x, target, weight, ignore_index, label_smoothing, lse_square_scale,
-                                               softcap)
-            one = torch.ones((), dtype=torch.float32)
-            s_ce, s_z = (1.0 / w_y.sum(), 1.0 / valid.sum()) if reduction == "mean" else (one, one)
-            if grad_in_fwd:
-                (grad,) = torch.autograd.grad((ce * s_ce + zl * s_z).sum(), x)
-                dlogits.copy_(grad)
-        ce, zl, lse = ce.detach(), zl.detach(), lse.detach()
-        z = x.detach() if softcap is None else softcap * torch.tanh(x.detach() / softcap)
-        p_y = torch.exp(z.gather(1, torch.where(valid, target.long(), 0)[:, None]).squeeze(1) - lse)
+        # directly, e.g. under torch.compile; the public function takes cross_entropy_torch on this path)
+        t = target.long()
+        valid = t != ignore_index
+        one = torch.ones((), dtype=torch.float32)
+        scale = (cross_entropy_mean_scale(target, n_cols, weight, ignore_index) if reduction == "mean"
+                 else torch.stack([one, one]))
+        z = logits.reshape(rows, n_cols).to(torch.float32, copy=True)
+        ce, zl, lse = _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale,
+                                            softcap, scale, None, want_grad=grad_in_fwd)
+        if grad_in_fwd:
+            dlogits.copy_(z)
+        del z
+        x_y = logits.reshape(rows, n_cols).gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1).float()
+        z_y = x_y if softcap is None else softcap * torch.tanh(x_y / softcap)
+        p_y = torch.exp(z_y - lse)
         out["loss_rows"].copy_(ce + zl)
         out["zl_rows"].copy_(zl)
         out["lse"].copy_(lse)
         out["q"].copy_(torch.where(valid, 1.0 - p_y, torch.ones_like(p_y)))
-        out["scale"].copy_(torch.stack([s_ce.float(), s_z.float()]))
+        out["scale"].copy_(scale)
         if reduction != "none":
             total_z = zl.sum()
-            out["loss"].copy_(ce.sum() * s_ce + total_z * s_z)
-            out["zl"].copy_(total_z * s_z)
+            out["loss"].copy_(ce.sum() * scale[0] + total_z * scale[1])
+            out["zl"].copy_(total_z * scale[1])
     return out["loss"], out["zl"], out["lse"], out["q"], out["scale"], dlogits
 
 
@@ -502,12 +564,11 @@ def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tenso
         module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
         _launch_backward(module, g, logits, target, weight, lse, q, scale, ignore_index, reduction,
                          label_smoothing, lse_square_scale, softcap, dlogits)
-    else:  # the formulas by autograd (only reached when the op is called directly on the CPU)
-        x = logits.reshape(rows, n_cols).float().requires_grad_()
-        with torch.enable_grad():
-            ce, zl, _, _, _ = _ce_rows(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap)
-            (grad,) = torch.autograd.grad((g.float() * (ce * scale[0] + zl * scale[1])).sum(), x)
-        dlogits.copy_(grad)
+    else:  # the closed form (only reached when the op is called directly on the CPU, e.g. under torch.compile)
+        z = logits.reshape(rows, n_cols).to(torch.float32, copy=True)
+        _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, scale,
+                              g, want_grad=True)
+        dlogits.copy_(z)
     return dlogits.view(logits.shape)
 
 
@@ -756,7 +817,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 
 # ------------------------------------------------------------------------------------------------ row-level API
 # For fused linear cross-entropy (and anything that produces logits chunk by chunk): one launch computes the
-# per-row losses and writes the gradient, possibly in place. See /work/briefs/ce_api.md.
+# per-row losses and writes the gradient, possibly in place.
 
 
 @functools.lru_cache(maxsize=None)
@@ -885,9 +946,10 @@ def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlog
 
 
 def _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap, scale,
-                   grad_output, config):
+                   grad_output, config, scratch: bool = False):
     """``cross_entropy_loss_and_grad`` without its argument checks (for callers that validated them once, such
-    as FLCE's chunk loop, which calls it once per chunk)."""
+    as FLCE's chunk loop, which calls it once per chunk). ``scratch``: the caller no longer needs ``logits``,
+    so the plain CPU path may overwrite fp32 logits instead of working on a copy."""
     rows, n_cols = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     loss_rows, zl_rows, lse = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32)
@@ -903,16 +965,15 @@ def _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothin
         module.forward(logits, target, weight, loss_rows, zl_rows, lse, None, dlogits, scale, grad_output,
                        ignore_index, label_smoothing, lse_square_scale, softcap)
         return loss_rows, zl_rows, lse
-    x = logits.detach().float().requires_grad_(dlogits is not None)
-    with torch.enable_grad():
-        ce, zl, row_lse, _, _ = _ce_rows(x, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap)
-        if dlogits is not None:
-            s = scale if scale is not None else torch.ones(2, **f32)
-            g = grad_output.float() if grad_output is not None else torch.ones((), **f32)
-            (grad,) = torch.autograd.grad((g * (ce * s[0] + zl * s[1])).sum(), x)
-    loss_rows.copy_(ce.detach() + zl.detach())
-    zl_rows.copy_(zl.detach())
-    lse.copy_(row_lse.detach())
-    if dlogits is not None:
-        dlogits.copy_(grad)
+    # CPU without the interpreter: the closed form on an fp32 working copy (the logits themselves when they are
+    # fp32 and ``scratch`` says the caller no longer needs them, as FLCE's chunk buffer)
+    in_place = logits.dtype == torch.float32 and (scratch or dlogits is logits)
+    z = logits if in_place else logits.to(torch.float32, copy=True)
+    ce, zl, row_lse = _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale,
+                                            softcap, scale, grad_output, want_grad=dlogits is not None)
+    torch.add(ce, zl, out=loss_rows)
+    zl_rows.copy_(zl)
+    lse.copy_(row_lse)
+    if dlogits is not None and dlogits is not z:
+        dlogits.copy_(z)
     return loss_rows, zl_rows, lse

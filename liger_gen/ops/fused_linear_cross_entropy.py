@@ -261,29 +261,52 @@ SPACE = FusedLinearCrossEntropySpace
 
 
 _ADDMM_FP32_ACCUMULATE: bool | None = None  # does addmm(out_dtype=fp32) accept an fp32 accumulator? (torch version)
-_DW_SLICE_BYTES = 32 * 2**20
+_SLICE_BYTES = 32 * 2**20  # fp32 temporaries of the sliced GEMMs below (per operand)
+
+
+def _vocab_slices(vocab: int, width: int):
+    """Slices of the vocabulary whose fp32 temporaries of ``width`` columns stay within _SLICE_BYTES."""
+    step = max(1, _SLICE_BYTES // (4 * max(1, width)))
+    return [slice(v0, min(v0 + step, vocab)) for v0 in range(0, vocab, step)]
 
 
 def _accumulate_dw(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with a 16-bit ``a``, ``b`` and an fp32 ``acc`` on CUDA, never rounding the product.
+    """``acc += a @ b`` with a 16-bit ``a`` (vocab, n), ``b`` (n, hidden) and an fp32 ``acc``, never rounding the
+    product.
 
-    Uses ``addmm(out_dtype=float32)`` in place where this torch accepts an fp32 ``self``; older versions
-    only accept a ``self`` of the inputs' dtype, so the fallback adds fp32 ``mm`` products per slice of the
-    vocabulary (at most _DW_SLICE_BYTES of temporary). The check fails in the dispatcher, before any launch.
+    CUDA: ``addmm(out_dtype=float32)`` in place where this torch accepts an fp32 ``self``; older versions only
+    accept a ``self`` of the inputs' dtype, so the fallback adds fp32 ``mm`` products per slice of the
+    vocabulary (the check fails in the dispatcher, before any launch). CPU (no fp32-output GEMM of 16-bit
+    operands): fp32 copies of ``b`` and of one vocabulary slice of ``a`` at a time, added in place.
     """
     global _ADDMM_FP32_ACCUMULATE
-    if _ADDMM_FP32_ACCUMULATE is not False:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _ADDMM_FP32_ACCUMULATE = True
-            return
-        except (RuntimeError, TypeError):
-            if _ADDMM_FP32_ACCUMULATE:
-                raise
-            _ADDMM_FP32_ACCUMULATE = False
-    step = max(1, _DW_SLICE_BYTES // (4 * max(1, acc.shape[1])))
-    for v0 in range(0, acc.shape[0], step):
-        acc[v0:v0 + step] += torch.mm(a[v0:v0 + step], b, out_dtype=torch.float32)
+    if acc.is_cuda:
+        if _ADDMM_FP32_ACCUMULATE is not False:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                _ADDMM_FP32_ACCUMULATE = True
+                return
+            except (RuntimeError, TypeError):
+                if _ADDMM_FP32_ACCUMULATE:
+                    raise
+                _ADDMM_FP32_ACCUMULATE = False
+        for s in _vocab_slices(acc.shape[0], acc.shape[1]):
+            acc[s] += torch.mm(a[s], b, out_dtype=torch.float32)
+        return
+    b32 = b.float()
+    for s in _vocab_slices(acc.shape[0], max(acc.shape[1], a.shape[1])):
+        acc[s].addmm_(a[s].float(), b32)
+
+
+def _mm_fp32_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x @ w.T`` in fp32 for 16-bit ``x`` (n, hidden), ``w`` (vocab, hidden): fp32 accumulation, never
+    rounded. CUDA has the GEMM; on the CPU, fp32 copies of x and of one vocabulary slice of w at a time."""
+    if out.is_cuda:
+        torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+        return
+    x32 = x.float()
+    for s in _vocab_slices(w.shape[0], max(w.shape[1], x.shape[0])):
+        out[:, s] = torch.mm(x32, w[s].float().t())
 
 
 @functools.lru_cache(maxsize=256)
@@ -306,6 +329,32 @@ def _plan(x: torch.Tensor, hidden: int, vocab: int, rows: int, plan) -> FusedLin
     return space.heuristic()
 
 
+def cpu_chunk_rows(plan: FusedLinearCrossEntropyConfig, dtype: torch.dtype, hidden: int, vocab: int, *,
+                   interpreter: bool, softcap: bool) -> int:
+    """Rows per chunk on the CPU paths: the plan's, fewer where the CPU's buffers per row would exceed the budget.
+
+    A chunk on the GPU holds the plan's buffers (``FusedLinearCrossEntropySpace.extra_bytes``). The CPU paths
+    hold more per row: the plain path computes the cross-entropy in fp32 on a working copy of 16-bit logits (4
+    bytes per logit more) and keeps the tanh of soft-capped logits for the gradient (4 more); both CPU paths
+    have the sliced GEMMs' fp32 temporaries (``_SLICE_BYTES`` per operand, two operands). The chunk is cut so
+    that all of it, with the plan's fp32 dW accumulator, stays within ``MAX_EXTRA_BYTES``.
+    """
+    space = FusedLinearCrossEntropySpace
+    element = torch.finfo(dtype).bits // 8
+    low = element < 4
+    logits_bytes = 4 if (plan.LOGITS_FP32 or not low) else element
+    per_logit = logits_bytes + (element if logits_bytes != element else 0)  # + a separate gradient buffer
+    if not interpreter:
+        per_logit += (4 if logits_bytes != 4 else 0) + (4 if softcap else 0)
+    fp32_acc = bool(plan.DW_FP32) and low
+    # fp32 copies of the chunk's x for the fp32-output GEMMs of 16-bit inputs
+    per_row = per_logit * vocab + (4 * hidden if low and (logits_bytes == 4 or fp32_acc) else 0)
+    accumulator = vocab * hidden * 4 if (fp32_acc and dtype == torch.bfloat16) else 0
+    free = space.MAX_EXTRA_BYTES - accumulator - (2 * _SLICE_BYTES if low else 0)
+    fit = free // per_row if free > 0 else 0
+    return max(min(plan.CHUNK_ROWS, space.CHUNK_CHOICES[0]), min(plan.CHUNK_ROWS, fit))
+
+
 class _Chunked:
     """One call's chunk loop: inputs, launch plan, and the per-chunk GEMMs around the cross-entropy kernel."""
 
@@ -316,14 +365,13 @@ class _Chunked:
         self.vocab = w.shape[0]
         self.options = dict(weight=None if weight is None else weight.detach(), ignore_index=ignore_index,
                             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
-        self.cuda = x.device.type == "cuda"
-        low = x.dtype in _LOW_PRECISION
-        # CUDA GEMMs take the 16-bit operands as they are (fp32 accumulation) and write fp32 or x's dtype; the CPU
-        # has no such kernels, so the CPU paths multiply fp32 copies (exact: every bf16/fp16 value is an fp32 value)
-        self.w_mm = w if self.cuda else w.float()
         self.bias = bias
+        low = x.dtype in _LOW_PRECISION
         config = _plan(x, self.hidden, self.vocab, self.rows, plan)
         self.chunk_rows = config.CHUNK_ROWS
+        if not x.is_cuda:
+            self.chunk_rows = cpu_chunk_rows(config, x.dtype, self.hidden, self.vocab,
+                                             interpreter=uses_triton(x), softcap=softcap is not None)
         self.ce_config = _ce_config(self.hidden, self.vocab, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32,
                                     config)
         self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
@@ -334,20 +382,17 @@ class _Chunked:
         self.prescale = x.dtype != torch.float16
 
     def _logits(self, xc: torch.Tensor, out: torch.Tensor) -> None:
-        if self.cuda and xc.dtype in _LOW_PRECISION:
-            if out.dtype == torch.float32:
-                torch.mm(xc, self.w_mm.t(), out_dtype=torch.float32, out=out)
-                if self.bias is not None:
-                    out.add_(self.bias)
-            elif self.bias is not None:  # bias added inside the GEMM's epilogue, one rounding
-                torch.addmm(self.bias, xc, self.w_mm.t(), out=out)
+        """One chunk's logits into ``out``: a GEMM in x's dtype with fp32 accumulation, rounded once (bias in the
+        epilogue) when ``out`` has x's dtype; fp32 logits of 16-bit inputs are never rounded."""
+        if out.dtype == xc.dtype:
+            if self.bias is not None:
+                torch.addmm(self.bias, xc, self.w.t(), out=out)
             else:
-                torch.mm(xc, self.w_mm.t(), out=out)
+                torch.mm(xc, self.w.t(), out=out)
             return
-        product = torch.mm(xc.float(), self.w_mm.t().float())
+        _mm_fp32_out(xc, self.w, out)
         if self.bias is not None:
-            product += self.bias.float()
-        out.copy_(product)
+            out.add_(self.bias)
 
     def run(self, scale, grad_output, need_dx: bool, need_dw: bool, need_db: bool):
         """Loop over chunks: per-row (loss, z-loss) in fp32 and, if any need_*, dx (x's dtype), dW (fp32 or x's
@@ -365,8 +410,8 @@ class _Chunked:
         db = torch.zeros(vocab, **f32) if need_db else None
         chunk = min(self.chunk_rows, max(rows, 1))
         logits_buf = torch.empty((chunk, vocab), dtype=self.logits_dtype, device=x.device) if rows else None
-        # the gradient GEMMs take dlogits in x's dtype (cuBLAS needs one operand dtype): the kernel writes them
-        # there directly (rounded once from fp32); when the logits are already in x's dtype, in place
+        # the gradient GEMMs take dlogits in x's dtype (one operand dtype): the kernel writes them there directly
+        # (rounded once from fp32); when the logits are already in x's dtype, in place
         separate = want_grad and self.logits_dtype != dtype
         grad_buf = torch.empty((chunk, vocab), dtype=dtype, device=x.device) if rows and separate else None
         if need_dw and rows == 0:
@@ -382,37 +427,26 @@ class _Chunked:
             loss_c, zl_c, _ = _loss_and_grad(
                 logits, self.target[start:end], grad, o["weight"], o["ignore_index"], o["label_smoothing"],
                 o["lse_square_scale"], o["softcap"], scale,
-                None if grad_output is None else grad_output[start:end], self.ce_config)
+                None if grad_output is None else grad_output[start:end], self.ce_config, scratch=True)
             loss_rows[start:end] = loss_c
             zl_rows[start:end] = zl_c
             if not want_grad:
                 continue
             if need_db:
                 db += grad.sum(dim=0, dtype=torch.float32)
-            first = start == 0
-            if self.cuda:
-                if need_dx:
-                    torch.mm(grad, self.w, out=dx[start:end])
-                if need_dw:
-                    if dw.dtype == dtype:  # x's dtype (bf16 plan, or fp32 inputs): cuBLAS adds in fp32, rounds once
-                        if first:
-                            torch.mm(grad.t(), xc, out=dw)
-                        else:
-                            dw.addmm_(grad.t(), xc)
-                    else:
-                        if first:
-                            dw.zero_()
-                        _accumulate_dw(dw, grad.t(), xc)
-            else:
-                grad32 = grad.float()
-                if need_dx:
-                    dx[start:end] = grad32 @ self.w_mm
-                if need_dw:
-                    product = grad32.t() @ xc.float()
+            if need_dx:
+                torch.mm(grad, self.w, out=dx[start:end])
+            if need_dw:
+                first = start == 0
+                if dw.dtype == dtype:  # x's dtype (bf16 plan, or fp32 inputs): the GEMM adds in fp32, rounds once
                     if first:
-                        dw.copy_(product)
+                        torch.mm(grad.t(), xc, out=dw)
                     else:
-                        dw.copy_(dw.float() + product)  # x's dtype: one rounding per chunk, as cuBLAS's addmm
+                        dw.addmm_(grad.t(), xc)
+                else:
+                    if first:
+                        dw.zero_()
+                    _accumulate_dw(dw, grad.t(), xc)
         return loss_rows, zl_rows, dx, dw, db
 
 
@@ -813,9 +847,12 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     says so) rounded to x's dtype exactly as ``lm_head(x)`` in transformers; the per-chunk cross-entropy kernel
     turns them into losses and d(loss)/d(logits), and dx, dW and db follow by two more GEMMs (dW summed over
     chunks in fp32, or added into dW in bf16 with one rounding per chunk). Gradients are exact (no filtering of
-    small terms). Peak extra memory is at most ``FusedLinearCrossEntropySpace.MAX_EXTRA_BYTES`` (256 MiB; more
-    only when even a 16-row chunk needs more, and float16 adds an fp32 dW accumulator), whatever the number of
-    tokens.
+    small terms). Peak extra memory beyond the gradients is at most ``FusedLinearCrossEntropySpace.MAX_EXTRA_BYTES``
+    (256 MiB; more only when even a 16-row chunk needs more, and float16 adds an fp32 dW accumulator), whatever
+    the number of tokens, on every path: CUDA, the plain CPU path and the interpreter (the CPU paths hold more
+    buffers per row and take fewer rows per chunk: ``cpu_chunk_rows``). Under torch.compile the backward of
+    "mean"/"sum" returns new gradient tensors (a custom op may not write into its saved outputs), so dx and dW
+    are held twice while it runs.
 
     Args:
         x: (..., hidden) or (N, hidden) float32, bfloat16 or float16; any strides.

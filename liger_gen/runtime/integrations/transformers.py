@@ -26,6 +26,7 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -74,11 +75,17 @@ def _replace_norm(module: nn.Module, family: ModelFamily) -> RMSNorm:
 
 
 def _replace_mlp(module: nn.Module) -> nn.Module:
-    """A liger-gen SwiGLUMLP that holds ``module``'s gate/up/down projections (no new parameters)."""
+    """A liger-gen SwiGLUMLP that holds ``module``'s gate/up/down projections (no new parameters).
+
+    The sizes come from the projections themselves: older transformers releases' MLPs (Mistral, Qwen2) keep no
+    ``config``."""
     from liger_gen.nn import SwiGLUMLP
 
+    gate = module.gate_proj
+    sizes = SimpleNamespace(hidden_size=gate.in_features, intermediate_size=gate.out_features, hidden_act="silu",
+                            mlp_bias=gate.bias is not None)
     with torch.device("meta"):
-        new = SwiGLUMLP(module.config)
+        new = SwiGLUMLP(getattr(module, "config", None) or sizes)
     for name in ("gate_proj", "up_proj", "down_proj"):
         setattr(new, name, getattr(module, name))
     new.train(module.training)
@@ -147,7 +154,10 @@ class FusedLossForward:
     """The ``forward`` ``apply_to`` installs on a causal-LM instance: ``_causal_lm_forward`` bound to it.
 
     A plain object rather than a bound method so that a patched model can be pickled and loaded (a bound method
-    pickles as a lookup of its function's name on the instance, which does not exist).
+    pickles as a lookup of its function's name on the instance, which does not exist). It has the original
+    bound forward's signature, name and docstring: trainers read the signature to decide which batch columns to
+    pass (transformers' ``Trainer`` drops every column the forward does not name) and whether the loss takes
+    ``num_items_in_batch``.
     """
 
     def __init__(self, module: nn.Module):
@@ -155,6 +165,19 @@ class FusedLossForward:
 
     def __call__(self, *args, **kwargs):
         return _causal_lm_forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = _signature(type(self.module).forward)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])  # bound: no ``self``
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return type(self.module).forward.__doc__
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
 
 
 def _transformers_rope(original):
