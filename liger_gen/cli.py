@@ -13,7 +13,7 @@ import click
 from liger_gen import __version__
 from liger_gen.ops import available_ops
 from liger_gen.bench.step import step_command_options
-from liger_gen.runtime.devices import KNOWN_GPUS
+from liger_gen.runtime.devices import GPU_SLUG, KNOWN_GPUS
 
 OPS = available_ops()
 DEFAULT_ROWS = "4096,16384,65536"
@@ -38,12 +38,22 @@ def _csv_ops(ctx, param, value: str) -> list[str]:
 
 
 def _gpu_name(ctx, param, value: str | None) -> str | None:
+    """A known short name (h200, a100, ...) or the slug the runtime derives for any other GPU (tesla-t4)."""
     if value is None:
         return None
     value = value.lower()
-    if value not in KNOWN_GPUS:
-        raise click.BadParameter(f"unknown GPU {value!r}; known: {', '.join(KNOWN_GPUS)}")
+    if value not in KNOWN_GPUS and not GPU_SLUG.fullmatch(value):
+        raise click.BadParameter(f"{value!r} is not a GPU name: use a short name ({', '.join(KNOWN_GPUS)}) or, "
+                                 f"for another GPU, the name the runtime derives from the reported device name "
+                                 f"(lower case, words joined by '-', without 'NVIDIA': 'Tesla T4' -> tesla-t4)")
     return value
+
+
+def _packaged_gpus() -> list[str]:
+    from liger_gen.runtime.tables import packaged_root
+
+    root = packaged_root()
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.json"))) if root.is_dir() else []
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,7 +64,8 @@ def main() -> None:
 
 @main.command()
 @click.option("--gpu", required=True, callback=_gpu_name,
-              help="Target GPU short name (h200, h100, a100, ...); must be the visible GPU.")
+              help="Target GPU short name (h200, h100, a100, ...; another GPU by its derived name, e.g. tesla-t4); "
+                   "must be the visible GPU.")
 @click.option("--model", "model_name", default="llama3-8b", show_default=True,
               help="Model preset (llama3-8b, llama3.2-1b, qwen2.5-7b, mistral-7b, ...) or a path to a "
                    "Hugging Face config.json.")
@@ -109,11 +120,14 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
         raise click.BadParameter(str(exc)) from None
     visible = current_gpu()
     if visible is None:
+        shipped = _packaged_gpus()
+        listing = (f"`liger-gen show --gpu {gpu}` lists its packaged tables" if gpu in shipped else
+                   f"no tables for {gpu} are packaged (packaged: {', '.join(shipped) or 'none'}; `liger-gen show "
+                   f"--gpu NAME` lists them)")
         raise click.ClickException(
             f"no CUDA GPU is visible, and tuning measures kernels on the target GPU. Run "
             f"`liger-gen tune --gpu {gpu} --model {model_name}` (with the same other options) on a machine with "
-            f"that GPU. Without a GPU, "
-            f"`liger-gen show --gpu {gpu}` lists the packaged tables; on CPU tensors the runtime uses plain "
+            f"that GPU. Without a GPU, {listing}; on CPU tensors the runtime uses plain "
             f"PyTorch (or Triton's interpreter with TRITON_INTERPRET=1).")
     if visible[0] != gpu:
         raise click.ClickException(f"--gpu {gpu} does not match the visible GPU {visible[1]!r} ({visible[0]}); "

@@ -24,10 +24,39 @@ def test_help_lists_commands(runner):
     assert result.exit_code == 0 and "--gpu" in result.output and "--model" in result.output
 
 
-def test_unknown_gpu_is_a_usage_error(runner):
-    result = runner.invoke(main, ["tune", "--gpu", "h9000"])
+@pytest.mark.parametrize("name", ["../h200", "h 200", "-h200", "h200_", ""])
+def test_a_malformed_gpu_name_is_a_usage_error(runner, name):
+    result = runner.invoke(main, ["tune", "--gpu", name])
     assert result.exit_code == 2
-    assert "unknown GPU 'h9000'" in result.output and "h200" in result.output
+    assert "is not a GPU name" in result.output and "h200" in result.output and "tesla-t4" in result.output
+
+
+def test_a_gpu_the_runtime_names_by_its_slug_can_be_shown_and_tuned(runner, tmp_path, monkeypatch):
+    """A GPU outside the known list (here a Tesla T4) gets the slug canonical_gpu_name derives; show and tune
+    accept it (tune then requires that GPU to be the visible one)."""
+    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.runtime import devices
+
+    slug = devices.canonical_gpu_name("Tesla T4")
+    assert slug == "tesla-t4"
+    monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
+    t = tables.new_table("rms_norm", slug, "Tesla T4", "7.5")
+    cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
+    t["entries"] = [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384, "config": cfg}]
+    tables.write_table(tables.table_path(tmp_path, slug, "rms_norm"), t)
+    result = runner.invoke(main, ["show", "--gpu", slug], terminal_width=200)
+    assert result.exit_code == 0 and "in use" in result.output, result.output
+    monkeypatch.setattr(devices, "current_gpu", lambda device=None: ("h200", "NVIDIA H200"))
+    result = runner.invoke(main, ["tune", "--gpu", slug])
+    assert result.exit_code == 1 and "does not match the visible GPU 'NVIDIA H200'" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_no_gpu_message_names_the_packaged_tables_that_exist(runner):
+    result = runner.invoke(main, ["tune", "--gpu", "a100"])
+    assert result.exit_code == 1
+    assert "no tables for a100 are packaged (packaged: h200" in result.output
+    assert "show --gpu a100" not in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
@@ -125,3 +154,40 @@ def test_bench_step_bad_options_are_usage_errors(runner):
         result = runner.invoke(main, ["bench-step", "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
         assert needle in result.output and "Traceback" not in result.output
+
+
+def _show(runner, tmp_path, monkeypatch, **table_fields):
+    from liger_gen.ops.rms_norm import RMSNormSpace
+
+    monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
+    t = tables.new_table("rms_norm", "h200", "NVIDIA H200", "9.0")
+    cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
+    entry = {"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384, "config": cfg, "heuristic": cfg,
+             "timing_ms": {"fwd": {"tuned": 0.05, "heuristic": 0.06}, "bwd": {"tuned": 0.1, "heuristic": 0.1}},
+             "bytes": {"fwd": 268_500_000, "bwd": 402_800_000}}
+    entry.update(table_fields.pop("entry", {}))
+    t["entries"] = [entry]
+    t.update(table_fields)
+    tables.write_table(tables.table_path(tmp_path, "h200", "rms_norm"), t)
+    return runner.invoke(main, ["show", "--gpu", "h200", "--trials"], terminal_width=200)
+
+
+def test_show_an_entry_whose_heuristic_could_not_be_retimed(runner, tmp_path, monkeypatch):
+    """The tuner records a heuristic it could not re-time as null: show prints n/a instead of crashing."""
+    result = _show(runner, tmp_path, monkeypatch, entry={"timing_ms": {"fwd": {"tuned": 0.05, "heuristic": None},
+                                                                       "bwd": {"tuned": 0.1, "heuristic": 0.1}}})
+    assert result.exit_code == 0, result.output
+    assert "n/a" in result.output and "0.1500" in result.output and not isinstance(result.exception, TypeError)
+
+
+def test_show_prints_markup_and_escape_sequences_in_a_table_as_text(runner, tmp_path, monkeypatch):
+    """Rich markup in a table is not interpreted (it used to raise MarkupError) and terminal control characters
+    are shown as \\xNN, not sent to the terminal."""
+    result = _show(runner, tmp_path, monkeypatch, device_name="[/bold] evil \x1b]0;title\x07 \x1b[2J",
+                   torch_version="[red]2.11",
+                   entry={"variant": {"casting_mode": "[link=file:///etc]x[/link]"},
+                          "trials": {"fwd": [{"number": 0, "status": "\x1b[31mok", "ms": 0.05}]}})
+    assert result.exit_code == 0, result.output
+    assert "[/bold] evil" in result.output and "[red]2.11" in result.output and "[link=file:///etc]" in result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert "\\x1b[2J" in result.output and "\\x1b[31mok" in result.output

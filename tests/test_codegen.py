@@ -72,3 +72,38 @@ def test_concurrent_writers_leave_complete_files(tmp_path):
         text = open(p).read()
         assert render.source_hash(text) in p
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("problem", ["file_in_the_way", "group_writable"])
+def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_path, monkeypatch):
+    """A cache folder that cannot be made (a read-only $HOME; here a file where the folder should be) or must not
+    be used (writable by others): one KernelCacheWarning naming LIGER_GEN_CACHE_DIR, and the ops still run and
+    give the right answer from modules rendered in memory."""
+    import warnings
+
+    from liger_gen.functional import rms_norm
+    from liger_gen.reference import rms_norm_float64
+    from liger_gen.runtime.ops import clear_caches
+
+    if problem == "file_in_the_way":
+        (tmp_path / "home").write_text("not a folder")
+        cache = tmp_path / "home" / ".cache" / "kernels"
+    else:
+        cache = tmp_path / "shared"
+        cache.mkdir()
+        cache.chmod(0o777)
+    monkeypatch.setenv("LIGER_GEN_CACHE_DIR", str(cache))
+    monkeypatch.setattr(build, "_warned_dirs", set())
+    monkeypatch.setattr(build, "_modules", {})
+    clear_caches()
+    x, w = torch.randn(6, 48, dtype=torch.float32), torch.rand(48) + 0.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = rms_norm(x, w, eps=1e-6)
+        rms_norm(x + 1, w, eps=1e-6)
+    clear_caches()
+    messages = [str(c.message) for c in caught if issubclass(c.category, build.KernelCacheWarning)]
+    assert len(messages) == 1 and "LIGER_GEN_CACHE_DIR" in messages[0] and str(cache) in messages[0]
+    assert (y.double() - rms_norm_float64(x, w, 1e-6)).abs().max() < 1e-5
+    path, source = build.materialize("rms_norm", _params())
+    assert path.parent == build.IN_MEMORY and not path.exists()

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -165,3 +166,101 @@ def test_packaged_tables_parse_and_belong_to_their_gpu():
             space = space_for(table["op"], e["dims"], getattr(torch, e["dtype"]))
             assert not space.violations(space.config_cls.from_dict(e["config"])), (path, e["dims"], e["rows"])
     assert ops == set(available_ops())  # every op has a packaged (H200) table
+
+
+# ------------------------------------------------------------------------------------------------ hostile files
+
+
+def _lookup_warns(match):
+    with pytest.warns(tables.TunedTableWarning, match=match):
+        return tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"]
+
+
+def test_a_folder_name_over_the_limit_warns_and_falls_back(tmp_path, monkeypatch):
+    """$LIGER_GEN_TUNED_DIR with a 300-character component (ENAMETOOLONG): a warning, then the heuristic."""
+    monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path / ("x" * 300)))
+    monkeypatch.setattr(tables, "packaged_root", lambda: tmp_path / "packaged-empty")
+    tables.reset_warnings()
+    tables.clear_caches()
+    assert _lookup_warns("unreadable tuned table location.*File name too long") == "heuristic"
+    tables.clear_caches()
+
+
+def test_a_table_that_cannot_be_opened_warns_and_falls_back(user_dir, monkeypatch):
+    """Permission denied on the table (as for a folder of mode 000 when not root): a warning, no exception."""
+    _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))]))
+    real_open = tables.os.open
+
+    def deny(path, *args, **kwargs):
+        if str(path).startswith(str(user_dir)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(tables.os, "open", deny)
+    assert _lookup_warns("unreadable tuned table location.*PermissionError") == "heuristic"
+
+
+def test_a_fifo_or_device_file_named_like_a_table_is_not_read(user_dir):
+    """A FIFO would block a plain open() forever and /dev/zero would fill memory: both are skipped at once."""
+    import signal
+
+    folder = user_dir / GPU
+    folder.mkdir()
+    os.mkfifo(folder / f"{OP}.json")
+    signal.alarm(20)  # a hang fails the test instead of the run
+    try:
+        assert _lookup_warns("not a regular file") == "heuristic"
+        tables.clear_caches()
+        tables.reset_warnings()
+        (folder / f"{OP}.json").unlink()
+        (folder / f"{OP}.json").symlink_to("/dev/zero")
+        assert _lookup_warns("not a regular file") == "heuristic"
+    finally:
+        signal.alarm(0)
+
+
+def test_a_table_over_the_size_cap_is_not_read(user_dir, monkeypatch):
+    _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))]))
+    size = tables.table_path(user_dir, GPU, OP).stat().st_size
+    monkeypatch.setattr(tables, "MAX_TABLE_BYTES", size - 1)
+    assert _lookup_warns(f"{size:,} bytes, more than the {size - 1:,}") == "heuristic"
+
+
+@pytest.mark.parametrize("field,value", [("triton_version", ""), ("triton_version", "main"), ("gpu", ""),
+                                         ("template_hash", ""), ("template_hash", "zz"), ("op", "../rms_norm"),
+                                         ("compute_capability", "nine")])
+def test_a_key_field_of_the_wrong_form_makes_the_table_unused(user_dir, field, value):
+    """An empty triton_version used to skip the version check (the running version stood in for it)."""
+    _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))], **{field: value}))
+    assert _lookup_warns(f"field '{field}' is {value!r}") == "heuristic"
+
+
+def test_triton_version_with_a_local_suffix_is_accepted(user_dir):
+    import triton
+
+    _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))],
+                            triton_version=triton.__version__ + "+git1234abc"))
+    assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "user"
+
+
+def _write_entries_one_by_one(root, first_rows):
+    from liger_gen.codegen.tuner import write_entries
+
+    for i in range(50):
+        write_entries(OP, [_entry(first_rows + i, _tuned_config())], root, gpu=GPU, device_name="NVIDIA H200",
+                      compute_capability="9.0")
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    """Four processes merge 50 entries each into one table, one write at a time: all 200 are in the file."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_write_entries_one_by_one, args=(tmp_path, 1 + 1000 * k)) for k in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+        assert w.exitcode == 0
+    table = tables.load_table(tables.table_path(tmp_path, GPU, OP))
+    assert sorted(e["rows"] for e in table["entries"]) == sorted(1 + 1000 * k + i for k in range(4) for i in range(50))

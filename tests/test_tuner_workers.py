@@ -227,3 +227,22 @@ def test_tune_options_are_checked_before_any_gpu_work():
     assert result.exit_code == 2 and "--workers" in result.output
     help_text = runner.invoke(main, ["tune", "--help"]).output
     assert "--workers" in help_text and "--devices" in help_text and "--budget-s" in help_text
+
+
+def test_gain_summary_with_a_heuristic_that_could_not_be_retimed():
+    """The tuner writes ``heuristic: null`` when the heuristic fails to re-time: the run's summary reports that
+    entry without a gain (it used to raise TypeError at the end of `liger-gen tune`)."""
+    untimed = entry("bfloat16", 4096, (0.5, 0.5), (0.4, 0.5))
+    untimed["timing_ms"]["fwd"]["heuristic"] = None
+    summary = report.gain_summary({"rms_norm": [untimed, entry("bfloat16", 16384, (0.6, 0.4), (0.5, 0.3))]})
+    assert [r["gain"] for r in summary["rows"]] == [None, pytest.approx(0.25)]
+    assert summary["rows"][0]["heuristic_ms"] is None and summary["rows"][0]["tuned_ms"] == pytest.approx(0.9)
+    assert summary["median_gain"] == pytest.approx(0.25) and len(summary["untimed"]) == 1
+    verdict = report.gain_verdict(summary)
+    assert "over 1 entries" in verdict and "1 entries whose heuristic could not be re-timed" in verdict
+    console = Console(width=200, record=True)
+    console.print(report.gain_table(summary))
+    text = console.export_text()
+    assert "n/a" in text and "+25.0%" in text
+    only = report.gain_summary({"rms_norm": [untimed]})
+    assert only["median_gain"] is None and "no entry has a re-timed heuristic" in report.gain_verdict(only)

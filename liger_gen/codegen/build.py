@@ -4,10 +4,13 @@ A variant's module lives at ``<cache>/<op>_<sha256 of its source>.py``. The file
 temporary file in the same directory, then ``os.replace``), so two processes that render the same variant at
 once both end up importing one complete file. Before a cached file is imported its bytes are compared with what
 the renderer produces now; a file that does not match is re-written, never imported. The cache directory must
-belong to the current user and must not be writable by others (``PermissionError`` otherwise).
+belong to the current user and must not be writable by others.
 
 Cache directory: ``$LIGER_GEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/liger_gen/kernels`` (default
-``~/.cache/liger_gen/kernels``).
+``~/.cache/liger_gen/kernels``). Where it cannot be used (a read-only ``$HOME`` in a container, a folder another user
+owns or others may write), one ``KernelCacheWarning`` names the folder, the reason and ``LIGER_GEN_CACHE_DIR``, and
+the process renders its kernel modules in memory only: they are compiled from the rendered text either way (Triton
+reads a kernel's source through ``linecache``, which is served the same text), so nothing else changes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import stat
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
@@ -26,11 +30,18 @@ from liger_gen.codegen.render import render, source_hash
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
+_warned_dirs: set[str] = set()
+ENV_CACHE_DIR = "LIGER_GEN_CACHE_DIR"
+IN_MEMORY = Path("<liger_gen in-memory kernels>")  # the file name rendered modules get without a usable cache
+
+
+class KernelCacheWarning(UserWarning):
+    """The kernel cache folder cannot be used; kernel modules are rendered in memory for this process."""
 
 
 def cache_dir() -> Path:
     """The kernel cache directory (created with mode 0700 if missing)."""
-    env = os.environ.get("LIGER_GEN_CACHE_DIR")
+    env = os.environ.get(ENV_CACHE_DIR)
     if env:
         root = Path(env)
     else:
@@ -74,14 +85,30 @@ def materialize(op: str, params: Mapping[str, Any]) -> tuple[Path, str]:
     Returns the path and the rendered source.
     """
     source = render(op, params)
-    path = cache_dir() / f"{op}_{source_hash(source)}.py"
+    name = f"{op}_{source_hash(source)}.py"
     try:
-        current = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, UnicodeDecodeError):
-        current = None
-    if current != source:
-        _write_atomic(path, source)
+        path = cache_dir() / name
+        try:
+            current = path.read_text(encoding="utf-8")
+        except (FileNotFoundError, UnicodeDecodeError):
+            current = None
+        if current != source:
+            _write_atomic(path, source)
+    except OSError as exc:  # unwritable, foreign-owned, group-writable, a file in the way, disk full
+        _warn_cache_unusable(exc)
+        return IN_MEMORY / name, source
     return path, source
+
+
+def _warn_cache_unusable(exc: OSError) -> None:
+    where = os.environ.get(ENV_CACHE_DIR) or "the default kernel cache"
+    with _lock:
+        if where in _warned_dirs:
+            return
+        _warned_dirs.add(where)
+    warnings.warn(f"liger-gen: cannot use {where} as the kernel cache ({type(exc).__name__}: {exc}); kernel modules "
+                  f"are rendered in memory for this process. Set {ENV_CACHE_DIR} to a folder you own that others "
+                  f"cannot write to use a cache.", KernelCacheWarning, stacklevel=3)
 
 
 def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import sys
 import time
@@ -13,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from liger_gen.codegen.spaces import dtype_name
 from liger_gen.codegen.tuner import TuneJob, TuneResult, Tuner, op_problems, plan_units, tune_ops, write_entries
@@ -125,25 +128,51 @@ def gain_summary(results: Mapping[str, Sequence[dict]]) -> dict[str, Any]:
     rows = []
     for op, entries in results.items():
         for e in sorted(entries, key=entry_sort_key):
-            timing = e.get("timing_ms") or {}
-            heur = sum(t["heuristic"] for t in timing.values())
-            tuned = sum(t["tuned"] for t in timing.values())
-            if not (heur > 0 and tuned > 0):
+            heur, tuned = entry_times(e)
+            if not (tuned is not None and tuned > 0 and (heur is None or heur > 0)):
                 raise ValueError(f"gain_summary: {op} entry {e['dtype']}/{_dims(e)}/{e['rows']} has no positive "
                                  f"timing_ms (heuristic {heur}, tuned {tuned})")
-            methods = sorted(set((e.get("timing_method") or {}).values()))
-            gbps = sum(e["bytes"].values()) / (tuned * 1e-3) / 1e9 if e.get("bytes") else None
+            methods = sorted(set(str(m) for m in (e.get("timing_method") or {}).values()))
             rows.append({"op": op, "dtype": e["dtype"], "rows": e["rows"], "dims": _dims(e),
-                         "heuristic_ms": heur, "tuned_ms": tuned, "gain": heur / tuned - 1, "tuned_gbps": gbps,
+                         "heuristic_ms": heur, "tuned_ms": tuned, "gain": None if heur is None else heur / tuned - 1,
+                         "tuned_gbps": _gbps(e, tuned),
                          "cut": any(s.get("cut") for s in (e.get("search") or {}).values()),
                          "method": "+".join(methods) or "?"})
-    gains = [r["gain"] for r in rows]
+    gains = [r["gain"] for r in rows if r["gain"] is not None]
     return {"rows": rows,
             "median_gain": statistics.median(gains) if gains else None,
             "min_gain": min(gains) if gains else None,
             "max_gain": max(gains) if gains else None,
-            "slower": [r for r in rows if r["tuned_ms"] > r["heuristic_ms"]],
+            "slower": [r for r in rows if r["heuristic_ms"] is not None and r["tuned_ms"] > r["heuristic_ms"]],
+            "untimed": [r for r in rows if r["heuristic_ms"] is None],
             "cut": [r for r in rows if r["cut"]]}
+
+
+def entry_times(entry: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(heuristic ms, tuned ms) of a table entry, forward + backward; None where a phase has no number (a
+    heuristic that could not be re-timed is recorded as null, and a hand-edited table may hold anything)."""
+    timing = entry.get("timing_ms")
+    if not isinstance(timing, Mapping) or not timing:
+        return None, None
+
+    def total(key: str) -> float | None:
+        values = [t.get(key) if isinstance(t, Mapping) else None for t in timing.values()]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            return None
+        return float(sum(values))
+
+    return total("heuristic"), total("tuned")
+
+
+def _gbps(entry: Mapping[str, Any], tuned_ms: float | None) -> float | None:
+    moved = entry.get("bytes")
+    if not tuned_ms or not isinstance(moved, Mapping) or not all(isinstance(v, (int, float)) for v in moved.values()):
+        return None
+    return sum(moved.values()) / (tuned_ms * 1e-3) / 1e9
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def gain_table(summary: dict[str, Any]) -> Table:
@@ -153,10 +182,10 @@ def gain_table(summary: dict[str, Any]) -> Table:
                 "budget cut"):
         table.add_column(col, justify="right", overflow="fold")
     for r in summary["rows"]:
-        table.add_row(r["op"], r["dtype"], str(r["rows"]), r["dims"], f"{r['heuristic_ms']:.4f}",
-                      f"{r['tuned_ms']:.4f}", f"{100 * r['gain']:+.1f}%",
-                      "" if r["tuned_gbps"] is None else f"{r['tuned_gbps']:,.0f}", r["method"],
-                      "yes" if r["cut"] else "")
+        table.add_row(*_cells(r["op"], r["dtype"], r["rows"], r["dims"], _ms(r["heuristic_ms"]), _ms(r["tuned_ms"]),
+                              "n/a" if r["gain"] is None else f"{100 * r['gain']:+.1f}%",
+                              "" if r["tuned_gbps"] is None else f"{r['tuned_gbps']:,.0f}", r["method"],
+                              "yes" if r["cut"] else ""))
     return table
 
 
@@ -164,16 +193,22 @@ def gain_verdict(summary: dict[str, Any]) -> str:
     """One line: median gain (and range) against the 10% target, and whether any tuned entry is slower."""
     if not summary["rows"]:
         return "no tuned entries"
+    untimed = summary.get("untimed") or []
+    note = (f"; {len(untimed)} entries whose heuristic could not be re-timed (no gain known)" if untimed else "")
     med = summary["median_gain"]
+    if med is None:
+        return f"no entry has a re-timed heuristic to compare with{note}"
     verdict = "meets" if med >= TARGET_MEDIAN_GAIN and not summary["slower"] else "misses"
-    return (f"median gain over the heuristic {100 * med:+.1f}% over {len(summary['rows'])} entries (range "
+    timed = len(summary["rows"]) - len(untimed)
+    return (f"median gain over the heuristic {100 * med:+.1f}% over {timed} entries (range "
             f"{100 * summary['min_gain']:+.1f}% to {100 * summary['max_gain']:+.1f}%); "
             f"{len(summary['slower'])} tuned entries slower than the heuristic; {len(summary['cut'])} searches cut "
-            f"by the time budget; {verdict} the target (median >= {100 * TARGET_MEDIAN_GAIN:.0f}%, none slower)")
+            f"by the time budget{note}; {verdict} the target (median >= {100 * TARGET_MEDIAN_GAIN:.0f}%, none slower)")
 
 
 def _dims(entry: dict) -> str:
-    """'n_cols=4096' / 'hidden=4096 vocab=128256': an entry's feature dims and variant options, short."""
+    """'n_cols=4096' / 'hidden=4096 vocab=128256': an entry's feature dims and variant options, short (plain text:
+    callers escape it)."""
     parts = [f"{k}={v}" for k, v in entry["dims"].items()]
     parts += [f"{k}={v}" for k, v in sorted(entry.get("variant", {}).items())]
     return " ".join(parts)
@@ -181,52 +216,87 @@ def _dims(entry: dict) -> str:
 
 def summary_table(op: str, entries: list[dict]) -> Table:
     """Shape, heuristic ms, tuned ms, speed-up and GB/s (forward + backward) for each tuned entry."""
-    table = Table(title=f"{op}: forward + backward kernel time (re-timed medians, L2 flushed)")
+    table = Table(title=Text(f"{safe_text(op)}: forward + backward kernel time (re-timed medians, L2 flushed)"))
     for col in ("dtype", "rows", "dims", "heuristic ms", "tuned ms", "speed-up", "tuned GB/s"):
         table.add_column(col, justify="right", overflow="fold")
     for e in sorted(entries, key=entry_sort_key):
-        heur = sum(t["heuristic"] for t in e["timing_ms"].values())
-        tuned = sum(t["tuned"] for t in e["timing_ms"].values())
-        gbps = sum(e["bytes"].values()) / (tuned * 1e-3) / 1e9 if "bytes" in e else float("nan")
-        table.add_row(e["dtype"], str(e["rows"]), _dims(e), f"{heur:.4f}", f"{tuned:.4f}",
-                      f"{heur / tuned:.2f}x", f"{gbps:,.0f}")
+        heur, tuned = entry_times(e)
+        gbps = _gbps(e, tuned)
+        table.add_row(*_cells(e["dtype"], e["rows"], _dims(e), _ms(heur), _ms(tuned),
+                              f"{heur / tuned:.2f}x" if heur and tuned else "n/a",
+                              "n/a" if gbps is None else f"{gbps:,.0f}"))
     return table
 
 
 def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
-    """Print every table found for ``gpu`` in the lookup order; False if none was found."""
+    """Print every table found for ``gpu`` in the lookup order; False if none was found.
+
+    Everything read from a table is printed as plain text: rich markup in it is not interpreted and terminal
+    control characters are replaced (``safe_text``), so a table can neither break the listing nor drive the
+    terminal."""
     from liger_gen.runtime import tables
 
     found = False
     for source, root in tables.table_roots():
         folder = Path(root) / gpu
-        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        except OSError as exc:
+            console.print(Text(f"cannot list {safe_text(folder)}: {type(exc).__name__}: {safe_text(exc)}", style="red"))
+            continue
+        for path in paths:
             found = True
             try:
                 table = tables.load_table(path)
             except tables.TableError as exc:
-                console.print(f"[red]{exc}[/red]")
+                console.print(Text(safe_text(exc), style="red"))
                 continue
             reasons = tables.foreign_reasons(table, op=table["op"], gpu=gpu)
-            status = "[green]in use[/green]" if not reasons else "[yellow]not used: " + "; ".join(reasons) + "[/yellow]"
-            console.print(f"[bold]{path}[/bold] ({source}) — {table.get('device_name', '?')}, Triton "
-                          f"{table['triton_version']}, torch {table.get('torch_version', '?')}, created "
-                          f"{table.get('created', '?')}; {status}")
+            line = Text()
+            line.append(safe_text(path), style="bold")
+            line.append(f" ({source}) — {safe_text(table.get('device_name', '?'))}, Triton "
+                        f"{safe_text(table['triton_version'])}, torch {safe_text(table.get('torch_version', '?'))}, "
+                        f"created {safe_text(table.get('created', '?'))}; ")
+            line.append("in use" if not reasons else "not used: " + safe_text("; ".join(reasons)),
+                        style="green" if not reasons else "yellow")
+            console.print(line)
             if table["entries"] and "timing_ms" in table["entries"][0]:
-                console.print(summary_table(table["op"], table["entries"]))
+                console.print(summary_table(safe_text(table["op"]), table["entries"]))
             cfg = Table(title="configs")
             cfg.add_column("dtype"), cfg.add_column("rows"), cfg.add_column("dims", overflow="fold")
             cfg.add_column("config", overflow="fold")
             for e in table["entries"]:
-                cfg.add_row(e["dtype"], str(e["rows"]), _dims(e),
-                            " ".join(f"{k}={v}" for k, v in sorted(e["config"].items())))
+                cfg.add_row(*_cells(e["dtype"], e["rows"], _dims(e),
+                                    " ".join(f"{k}={v}" for k, v in sorted(e["config"].items()))))
             console.print(cfg)
             if show_trials:
                 for e in table["entries"]:
-                    for phase, records in e.get("trials", {}).items():
-                        console.print(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
-                            f"#{r['number']} {r['status']} {r['ms']:.4f}ms" if r.get("ms") else
-                            f"#{r['number']} {r['status']}" for r in records))
+                    trials = e.get("trials")
+                    for phase, records in (trials.items() if isinstance(trials, dict) else ()):
+                        console.print(Text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
+                            _trial_text(r) for r in (records if isinstance(records, list) else ()))))
     if not found:
-        console.print(f"no tuned tables for {gpu!r} in " + ", ".join(str(r) for _, r in tables.table_roots()))
+        console.print(Text(f"no tuned tables for {gpu!r} in " + ", ".join(safe_text(r) for _, r in tables.table_roots())))
     return found
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def safe_text(value: Any) -> str:
+    """``str(value)`` with terminal control characters (ESC, BEL, CR, ...) shown as ``\\xNN``: table contents are
+    printed, never executed by the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+
+
+def _cells(*values: Any) -> list[Text]:
+    """Table cells as plain ``Text`` (rich does not parse markup in Text), with control characters replaced."""
+    return [Text(safe_text(v)) for v in values]
+
+
+def _trial_text(record: Any) -> str:
+    if not isinstance(record, dict):
+        return safe_text(record)
+    ms = record.get("ms")
+    timed = f" {ms:.4f}ms" if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms else ""
+    return safe_text(f"#{record.get('number', '?')} {record.get('status', '?')}{timed}")

@@ -403,21 +403,22 @@ def write_entries(op: str, entries: list[dict[str, Any]], out_root, *, gpu: str,
     """Merge ``entries`` into ``<out_root>/<gpu>/<op>.json`` (atomic write), re-read it; returns the path.
 
     An existing table is kept and extended only if it belongs to this GPU, template and Triton version;
-    otherwise it is replaced.
+    otherwise it is replaced. The read, merge and write happen under the table's lock (``tables.locked``), so
+    tuners writing the same table at once keep each other's entries.
     """
     from liger_gen.runtime import tables
 
     path = tables.table_path(out_root, gpu, op)
     table = tables.new_table(op, gpu, device_name, compute_capability)
-    if path.exists():
+    with tables.locked(path):
         try:
             old = tables.load_table(path)
             if not tables.foreign_reasons(old, op=op, gpu=gpu):
                 table["entries"] = old["entries"]
-        except tables.TableError:
+        except tables.TableError:  # missing, corrupt or foreign: replaced
             pass
-    tables.write_table(path, merge_entries(table, entries))
-    tables.load_table(path)  # re-read: what was written must parse
+        tables.write_table(path, merge_entries(table, entries))
+        tables.load_table(path)  # re-read: what was written must parse
     tables.clear_caches()
     return path
 

@@ -31,6 +31,8 @@ _GPU_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"\bMI325X\b", "mi325x"),
 )
 KNOWN_GPUS: tuple[str, ...] = tuple(sorted({short for _, short in _GPU_PATTERNS}))
+#: The form of every name ``canonical_gpu_name`` returns: lower-case words of letters and digits joined by '-'.
+GPU_SLUG = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 
 
 def canonical_gpu_name(reported: str) -> str:

@@ -14,8 +14,11 @@ then the op's analytic heuristic. A table is used only if its op, GPU, template 
 version match the running ones; otherwise it is skipped with one warning and the next source is tried. Feature
 dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype must match exactly; entries tuned with the same render-time
 options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance.
-A corrupt or ill-formed file warns and is skipped: training never crashes, and never runs a wrong kernel, because of a table. Every
-config taken from a table is re-checked against the space's constraints before use.
+A corrupt, ill-formed, unreadable or oversized file (over ``MAX_TABLE_BYTES``, or not a regular file) warns and is
+skipped: training never crashes, and never runs a wrong kernel, because of a table. Every key field is checked for
+its form, and every config taken from a table is re-checked against the space's constraints before use. Writers
+merge under an exclusive lock on the table's folder (``fcntl.flock``, released by the kernel when a writer dies),
+so concurrent tuners keep every entry.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import datetime as _dt
 import functools
 import json
 import os
+import re
+import stat
 import tempfile
 import threading
 import warnings
@@ -40,6 +45,17 @@ from liger_gen.codegen.spaces import DeviceLimits, dtype_name, log_distance, spa
 
 FORMAT_VERSION = 2
 ENV_TUNED_DIR = "LIGER_GEN_TUNED_DIR"
+#: Larger files are not read (the packaged tables are ~0.1 MB; a 100 MB table would cost seconds and GBs per rank).
+MAX_TABLE_BYTES = 16 * 2**20
+
+# the form of each key field: what ``new_table`` writes (a Triton version may carry a local suffix: 3.6.0+gitabc)
+_KEY_FORMS = {
+    "op": re.compile(r"[a-z][a-z0-9_]*"),
+    "gpu": re.compile(r"[a-z0-9][a-z0-9._-]*"),
+    "template_hash": re.compile(r"[0-9a-f]{16}"),
+    "triton_version": re.compile(r"\d+\.\d+(\.\d+)?([.+-][0-9A-Za-z.+-]*)?"),
+}
+_OPTIONAL_FORMS = {"compute_capability": re.compile(r"\d+\.\d+")}
 
 
 class TunedTableWarning(UserWarning):
@@ -80,8 +96,9 @@ def op_template_hash(op: str) -> str:
 
 
 def triton_major_minor(version: str | None = None) -> str:
-    """'3.6' for Triton 3.6.0: tables are valid across patch releases, not across minor ones."""
-    parts = (version or triton.__version__).split(".")
+    """'3.6' for Triton 3.6.0 (the running Triton's when ``version`` is None): tables are valid across patch
+    releases, not across minor ones."""
+    parts = (triton.__version__ if version is None else version).split(".")
     return ".".join(parts[:2])
 
 
@@ -105,11 +122,35 @@ def table_path(root: Path, gpu: str, op: str) -> Path:
     return Path(root) / gpu / f"{op}.json"
 
 
-def load_table(path: Path) -> dict[str, Any]:
-    """Read and structurally check a table; TableError (with the path) if it is not valid JSON of our format."""
+def read_table_text(path: Path) -> str:
+    """The text of a table file: OSError if it cannot be opened; TableError if it is not a regular file, is larger
+    than MAX_TABLE_BYTES or is not UTF-8. Opened without blocking, so a FIFO named like a table cannot hang the
+    reader, and read to at most the cap, so a device file such as /dev/zero cannot exhaust memory."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise TableError(f"tuned table {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > MAX_TABLE_BYTES:
+            raise TableError(f"tuned table {path} has {st.st_size:,} bytes, more than the {MAX_TABLE_BYTES:,} "
+                             f"a table may have (tables hold configs; trial logs belong beside them)")
+        data = f.read(MAX_TABLE_BYTES + 1)
+    if len(data) > MAX_TABLE_BYTES:
+        raise TableError(f"tuned table {path} grew past {MAX_TABLE_BYTES:,} bytes while it was read")
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TableError(f"cannot read tuned table {path}: not UTF-8 ({exc})") from exc
+
+
+def load_table(path: Path) -> dict[str, Any]:
+    """Read and structurally check a table; TableError (with the path) if it cannot be read or is not valid JSON
+    of our format, or if a key field does not have its form (e.g. an empty ``triton_version``)."""
+    try:
+        data = json.loads(read_table_text(Path(path)))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError covers JSON and int-size errors
+        if isinstance(exc, TableError):
+            raise
         raise TableError(f"cannot read tuned table {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise TableError(f"tuned table {path}: top level is {type(data).__name__}, expected an object")
@@ -122,6 +163,15 @@ def load_table(path: Path) -> dict[str, Any]:
                              f"expected {kind.__name__}")
     if data["format_version"] != FORMAT_VERSION:
         raise TableError(f"tuned table {path}: format_version {data['format_version']!r}, expected {FORMAT_VERSION}")
+    for field, form in (*_KEY_FORMS.items(), *_OPTIONAL_FORMS.items()):
+        if field not in data and field in _OPTIONAL_FORMS:
+            continue
+        if not isinstance(data[field], str) or not form.fullmatch(data[field]):
+            raise TableError(f"tuned table {path}: field {field!r} is {data[field]!r}, which is not of the form "
+                             f"{form.pattern!r}")
+    for field in ("device_name", "torch_version", "created"):
+        if field in data and not isinstance(data[field], str):
+            raise TableError(f"tuned table {path}: field {field!r} is {type(data[field]).__name__}, expected str")
     for i, entry in enumerate(data["entries"]):
         if not isinstance(entry, dict) or not {"dtype", "dims", "rows", "config"} <= set(entry):
             raise TableError(f"tuned table {path}: entry {i} lacks dtype/dims/rows/config")
@@ -162,6 +212,29 @@ def nearest_entry(table: dict[str, Any], dtype: torch.dtype, dims: dict[str, int
     if not candidates:
         return None
     return min(candidates, key=lambda e: (log_distance(e["rows"], rows), -e["rows"]))
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for a read-merge-write of the table at ``path`` (blocks while another writer holds it).
+
+    The lock is ``fcntl.flock`` on the table's folder itself (no lock file is left beside the tables): the kernel
+    releases it when its holder exits or is killed, so a dead tuner never blocks the next. Where ``fcntl`` does
+    not exist (Windows) the block runs unlocked.
+    """
+    folder = Path(path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def write_table(path: Path, table: dict[str, Any]) -> None:
@@ -230,12 +303,16 @@ def heuristic_only_enabled() -> bool:
 def _load_for(path: str, op: str, gpu: str) -> dict[str, Any] | None:
     """Cached: the table at ``path`` if it exists, parses and belongs to (op, gpu, template, triton); else None."""
     p = Path(path)
-    if not p.exists():
-        return None
     try:
         table = load_table(p)
     except TableError as exc:
-        _warn_once(f"liger-gen: ignoring corrupt tuned table: {exc}")
+        cause = exc.__cause__
+        if isinstance(cause, (FileNotFoundError, NotADirectoryError)):
+            return None  # no table here: the next source is tried
+        if isinstance(cause, OSError):  # permission denied, a name too long, an I/O error: never fatal
+            _warn_once(f"liger-gen: ignoring unreadable tuned table location {p}: {type(cause).__name__}: {cause}")
+        else:
+            _warn_once(f"liger-gen: ignoring corrupt tuned table: {exc}")
         return None
     reasons = foreign_reasons(table, op=op, gpu=gpu)
     if reasons:
