@@ -149,11 +149,17 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                                        f"every worker must tune on the GPU the tables are for.")
         if len(devices) == 1:
             torch.cuda.set_device(devices[0])
-    result = run_tuning(ops=ops, model=model, rows=rows, dtypes=dtype_list, trials=trials,
-                        out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
-                        budget_s=budget_s or None,
-                        devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
-                        device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu, device_name=visible[1])
+    from liger_gen.codegen.tuner import JournalError
+
+    try:
+        result = run_tuning(ops=ops, model=model, rows=rows, dtypes=dtype_list, trials=trials,
+                            out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
+                            budget_s=budget_s or None,
+                            devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
+                            device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu,
+                            device_name=visible[1])
+    except JournalError as exc:
+        raise click.ClickException(str(exc)) from None
     if result.unfinished or result.errors:
         raise click.ClickException(f"{len(result.unfinished)} unit(s) not tuned; see the messages above.")
 

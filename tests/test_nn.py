@@ -26,3 +26,56 @@ def test_cross_entropy_loss_module_matches_torch(reduction, device):
     assert "weight" in dict(ours.named_buffers())
     assert rel_l2(loss.detach(), ref.detach()) < FP32_OUT_TOL
     assert rel_l2(logits.grad, x64.grad) < REL_TOL[torch.float32]
+
+
+class _Block(torch.nn.Module):
+    """Every op family in one module: RMSNorm, LayerNorm, the fused residual norm, RoPE, SwiGLU and GeGLU,
+    cross-entropy, fused linear cross-entropy, KL divergence and JSD."""
+
+    def __init__(self, hidden=32, vocab=40):
+        super().__init__()
+        self.norm = liger_gen.nn.RMSNorm(hidden)
+        self.ln = liger_gen.nn.LayerNorm(hidden)
+        self.gate = torch.nn.Linear(hidden, 2 * hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x, target):
+        F = liger_gen.functional
+        h, r = F.fused_add_rms_norm(self.ln(x), x, self.norm.weight)
+        g, u = self.gate(self.norm(h + r)).chunk(2, dim=-1)
+        h = F.swiglu(g, u) + F.geglu(g, u, "tanh")
+        rows = h.reshape(-1, 1, 4, 8)
+        q, k = F.rope(rows, rows, torch.cos(rows[:, 0]), torch.sin(rows[:, 0]))
+        h = (q + k).reshape(h.shape)
+        logits = self.head(h)
+        logp = torch.log_softmax(logits, -1)
+        return (F.cross_entropy(logits, target) + F.fused_linear_cross_entropy(h, self.head.weight, target)
+                + F.kl_div(logp, logp.detach().flip(0), log_target=True) + F.jsd(logp, logp.detach().flip(0)))
+
+
+def test_torch_jit_trace_records_the_ops_and_replays_at_other_shapes(device):
+    """torch.jit.trace records each op as its registered custom op (an autograd.Function would be traced into
+    the kernel launch and fail): the traced module gives the eager values and gradients, also for a row count
+    it was not traced with."""
+    import warnings
+
+    torch.manual_seed(0)
+    block = _Block().to(device)
+    x, target = torch.randn(6, 32, device=device), torch.randint(0, 40, (6,), device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace is deprecated; shape checks give TracerWarnings
+        traced = torch.jit.trace(block, (x, target), check_trace=False)
+    for rows in (6, 10):
+        x = torch.randn(rows, 32, device=device, requires_grad=True)
+        target = torch.randint(0, 40, (rows,), device=device)
+        got = traced(x, target)
+        got.backward()
+        grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+        block.zero_grad()
+        x.grad = None
+        want = block(x, target)
+        want.backward()
+        torch.testing.assert_close(got, want)
+        for a, b in zip(grads, [p.grad for p in block.parameters()] + [x.grad]):
+            torch.testing.assert_close(a, b)
+        block.zero_grad()

@@ -1,6 +1,8 @@
 """Tuner logic with an injected deterministic timer (kernels run in the interpreter for the checks)."""
 
 import json
+import os
+import time
 
 import optuna
 import pytest
@@ -388,3 +390,58 @@ def test_retime_disqualifies_configs_that_fail_or_time_to_nonsense(fast):
         Tuner(build=fake_build, n_trials=1, timer=broken)._retime(fast, "fwd", configs)
     with pytest.raises(ValueError, match="n_trials"):
         Tuner(n_trials=2.5)
+
+
+@pytest.mark.parametrize("tear", ["cut_mid_record", "garbage_appended", "garbage_line_appended", "empty_line_cut"])
+def test_a_journal_with_a_torn_tail_resumes_to_the_same_entry(fast, tmp_path, tear):
+    """Disk full or power loss while a record was written: the torn tail is cut off (and kept aside), with a
+    warning, and the resumed run ends at the uninterrupted entry. Optuna alone fails on every later run."""
+    from liger_gen.codegen.tuner import JournalWarning, open_storage
+
+    settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2)
+    reference = Tuner(timer=cost_model, **settings).tune(fast)
+    journal = tmp_path / "run.journal"
+    with pytest.raises(Killed):
+        Tuner(timer=Interrupt(9, Killed), storage=open_storage(journal), **settings).tune(fast)
+    data = journal.read_bytes()
+    torn = {"cut_mid_record": data[:-17], "garbage_appended": data + b'{"op_code": 5, "wor',
+            "garbage_line_appended": data + b"\x00\x00\x00\n", "empty_line_cut": data + b"\n{"}[tear]
+    journal.write_bytes(torn)
+    with pytest.warns(JournalWarning, match="not a complete record"):
+        storage = open_storage(journal)
+    resumed = Tuner(timer=cost_model, storage=storage, **settings).tune(fast)
+    assert resumed == reference
+    aside = list(tmp_path.glob("run.journal.torn-*"))
+    assert len(aside) == 1 and torn.endswith(aside[0].read_bytes())
+
+
+def test_a_journal_corrupt_in_the_middle_is_a_clear_error(fast, tmp_path):
+    from liger_gen.codegen.tuner import JournalError, open_storage
+
+    journal = tmp_path / "run.journal"
+    Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
+          storage=open_storage(journal)).tune(fast)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    lines.insert(3, b"garbage\n")
+    journal.write_bytes(b"".join(lines))
+    with pytest.raises(JournalError, match=r"run.journal: line 4 is not a valid record.*corrupt in the middle"):
+        open_storage(journal)
+    assert journal.read_bytes() == b"".join(lines)  # nothing changed
+
+
+def test_a_stale_journal_lock_is_named_in_a_warning(fast, tmp_path):
+    """A worker killed while holding Optuna's journal lock leaves it; Optuna waits out its 30 s grace period.
+    The warning says so (here the lock's owner 'finishes' after 0.5 s, so the test does not wait 30 s)."""
+    import threading
+
+    from liger_gen.codegen.tuner import JournalWarning, open_storage
+
+    journal = tmp_path / "run.journal"
+    Tuner(build=fake_build, timer=cost_model, n_trials=2, seed=1, polish_trials=0,
+          storage=open_storage(journal)).tune(fast)
+    lock = tmp_path / "run.journal.lock"
+    os.symlink(journal, lock)
+    os.utime(lock, (time.time() - 600, time.time() - 600), follow_symlinks=False)
+    threading.Timer(0.5, lock.unlink).start()
+    with pytest.warns(JournalWarning, match=r"run.journal.lock is 600 s old.*30 s"):
+        open_storage(journal)

@@ -504,10 +504,96 @@ def op_problems(unit: WorkUnit, model, device, seed: int) -> list:
     return list(get_op(unit.op).tuning_problems(model, [unit.rows], dtype_from_name(unit.dtype), device, seed))
 
 
+class JournalError(ValueError):
+    """A tuning journal is corrupt in the middle (a bad record with valid ones after it): not resumable as is."""
+
+
+class JournalWarning(UserWarning):
+    """Something about a tuning journal the user should know: a torn tail was cut off, or a stale lock waits."""
+
+
+#: How old Optuna's journal lock must be before liger-gen says it was probably left by a dead process.
+STALE_LOCK_S = 2.0
+
+
+def repair_journal(path: str | os.PathLike) -> int:
+    """Make a journal file that ends in a torn record resumable; returns the number of bytes cut off (0: intact).
+
+    A write cut short (disk full, power loss, a process killed mid-write) leaves a last line without its newline,
+    or with bytes that are not a JSON record; Optuna then fails on every later run (its next record lands on the
+    same line). Such a tail — everything after the last valid record, when no valid record follows — is moved to
+    ``<journal>.torn-<unix time>`` and the journal is truncated to its valid records, with a ``JournalWarning``.
+    A bad record followed by valid ones is not a tear but corruption: ``JournalError`` names the file and line and
+    nothing is changed. The scan holds Optuna's own journal lock, so it never races a writer.
+    """
+    import json
+    import warnings
+
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lock = JournalFileSymlinkLock(str(path))
+    lock_file = Path(str(path) + ".lock")
+    try:
+        age = time.time() - lock_file.lstat().st_mtime
+    except OSError:
+        age = None
+    if age is not None and age >= STALE_LOCK_S:
+        warnings.warn(f"liger-gen: the journal lock {lock_file} is {age:.0f} s old: a tuner that stopped while "
+                      f"writing {path} left it (or one is writing now). Optuna breaks a lock after its 30 s grace "
+                      f"period, so this run may wait up to 30 s before it starts; delete the lock file if no "
+                      f"tuner is running.", JournalWarning, stacklevel=2)
+    lock.acquire()
+    try:
+        data = path.read_bytes()
+        good_end, good_records, bad_line, line_no, start = 0, 0, None, 0, 0
+        while start < len(data):
+            end = data.find(b"\n", start)
+            line_no += 1
+            line = data[start:] if end < 0 else data[start:end]
+            try:
+                if end < 0:
+                    raise ValueError("no newline")
+                if not isinstance(json.loads(line), dict):
+                    raise ValueError("not a record")
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                if bad_line is None:
+                    bad_line = (line_no, exc)
+            else:
+                if bad_line is not None:
+                    raise JournalError(
+                        f"tuning journal {path}: line {bad_line[0]} is not a valid record ({bad_line[1]}), and "
+                        f"valid records follow it (line {line_no}): the file is corrupt in the middle, not cut "
+                        f"short, so it cannot be resumed. Nothing was changed; move it aside to start the studies "
+                        f"over (tables already written are kept).")
+                good_end, good_records = end + 1, good_records + 1
+            if end < 0:
+                break
+            start = end + 1
+        torn = len(data) - good_end
+        if torn:
+            aside = path.with_name(f"{path.name}.torn-{int(time.time())}")
+            aside.write_bytes(data[good_end:])
+            with open(path, "r+b") as f:
+                f.truncate(good_end)
+                f.flush()
+                os.fsync(f.fileno())
+            warnings.warn(f"liger-gen: tuning journal {path} ended in {torn} bytes that are not a complete record "
+                          f"(line {bad_line[0]}: a write cut short by a full disk, a power loss or a killed "
+                          f"process); cut them off (saved in {aside}) and resuming from the {good_records} records "
+                          f"before them.", JournalWarning, stacklevel=2)
+        return torn
+    finally:
+        lock.release()
+
+
 def open_storage(spec: Any):
     """An Optuna storage from ``spec``: None stays None (in memory); a URL (``sqlite:///tune.db``,
     ``postgresql://...``) opens that database; any other string or path is a journal file (``JournalStorage``,
-    safe for several processes on one disk; created with its folder); a storage object is returned as is."""
+    safe for several processes on one disk; created with its folder, and first checked by ``repair_journal``: a
+    torn tail is cut off, a corrupt middle raises ``JournalError``); a storage object is returned as is."""
     if spec is None or not isinstance(spec, (str, os.PathLike)):
         return spec
     spec = str(spec)
@@ -516,6 +602,7 @@ def open_storage(spec: Any):
     from optuna.storages.journal import JournalFileBackend
 
     Path(spec).parent.mkdir(parents=True, exist_ok=True)
+    repair_journal(spec)
     return optuna.storages.JournalStorage(JournalFileBackend(spec))
 
 

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
-                                   describe, kernel_module, module_for, no_double_backward, saveable,
-                                   uses_triton)
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device, describe,
+                                   kernel_module, module_for, no_double_backward, saveable, use_custom_op, uses_triton)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -802,7 +801,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     t = target.reshape(-1)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         loss, zl, _, _, _ = torch.ops.liger_gen.cross_entropy_fwd(x, t, weight, ignore_index, reduction,
                                                                  label_smoothing, lse_square_scale, softcap)
         zl = zl.detach()

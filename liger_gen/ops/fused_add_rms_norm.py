@@ -25,7 +25,7 @@ from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_out_dtype,
                                     rms_norm_torch)
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+                                   no_double_backward, saveable, use_custom_op, uses_triton)
 
 OP = "fused_add_rms_norm"
 
@@ -323,7 +323,7 @@ def fused_add_rms_norm_2d(x: torch.Tensor, residual: torch.Tensor, weight: torch
                           casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, s) for 2-D x and residual of one shape with unit column stride, differentiable: the custom op while
     torch.compile traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         y, s, _ = torch.ops.liger_gen.fused_add_rms_norm_fwd(x, residual, weight, eps, offset, casting_mode)
         return y, s
     return _FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting_mode)

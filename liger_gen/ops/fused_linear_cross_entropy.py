@@ -35,7 +35,7 @@ from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, TARGET_DTY
                                          _loss_and_grad, cross_entropy_float64, cross_entropy_mean_scale,
                                          cross_entropy_reduce, cross_entropy_torch)
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+                                   no_double_backward, saveable, use_custom_op, uses_triton)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -739,12 +739,12 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignor
     torch.compile traces (no graph break), the autograd.Function in eager mode."""
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or lm_head_weight.requires_grad
                                               or (bias is not None and bias.requires_grad))
-    if not wants_grad and not torch.compiler.is_compiling():
+    if not wants_grad and not use_custom_op():
         # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd node)
         out = _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
                         lse_square_scale, softcap, False, False, False)
         return out[0], out[1]
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         grad = torch.is_grad_enabled()
         need_dx = grad and x.requires_grad
         need_dw = grad and lm_head_weight.requires_grad
@@ -822,7 +822,7 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     if uses_triton(x) and x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the kernel path supports float32, bfloat16 and float16; got {describe('x', x)} "
                         f"(float64 runs only on the plain-PyTorch CPU path)")
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and target.numel():
+    if x.device.type == "cpu" and not use_custom_op() and target.numel():
         # PyTorch checks class indices on the CPU; on the GPU that would need a host sync, so it is not done there
         bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
         if bool(bad.any()):

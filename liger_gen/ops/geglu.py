@@ -13,6 +13,7 @@ import torch
 from liger_gen.ops.swiglu import (GELU_APPROXIMATIONS, GLUProblem, GLUSpace, _bwd_impl, _fake_like, _fwd_impl,
                                   _gate_up_bwd_impl, _gate_up_fwd_impl, _GLUFunction, _GLUGateUpFunction, as_rows,
                                   check_gate_up_input, check_glu_inputs, glu_float64, glu_gate_up_torch, glu_torch)
+from liger_gen.runtime.ops import use_custom_op
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -144,14 +145,14 @@ geglu_gate_up_fwd.register_autograd(_geglu_gate_up_backward, setup_context=_save
 def geglu_2d(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
     """gelu(gate) · up of 2-D tensors with unit column stride, differentiable: the custom op while torch.compile
     traces, the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.geglu_fwd(gate, up, approximate)
     return _GLUFunction.apply(gate, up, gelu_activation("geglu", approximate))
 
 
 def geglu_gate_up_2d(gate_up: torch.Tensor, approximate: str) -> torch.Tensor:
     """gelu(gate) · up of a 2-D packed gate_up with unit column stride, differentiable (see ``geglu_2d``)."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.geglu_gate_up_fwd(gate_up, approximate)
     return _GLUGateUpFunction.apply(gate_up, gelu_activation("geglu_gate_up", approximate))
 

@@ -22,7 +22,7 @@ import torch
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.ops.kl_div import DivergenceSpace, chunk_rows, random_log_probs, tuning_rows
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+                                   no_double_backward, saveable, use_custom_op, uses_triton)
 
 # kernel MODE constexpr: the two endpoints are the limits JSD_b / beta and JSD_b / (1 − beta), not JSD_b itself
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -290,7 +290,7 @@ def jsd_2d(student_logp: torch.Tensor, teacher_logp: torch.Tensor, label: torch.
            ignore_index: int) -> torch.Tensor:
     """JSD of 2-D (rows, vocab) log-probabilities, differentiable in the student: the custom op while
     torch.compile traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.jsd_fwd(student_logp, teacher_logp, label, beta, ignore_index)[0]
     return _JSDFunction.apply(student_logp, teacher_logp, label, beta, ignore_index)
 

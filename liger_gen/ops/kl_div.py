@@ -18,8 +18,8 @@ import torch
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module, no_double_backward,
+                                   saveable, use_custom_op, uses_triton)
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 _REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2, "batchmean": 2}  # ATen's enum; batchmean divides after
@@ -407,7 +407,11 @@ def kl_div_2d(input: torch.Tensor, target: torch.Tensor, reduction: str, divisor
               log_target: bool) -> torch.Tensor:
     """KL divergence of 2-D (rows, vocab) tensors, differentiable in both: the custom op while torch.compile
     traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if torch.jit.is_tracing() and reduction in ("mean", "batchmean"):
+        # torch.jit.trace records a custom op's int arguments as constants, so the divisor (a traced size here)
+        # is applied outside the op, where the trace keeps it a function of the input's shape
+        return torch.ops.liger_gen.kl_div_fwd(input, target, "sum", 1, log_target) / divisor
+    if use_custom_op():
         return torch.ops.liger_gen.kl_div_fwd(input, target, reduction, divisor, log_target)
     return _KLDivFunction.apply(input, target, reduction, divisor, log_target)
 

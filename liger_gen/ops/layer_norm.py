@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormSpace
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+                                   no_double_backward, saveable, use_custom_op, uses_triton)
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -285,7 +285,7 @@ def layer_norm_2d(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tens
                   eps: float) -> torch.Tensor:
     """LayerNorm of a 2-D x with unit column stride, differentiable: the custom op while torch.compile traces
     (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.layer_norm_fwd(x, weight, bias, eps)[0]
     return _LayerNormFunction.apply(x, weight, bias, eps)
 

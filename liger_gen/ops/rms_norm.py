@@ -16,7 +16,7 @@ import torch
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+                                   no_double_backward, saveable, use_custom_op, uses_triton)
 
 CASTING_MODES = ("llama", "gemma", "none")
 
@@ -357,7 +357,7 @@ class _RMSNormFunction(torch.autograd.Function):
 def rms_norm_2d(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str) -> torch.Tensor:
     """RMSNorm of a 2-D x with unit column stride, differentiable: the custom op while torch.compile traces
     (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.rms_norm_fwd(x, weight, eps, offset, casting_mode)[0]
     return _RMSNormFunction.apply(x, weight, eps, offset, casting_mode)
 

@@ -22,7 +22,7 @@ import torch
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+                                   no_double_backward, saveable, use_custom_op, uses_triton)
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -434,7 +434,7 @@ def rope_4d(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
             position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of (batch, heads, seq, head_dim)-indexed q, k with unit head_dim stride, differentiable: the custom
     op while torch.compile traces (no graph break), the autograd.Function in eager mode."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.rope_fwd(q, k, cos, sin, position_ids)
     return _RoPEFunction.apply(q, k, cos, sin, position_ids)
 

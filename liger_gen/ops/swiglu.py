@@ -24,8 +24,8 @@ from torch import nn
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, uses_triton)
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module, no_double_backward,
+                                   saveable, use_custom_op, uses_triton)
 
 # template activation → (op that owns its tables, how PyTorch spells it)
 ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu"}
@@ -425,14 +425,14 @@ class _GLUGateUpFunction(torch.autograd.Function):
 def swiglu_2d(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up of 2-D tensors with unit column stride, differentiable: the custom op while torch.compile
     traces, the autograd.Function in eager mode. Both launch the same kernels."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.swiglu_fwd(gate, up)
     return _GLUFunction.apply(gate, up, "silu")
 
 
 def swiglu_gate_up_2d(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up of a 2-D packed gate_up with unit column stride, differentiable (see ``swiglu_2d``)."""
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return torch.ops.liger_gen.swiglu_gate_up_fwd(gate_up)
     return _GLUGateUpFunction.apply(gate_up, "silu")
 

@@ -28,6 +28,14 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def use_custom_op() -> bool:
+    """Whether an op must be called as its registered custom op rather than through its eager
+    ``autograd.Function``: while torch.compile traces (no graph break) and while ``torch.jit.trace`` records (the
+    trace then holds the op, which replays with its own autograd; a Function would be traced through into the
+    kernel launch, which cannot be recorded)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether ``t`` goes through the Triton kernels (CUDA, or CPU under the interpreter)."""
     return t.is_cuda or (t.is_cpu and interpreter_enabled())  # attributes: no torch.device object per call
