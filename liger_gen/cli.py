@@ -278,8 +278,17 @@ def bench_step(**options) -> None:
     Tokens/s, peak memory, the loss curve against plain transformers and a profile by kernel class; JSON to
     --out. Exits 1 if a provider fails or its loss curve departs from plain transformers'.
     """
+    import torch
+
     from liger_gen.bench.step import run_step_benchmark
 
+    if options.get("device") is None and not torch.cuda.is_available():
+        raise click.ClickException(
+            "no CUDA GPU is visible, and `liger-gen bench-step` by default trains the Llama-3.2-1B and Qwen2.5-0.5B "
+            "shapes at 8 x 2048 tokens per step (tens of GB of memory and hours on a CPU). Run it on a machine "
+            "with a GPU; for a functional run on the CPU name the device and a tiny model: `TRITON_INTERPRET=1 "
+            "liger-gen bench-step --device cpu --models tiny --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 "
+            "--profile-steps 0`.")
     try:
         result = run_step_benchmark(**options)
     except ValueError as exc:  # a bad option value (unknown model/provider/device, bad number, too little text)

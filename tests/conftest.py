@@ -25,6 +25,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: The two CPU paths, as values of TRITON_INTERPRET: "1" runs the Triton kernels in the interpreter (only where
+#: the kernels were defined in interpreter mode, i.e. on machines without a GPU), "0" runs plain PyTorch.
+CPU_PATHS = [pytest.param("1", id="interpreter", marks=pytest.mark.skipif(
+                 torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")),
+             pytest.param("0", id="plain")]
+
+
 @pytest.fixture
 def device():
     """The device kernel tests run on: CUDA when present, else the CPU through the interpreter."""

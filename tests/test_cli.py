@@ -191,3 +191,16 @@ def test_show_prints_markup_and_escape_sequences_in_a_table_as_text(runner, tmp_
     assert "[/bold] evil" in result.output and "[red]2.11" in result.output and "[link=file:///etc]" in result.output
     assert "\x1b" not in result.output and "\x07" not in result.output
     assert "\\x1b[2J" in result.output and "\\x1b[31mok" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_bench_step_without_a_gpu_refuses_and_names_the_cpu_command(runner, monkeypatch):
+    """With no arguments on a CPU-only machine bench-step used to start training the 1B shape at 8 x 2048 tokens
+    (20 GB after two minutes); it refuses at once, before building a model, and says what to run instead."""
+    from liger_gen.bench import step
+
+    monkeypatch.setattr(step, "run_step_benchmark", lambda **kw: pytest.fail("started a benchmark"))
+    result = runner.invoke(main, ["bench-step"])
+    assert result.exit_code == 1
+    assert "no CUDA GPU is visible" in result.output
+    assert "liger-gen bench-step --device cpu --models tiny" in result.output

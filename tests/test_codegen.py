@@ -75,7 +75,7 @@ def test_concurrent_writers_leave_complete_files(tmp_path):
 
 
 @pytest.mark.parametrize("problem", ["file_in_the_way", "group_writable"])
-def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_path, monkeypatch):
+def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_path, monkeypatch, device):
     """A cache folder that cannot be made (a read-only $HOME; here a file where the folder should be) or must not
     be used (writable by others): one KernelCacheWarning naming LIGER_GEN_CACHE_DIR, and the ops still run and
     give the right answer from modules rendered in memory."""
@@ -96,7 +96,7 @@ def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_pa
     monkeypatch.setattr(build, "_warned_dirs", set())
     monkeypatch.setattr(build, "_modules", {})
     clear_caches()
-    x, w = torch.randn(6, 48, dtype=torch.float32), torch.rand(48) + 0.5
+    x, w = torch.randn(6, 48, dtype=torch.float32, device=device), torch.rand(48, device=device) + 0.5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y = rms_norm(x, w, eps=1e-6)
@@ -104,6 +104,34 @@ def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_pa
     clear_caches()
     messages = [str(c.message) for c in caught if issubclass(c.category, build.KernelCacheWarning)]
     assert len(messages) == 1 and "LIGER_GEN_CACHE_DIR" in messages[0] and str(cache) in messages[0]
-    assert (y.double() - rms_norm_float64(x, w, 1e-6)).abs().max() < 1e-5
+    assert (y.double() - rms_norm_float64(x, w, 1e-6)).abs().max() < 1e-5  # compiled from the in-memory text
     path, source = build.materialize("rms_norm", _params())
     assert path.parent == build.IN_MEMORY and not path.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests launch the check for real")
+def test_the_target_check_kernel_compiles_with_its_assertion_for_sm90():
+    """The interpreter ignores device_assert, so compile the check kernel to sm_90 (in a process without
+    TRITON_INTERPRET) and look for the assertion call in the PTX: ``debug=True`` keeps it without TRITON_DEBUG."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import triton
+        from triton.compiler import ASTSource
+        from triton.backends.compiler import GPUTarget
+        from liger_gen.codegen.build import load_variant
+        fn = load_variant("checks", {}).targets_in_range_kernel
+        sig = {"target_ptr": "*i64", "n_rows": "i32", "stride": "i64", "n_classes": "i32", "ignore_index": "i32",
+               "BLOCK": "constexpr"}
+        assert fn.debug is True  # a launch compiles with the decorator's debug flag
+        compiled = triton.compile(ASTSource(fn, sig, {"BLOCK": 1024}), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4, debug=fn.debug))
+        print("assertfail" if "__assertfail" in compiled.asm["ptx"] else "no assertion")
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "assertfail" in done.stdout, (done.stdout, done.stderr[-3000:])

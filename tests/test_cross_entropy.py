@@ -371,19 +371,86 @@ def test_upstream_gradient_scaling_of_reduced_loss(scale, strategy, device):
     _assert_matches_float64(x, t, upstream=torch.tensor(scale, device=device), lse_square_scale=1e-3)
 
 
-def test_out_of_range_target_gives_nan_on_kernel_path_and_raises_on_cpu_path(monkeypatch, device):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs Triton's interpreter (set before kernels are defined)")
+def test_out_of_range_target_raises_on_both_cpu_paths(monkeypatch):
+    """As in PyTorch, a target outside [0, V) that is not ignore_index is an error: in the interpreter a
+    ValueError naming the value, on the plain path torch's own error. (CUDA: a device-side assertion, tested in a
+    subprocess by ``test_out_of_range_target_is_a_device_side_assertion_on_gpu``.) The row-level kernel API,
+    which FLCE calls after checking once, leaves such a row NaN."""
     gen = _gen("oob")
-    x, t = _case(5, 20, torch.float32, device, gen)
-    t[1], t[3] = 20, -1
-    x = x.requires_grad_()
-    rows = cross_entropy(x, t, reduction="none")
-    assert torch.isnan(rows[1]) and torch.isnan(rows[3]) and torch.isfinite(rows[[0, 2, 4]]).all()
-    rows.sum().backward()
-    assert torch.isnan(x.grad[[1, 3]]).all() and torch.isfinite(x.grad[[0, 2, 4]]).all()
-    assert torch.isnan(cross_entropy(x, t)) and torch.isnan(cross_entropy(x, t, reduction="sum"))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises((IndexError, RuntimeError)):
-        cross_entropy(x.detach().cpu(), t.cpu())
+    x, t = _case(5, 20, torch.float32, "cpu", gen)
+    for bad in (20, -1):
+        t2 = t.clone()
+        t2[3] = bad
+        for reduction in REDUCTIONS:
+            with pytest.raises(ValueError, match=rf"target.*\[0, 20\).*ignore_index=-100: e.g. {bad}"):
+                cross_entropy(x, t2, reduction=reduction)
+        loss_rows, _, _ = cross_entropy_loss_and_grad(x, t2)
+        assert torch.isnan(loss_rows[3]) and torch.isfinite(loss_rows[[0, 1, 2, 4]]).all()
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises((IndexError, RuntimeError)):
+            cross_entropy(x, t2)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+_DEVICE_ASSERT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from liger_gen.functional import cross_entropy, fused_linear_cross_entropy
+    op, bad, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    def step(x, w, t):
+        if op == "ce":
+            return cross_entropy(x @ w.t(), t)
+        return fused_linear_cross_entropy(x, w, t)
+    if mode == "compile":
+        step = torch.compile(step, fullgraph=True)
+    for target in ("valid", bad):
+        x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(1000, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        t = torch.randint(0, 1000, (64,), device="cuda")
+        t[::7] = -100
+        if target != "valid":
+            t[17] = target
+        loss = step(x, w, t)
+        loss.backward()
+        print(target, "loss", float(loss), flush=True)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,mode,bad", [("ce", "eager", 1000), ("flce", "eager", -2), ("ce", "compile", -2),
+                                         ("flce", "compile", 1000)])
+def test_out_of_range_target_is_a_device_side_assertion_on_gpu(op, mode, bad):
+    """On CUDA the targets are checked on the device, without a host sync: valid targets run, then a bad one
+    stops the process with "device-side assert triggered" (PyTorch's behaviour), eagerly and compiled. A
+    subprocess, since a device-side assertion leaves the CUDA context unusable."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    done = subprocess.run([sys.executable, "-c", _DEVICE_ASSERT_SCRIPT, op, str(bad), mode], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "valid loss" in done.stdout, done.stderr[-3000:]
+    assert done.returncode != 0 and f"{bad} loss" not in done.stdout, done.stdout
+    assert "device-side assert" in done.stderr and "outside [0, n_classes)" in done.stderr + done.stdout, \
+        done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_target_check_is_captured_by_a_cuda_graph():
+    """The check is one launch and no sync, so a CUDA graph captures the loss with it and replays it."""
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, 4096, (256,), device="cuda")
+    expected = cross_entropy(x, t)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cross_entropy(x, t)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = cross_entropy(x, t)
+    t.copy_(torch.randint(0, 4096, (256,), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(static) and not torch.equal(static, expected)
+    torch.testing.assert_close(static, cross_entropy(x, t))
 
 
 # ------------------------------------------------------------------------------------------------ runtime behaviour

@@ -21,6 +21,8 @@ from liger_gen.ops.fused_linear_cross_entropy import (FusedLinearCrossEntropyCon
                                                       fused_linear_cross_entropy_torch, tuning_problems)
 from liger_gen.runtime.ops import clear_caches
 
+from conftest import CPU_PATHS
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -224,7 +226,7 @@ def test_matches_unfused_pytorch_and_no_grad_forward(device, small_chunks):
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("interpret", CPU_PATHS)
 def test_no_grad_modes_compute_the_loss_only(mode, interpret, monkeypatch):
     """Under no_grad / inference_mode (an eval loop with a trainable lm_head) the op computes no dx or dW, on the
     kernel path and on the plain CPU path alike, and gives the same loss."""
@@ -559,7 +561,7 @@ def test_llama3_8b_shape_bf16_against_float64_and_peak_memory(record_property):
 
 
 
-@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("interpret", CPU_PATHS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_torch_compile_on_both_cpu_paths(reduction, interpret, monkeypatch):
     """torch.compile of the op on the CPU, in the interpreter and on the plain path (where the per-chunk loss and
@@ -592,7 +594,7 @@ MEMORY_BUDGET = 2**20  # 1 MiB for the test shape below; the full fp32 logits ta
 @pytest.mark.parametrize("plan", ["heuristic", "fp32_logits_and_dw"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("interpret", CPU_PATHS)
 def test_extra_memory_stays_within_the_budget_on_cpu_paths(interpret, dtype, reduction, plan, monkeypatch,
                                                            storage_peak):
     """Forward + backward allocate at most MAX_EXTRA_BYTES beyond x's and W's gradients, on the plain CPU path

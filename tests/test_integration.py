@@ -7,6 +7,8 @@ import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.runtime.integrations import transformers as integration
 
+from conftest import CPU_PATHS
+
 
 @pytest.fixture(autouse=True)
 def _restore_rope():
@@ -178,7 +180,7 @@ def test_unsupported_model_is_rejected():
         liger_gen.apply_to(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("interpret", CPU_PATHS)
 def test_compiled_training_step_of_a_patched_model_on_cpu(interpret, monkeypatch):
     """torch.compile of a patched model's whole training step (forward, fused loss, backward) on CPU tensors, in
     the interpreter and on the plain path: the same loss and gradients as the eager patched model."""

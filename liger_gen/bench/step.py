@@ -1059,7 +1059,8 @@ def step_command_options(function: Callable) -> Callable:
         click.option("--seed", default=0, show_default=True, type=int, help="Seed of the weights and batches."),
         click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(sorted(_DTYPES)),
                      help="Parameter dtype."),
-        click.option("--device", default=None, help="torch device (default: cuda if available, else cpu)."),
+        click.option("--device", default=None, help="torch device (default: cuda; without a GPU, name cpu "
+                                                    "explicitly)."),
         click.option("--attn-implementation", default="sdpa", show_default=True,
                      help="transformers attention implementation."),
         click.option("--text", default=str(DEFAULT_TEXT), type=click.Path(dir_okay=False, exists=True),

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device, describe,
-                                   kernel_module, module_for, no_double_backward, saveable, use_custom_op, uses_triton)
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
+                                   check_targets, describe, kernel_module, module_for, no_double_backward, saveable,
+                                   use_custom_op, uses_triton)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -517,6 +518,8 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         out["loss"].fill_(float("nan") if reduction == "mean" else 0.0)
         out["zl"].fill_(float("nan") if reduction == "mean" else 0.0)
     elif uses_triton(logits):
+        if logits.is_cuda:
+            check_targets("cross_entropy", target, n_cols, ignore_index)
         module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
         _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                         softcap, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
@@ -769,9 +772,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         z_loss)``, z_loss float32 and not differentiable (its gradient flows through ``loss``, which contains it).
         Differentiable in logits; the gradient has logits' dtype.
 
-    Not checked (it would need a host sync): target values on the kernel path. A target outside [0, V) that is
-    not ignore_index gives a NaN loss for its row (so a mean or sum is NaN) and NaN gradients in that row,
-    rather than an error; the plain-PyTorch CPU path raises like torch.
+    A target outside [0, V) that is not ignore_index is an error, as in PyTorch: on CUDA it is caught on the
+    device without a host sync (one extra launch that reads the targets), and the program stops with
+    "device-side assert triggered" at the next synchronisation, as PyTorch's CUDA cross-entropy does; on the CPU
+    (both paths) it raises at once.
 
     CUDA tensors run the tuned Triton kernels; CPU tensors run plain PyTorch (``cross_entropy_torch``), or the
     same kernels in Triton's interpreter with ``TRITON_INTERPRET=1``. float64 logits run only on the plain path.
@@ -783,7 +787,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
             not int64/int32, weight not floating, ignore_index not an int, a float option not a number.
         ValueError: target's shape is not logits' leading shape, weight is not (V,) or requires grad, V < 1,
             tensors on different devices, reduction unknown, label_smoothing outside [0, 1], lse_square_scale
-            < 0, softcap <= 0.
+            < 0, softcap <= 0; on the CPU, a target outside [0, V) that is not ignore_index (the plain path
+            raises torch's own IndexError/RuntimeError).
         RuntimeError: at backward, a second backward through one forward (``retain_graph=True``) when the
             tuned config computes the gradient in the forward (bf16/fp32 on the kernel path): run the forward
             again, or use the plain path.
@@ -799,6 +804,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     check_kernel_dtypes(op, logits=logits)
     x = _rows_layout(logits)
     t = target.reshape(-1)
+    if not t.is_cuda:  # the interpreter; CUDA tensors are checked on the device, in the op (no host sync)
+        check_targets(op, t, logits.shape[-1], ignore_index)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     if use_custom_op():

@@ -34,8 +34,8 @@ from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, TARGET_DTY
                                          CrossEntropySpace, _aux_module,
                                          _loss_and_grad, cross_entropy_float64, cross_entropy_mean_scale,
                                          cross_entropy_reduce, cross_entropy_torch)
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, use_custom_op, uses_triton)
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, check_targets, describe,
+                                   kernel_module, no_double_backward, saveable, use_custom_op, uses_triton)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -460,6 +460,8 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
     reduction "mean", whose dlogits are computed without the mean's 1/Σw (they would underflow). Unrequested
     gradients are empty tensors. ``plan``: a FusedLinearCrossEntropyConfig (or dict); None: table or heuristic.
     """
+    if x.is_cuda:
+        check_targets("fused_linear_cross_entropy", target, w.shape[0], ignore_index)
     run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, plan)
     one = torch.ones((), dtype=torch.float32, device=x.device)
 
@@ -822,12 +824,8 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     if uses_triton(x) and x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the kernel path supports float32, bfloat16 and float16; got {describe('x', x)} "
                         f"(float64 runs only on the plain-PyTorch CPU path)")
-    if x.device.type == "cpu" and not use_custom_op() and target.numel():
-        # PyTorch checks class indices on the CPU; on the GPU that would need a host sync, so it is not done there
-        bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-        if bool(bad.any()):
-            raise ValueError(f"{op}: target holds class indices outside [0, {vocab}) that are not ignore_index="
-                             f"{ignore_index}: e.g. {int(target[bad][0])}")
+    if not target.is_cuda:  # CUDA tensors are checked on the device, in the op (no host sync)
+        check_targets(op, target.reshape(-1), vocab, ignore_index)
     return label_smoothing, lse_square_scale, softcap
 
 
@@ -890,9 +888,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
             reduction unknown; label_smoothing outside [0, 1]; lse_square_scale < 0; softcap <= 0; on the CPU, a
             target outside [0, vocab) that is not ignore_index.
 
-    Not checked: target values on the kernel path (that would need a host sync): as in ``cross_entropy``, a
-    target outside [0, vocab) that is not ignore_index gives a NaN loss for its row, so a mean or sum is NaN, and
-    NaN gradients (the plain and interpreter CPU paths raise ValueError instead).
+    On CUDA a target outside [0, vocab) that is not ignore_index is caught on the device without a host sync (as
+    in ``cross_entropy``): the program stops with "device-side assert triggered" at the next synchronisation, as
+    PyTorch's CUDA cross-entropy does.
     """
     op = "fused_linear_cross_entropy"
     label_smoothing, lse_square_scale, softcap = _check_inputs(

@@ -136,6 +136,31 @@ def check_kernel_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
                             f"{describe(name, t)} (float64 runs only on the plain-PyTorch CPU path)")
 
 
+@functools.lru_cache(maxsize=None)
+def _checks_module() -> ModuleType:
+    return load_variant("checks", {})
+
+
+def check_targets(op: str, target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Class indices outside [0, n_classes) that are not ``ignore_index`` stop the op, as in PyTorch.
+
+    CUDA: one launch of a device-side assertion (``templates/checks.py.jinja``), no host synchronisation: the
+    error surfaces at the next synchronisation as "device-side assert triggered", as PyTorch's CUDA cross-entropy
+    reports it, and the launch is captured by CUDA graphs and runs inside custom ops under torch.compile. CPU
+    (plain and interpreter paths): ValueError naming the first bad value, unless torch.compile or torch.jit.trace
+    is recording (a host check cannot be recorded). ``target`` is 1-D, any stride.
+    """
+    if target.is_cuda:
+        _checks_module().targets_in_range(target, n_classes, ignore_index)
+        return
+    if use_custom_op() or target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    if bool(bad.any()):
+        raise ValueError(f"{op}: target holds class indices outside [0, {n_classes}) that are not ignore_index="
+                         f"{ignore_index}: e.g. {int(target[bad][0])}")
+
+
 def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
     """ValueError naming every tensor if they are not all on one device (None entries are skipped)."""
     present = {k: v for k, v in tensors.items() if v is not None}
