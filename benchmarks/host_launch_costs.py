@@ -1,7 +1,7 @@
 """Host cost per call on the GPU machine: an empty Triton launch, a plain-torch forward+backward, and RMSNorm
 forward(+backward) of liger-gen and Liger-Kernel on a tiny input (64 x 4096 bf16, so the GPU work is negligible and
 the wall time per call is the host's). Back-to-back calls, one synchronize, wall clock / n. Needs CUDA
-(H200 log: benchmarks/results/issue4/host_launch_costs_h200.log).
+(H200 log: benchmarks/results/h200_2026-11-30/host_launch_costs_h200.log).
 
     python benchmarks/host_launch_costs.py
 """

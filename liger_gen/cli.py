@@ -195,8 +195,8 @@ def show(gpu, show_trials) -> None:
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run (Triton's interpreter with TRITON_INTERPRET=1; kernel ms is host time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for bench_<model>_<gpu>.json and .png (default: the current folder; with --render: "
-                   "the JSON's folder, which also gets the .md).")
+              help="Folder for bench_<model>_<gpu>.json and .png, and for --render's .md and .png (default: the "
+                   "current folder).")
 @click.option("--render", "render_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Print a result JSON as markdown and draw its PNG; no GPU needed.")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(1), help="Profiled iterations.")
@@ -218,7 +218,7 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
         except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:  # parses, wrong field types
             raise click.ClickException(f"{render_path} is not a liger-gen bench result this version can read "
                                        f"(a field has an unexpected type: {type(exc).__name__}: {exc})") from None
-        folder = out_dir or render_path.parent
+        folder = out_dir or Path(".")
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{render_path.stem}.md").write_text(markdown, encoding="utf-8")
         click.echo(markdown, nl=False)

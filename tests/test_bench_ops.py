@@ -271,14 +271,17 @@ def test_json_round_trip_and_schema_errors(cpu_run, tmp_path):
         report.load_json(tmp_path / "bad.json")
 
 
-def test_render_lists_every_op_and_provider(cpu_run, tmp_path):
+def test_render_lists_every_op_and_provider(cpu_run, tmp_path, monkeypatch):
     data = report.derive(report.load_json(report.write_json(cpu_run, tmp_path / "run.json")))
     data["results"].append({"op": "rms_norm", "provider": "liger-kernel", "status": "not installed", "note": ""})
     report.write_json(data, tmp_path / "run.json")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     result = CliRunner().invoke(main, ["bench", "--render", str(tmp_path / "run.json")])
     assert result.exit_code == 0, result.output
-    md = (tmp_path / "run.md").read_text()
-    assert md in result.output  # printed, and written next to the JSON
+    md = (tmp_path / "cwd" / "run.md").read_text()
+    assert md in result.output  # printed, and written to the current folder: never beside a committed result
+    assert not (tmp_path / "run.md").exists()
     assert md.startswith("# tiny ops on cpu\n")
     for res in data["results"]:
         assert f"| {res['op']} | {res['provider']} |" in md

@@ -136,7 +136,7 @@ def test_bench_render_of_a_wrongly_typed_result_is_a_clean_error(runner, tmp_pat
     traceback; the committed H200 result still renders."""
     from pathlib import Path
 
-    committed = Path(__file__).resolve().parent.parent / "benchmarks/results/issue4/bench_llama3-8b_nvidia_h200.json"
+    committed = Path(__file__).resolve().parent.parent / "benchmarks/results/h200_2026-11-30/bench_llama3-8b_nvidia_h200.json"
     data = json.loads(committed.read_text())
     ok = runner.invoke(main, ["bench", "--render", str(committed), "--out", str(tmp_path / "ok")])
     assert ok.exit_code == 0 and "| rms_norm | liger-gen |" in ok.output

@@ -1,4 +1,4 @@
-"""Measurement behind cross_entropy's heuristic and the FLCE plan space (H200 log: benchmarks/results/issue4/
+"""Measurement behind cross_entropy's heuristic and the FLCE plan space (H200 log: benchmarks/results/h200_2026-11-30/
 sweep_ce_flce_gemms_h200.log). Needs CUDA.
 
 1. cross_entropy at 8192 x 128256 bf16, GRAD_IN_FWD=1: training-step time over L2_HINTS x BLOCK_V_BWD x

@@ -1,6 +1,6 @@
 """cross_entropy's gradient-writing kernel over BLOCK_V x BLOCK_M x warps x stages, then whole FLCE calls
 (8192 x 4096 x 128256 bf16) for chunk sizes x per-chunk CE settings, with peak extra memory beyond dx and dW
-(H200 log: benchmarks/results/issue4/sweep_ce_flce_plans_h200.log). Needs CUDA.
+(H200 log: benchmarks/results/h200_2026-11-30/sweep_ce_flce_plans_h200.log). Needs CUDA.
 
     python benchmarks/sweeps/ce_flce_plans.py
 """
