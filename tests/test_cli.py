@@ -150,7 +150,8 @@ def test_bench_render_of_a_wrongly_typed_result_is_a_clean_error(runner, tmp_pat
 
 def test_bench_step_bad_options_are_usage_errors(runner):
     for args, needle in ((["--models", "nope"], "unknown"), (["--lr", "nan"], "lr"),
-                         (["--loss-rel-tol", "-1"], "loss_rel_tol"), (["--device", "garbage"], "device")):
+                         (["--loss-rel-tol", "-1"], "loss_rel_tol"), (["--device", "garbage"], "device"),
+                         (["--device", "meta"], "device")):
         result = runner.invoke(main, ["bench-step", "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
         assert needle in result.output and "Traceback" not in result.output
@@ -185,12 +186,25 @@ def test_show_prints_markup_and_escape_sequences_in_a_table_as_text(runner, tmp_
     are shown as \\xNN, not sent to the terminal."""
     result = _show(runner, tmp_path, monkeypatch, device_name="[/bold] evil \x1b]0;title\x07 \x1b[2J",
                    torch_version="[red]2.11",
-                   entry={"variant": {"casting_mode": "[link=file:///etc]x[/link]"},
-                          "trials": {"fwd": [{"number": 0, "status": "\x1b[31mok", "ms": 0.05}]}})
+                   entry={"variant": {"casting_mode": "[link=file:///etc]x[/link]", "\x1b[31mk": "\x1b[2J"},
+                          "trials": {"fwd": [{"number": 0, "status": "\x1b[31mok", "ms": 0.05}],
+                                     "\x1b]0;pwned\x07": [{"number": 1, "status": "ok"}]}})
     assert result.exit_code == 0, result.output
     assert "[/bold] evil" in result.output and "[red]2.11" in result.output and "[link=file:///etc]" in result.output
     assert "\x1b" not in result.output and "\x07" not in result.output
-    assert "\\x1b[2J" in result.output and "\\x1b[31mok" in result.output
+    assert "\\x1b[2J" in result.output and "\\x1b[31mok" in result.output and "\\x1b]0;pwned\\x07" in result.output
+
+
+def test_show_survives_numbers_and_characters_a_hand_edited_table_may_hold(runner, tmp_path, monkeypatch):
+    """Valid JSON that no tuner writes: an int too large for a float in the times and bytes, a lone surrogate in
+    a name. show prints n/a and escapes instead of raising OverflowError or UnicodeEncodeError."""
+    result = _show(runner, tmp_path, monkeypatch, device_name="NVIDIA \ud800 H200",
+                   entry={"timing_ms": {"fwd": {"tuned": 10**400, "heuristic": 0.06}, "bwd": {"tuned": 0.1,
+                                                                                           "heuristic": 10**400}},
+                          "bytes": {"fwd": 10**400, "bwd": 1}, "trials": {"fwd": [{"number": 0, "status": "ok",
+                                                                                   "ms": 10**400}]}})
+    assert result.exit_code == 0, result.output
+    assert "n/a" in result.output and "\\ud800" in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")

@@ -74,7 +74,7 @@ def test_concurrent_writers_leave_complete_files(tmp_path):
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("problem", ["file_in_the_way", "group_writable"])
+@pytest.mark.parametrize("problem", ["file_in_the_way", "group_writable", "no_home"])
 def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_path, monkeypatch, device):
     """A cache folder that cannot be made (a read-only $HOME; here a file where the folder should be) or must not
     be used (writable by others): one KernelCacheWarning naming LIGER_GEN_CACHE_DIR, and the ops still run and
@@ -85,14 +85,25 @@ def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_pa
     from liger_gen.reference import rms_norm_float64
     from liger_gen.runtime.ops import clear_caches
 
-    if problem == "file_in_the_way":
-        (tmp_path / "home").write_text("not a folder")
-        cache = tmp_path / "home" / ".cache" / "kernels"
+    if problem == "no_home":  # no $HOME and no passwd entry: a container run as an arbitrary uid
+        from pathlib import Path
+
+        def no_home():
+            raise RuntimeError("Could not determine home directory.")
+
+        for name in ("LIGER_GEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(Path, "home", staticmethod(no_home))
+        cache = "the default kernel cache"
     else:
-        cache = tmp_path / "shared"
-        cache.mkdir()
-        cache.chmod(0o777)
-    monkeypatch.setenv("LIGER_GEN_CACHE_DIR", str(cache))
+        if problem == "file_in_the_way":
+            (tmp_path / "home").write_text("not a folder")
+            cache = tmp_path / "home" / ".cache" / "kernels"
+        else:
+            cache = tmp_path / "shared"
+            cache.mkdir()
+            cache.chmod(0o777)
+        monkeypatch.setenv("LIGER_GEN_CACHE_DIR", str(cache))
     monkeypatch.setattr(build, "_warned_dirs", set())
     monkeypatch.setattr(build, "_modules", {})
     clear_caches()

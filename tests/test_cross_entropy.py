@@ -806,3 +806,44 @@ def test_llama3_8b_shape_bf16_forward_backward_vs_float64(grad_in_fwd):
     config = dataclasses.replace(problem.space.heuristic(), GRAD_IN_FWD=grad_in_fwd)
     module = load_variant("cross_entropy", problem.template_params(config))
     assert problem.check(module, "fwd") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs Triton's interpreter (set before kernels are defined)")
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_out_of_range_target_raises_under_torch_compile_on_cpu(op):
+    """The check runs inside the op, so a compiled graph raises too (it used to give a NaN loss silently)."""
+    from liger_gen.functional import fused_linear_cross_entropy
+
+    gen = _gen("oob-compile", op)
+    x = torch.randn(6, 8, generator=gen)
+    w = torch.randn(20, 8, generator=gen)
+    t = torch.randint(0, 20, (6,), generator=gen)
+    t[2] = 20
+
+    def f(x, w, t):
+        return cross_entropy(x @ w.t(), t) if op == "cross_entropy" else fused_linear_cross_entropy(x, w, t)
+
+    with pytest.raises(ValueError, match=r"target.*\[0, 20\).*e\.g\. 20"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, t)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_torch_compile_with_dynamic_shapes_and_float_options(op, device):
+    """dynamic=True makes the float options symbolic: the option checks must not call math.isfinite on them
+    (fullgraph failed with "Unsupported torch.* op returned non-Tensor")."""
+    from liger_gen.functional import fused_linear_cross_entropy
+
+    gen = _gen("dynamic", op)
+    w = torch.randn(20, 8, generator=gen).to(device)
+
+    def f(x, t, lse_square_scale, softcap):
+        opts = dict(lse_square_scale=lse_square_scale, softcap=softcap, label_smoothing=0.1)
+        if op == "cross_entropy":
+            return cross_entropy(x @ w.t(), t, **opts)
+        return fused_linear_cross_entropy(x, w, t, **opts)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    for rows, scale, cap in ((6, 1e-3, 3.0), (9, 2e-3, 5.0)):
+        x = torch.randn(rows, 8, generator=gen).to(device)
+        t = torch.randint(0, 20, (rows,), generator=gen).to(device)
+        torch.testing.assert_close(compiled(x, t, scale, cap), f(x, t, scale, cap))

@@ -79,3 +79,25 @@ def test_torch_jit_trace_records_the_ops_and_replays_at_other_shapes(device):
         for a, b in zip(grads, [p.grad for p in block.parameters()] + [x.grad]):
             torch.testing.assert_close(a, b)
         block.zero_grad()
+
+
+def test_jit_trace_of_the_fused_loss_is_right_for_other_grad_states(device):
+    """A trace made with a frozen LM head (or under no_grad) replays with a trainable one: the trace records the
+    op with every gradient computed, so the head's gradient is there (it used to be an empty tensor)."""
+    import warnings
+
+    from liger_gen.codegen.problems import REL_TOL, rel_l2
+    from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_float64
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 16, generator=gen).to(device)
+    w = (torch.randn(30, 16, generator=gen) / 4).to(device)
+    t = torch.randint(0, 30, (9,), generator=gen).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(liger_gen.functional.fused_linear_cross_entropy, (x, w, t), check_trace=False)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    traced(x2, w2, t).backward()
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    fused_linear_cross_entropy_float64(x64, w64, t).backward()
+    assert rel_l2(x2.grad, x64.grad) < REL_TOL[torch.float32] and rel_l2(w2.grad, w64.grad) < REL_TOL[torch.float32]

@@ -445,3 +445,52 @@ def test_a_stale_journal_lock_is_named_in_a_warning(fast, tmp_path):
     threading.Timer(0.5, lock.unlink).start()
     with pytest.warns(JournalWarning, match=r"run.journal.lock is 600 s old.*30 s"):
         open_storage(journal)
+
+
+@pytest.mark.parametrize("bad", [b"{}\n", b'{"op_codf": 0, "worker_id": "x"}\n', b"[1, 2]\n"])
+def test_a_record_that_parses_but_is_not_optunas_is_a_clear_error(fast, tmp_path, bad):
+    """Valid JSON in the middle that is not an Optuna record used to reach Optuna's replay (KeyError)."""
+    from liger_gen.codegen.tuner import JournalError, open_storage
+
+    journal = tmp_path / "run.journal"
+    Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
+          storage=open_storage(journal)).tune(fast)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    lines.insert(2, bad)
+    journal.write_bytes(b"".join(lines))
+    with pytest.raises(JournalError, match=r"run.journal: line 3 is not a valid record"):
+        open_storage(journal)
+
+
+def test_a_record_optuna_cannot_replay_is_a_clear_error(fast, tmp_path):
+    """A record of the right form whose content Optuna rejects: JournalError naming the file, not Optuna's error."""
+    import json as json_module
+
+    from liger_gen.codegen.tuner import JournalError, open_storage
+
+    journal = tmp_path / "run.journal"
+    Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
+          storage=open_storage(journal)).tune(fast)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    record = json_module.loads(lines[1])
+    record.pop("study_id", None)
+    record.pop("trial_id", None)
+    record["op_code"] = 4  # a trial op without its trial: Optuna's replay fails on it
+    lines[1] = json_module.dumps(record).encode() + b"\n"
+    journal.write_bytes(b"".join(lines))
+    with pytest.raises(JournalError, match=r"run.journal cannot be replayed by Optuna"):
+        open_storage(journal)
+
+
+def test_a_fifo_named_as_the_journal_is_refused_at_once(tmp_path):
+    import signal
+
+    from liger_gen.codegen.tuner import JournalError, open_storage
+
+    os.mkfifo(tmp_path / "run.journal")
+    signal.alarm(20)  # a hang fails the test instead of the run
+    try:
+        with pytest.raises(JournalError, match="not a regular file"):
+            open_storage(tmp_path / "run.journal")
+    finally:
+        signal.alarm(0)

@@ -841,6 +841,8 @@ def run_step_benchmark(
                                                                                else "cpu")
     except RuntimeError as exc:  # torch's parse error for a malformed device string
         raise ValueError(f"device: {exc}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device: bench-step trains on cuda or cpu, got {device.type!r}")
     _validate(models, providers, batch_size, seq_len, warmup_steps, steps, profile_steps, lr, dtype, device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -45,7 +45,13 @@ def cache_dir() -> Path:
     if env:
         root = Path(env)
     else:
-        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "liger_gen" / "kernels"
+        base = os.environ.get("XDG_CACHE_HOME")
+        if not base:
+            try:
+                base = Path.home() / ".cache"
+            except RuntimeError as exc:  # no $HOME and no passwd entry (a container run as an arbitrary uid)
+                raise FileNotFoundError(f"no home directory for the default kernel cache ({exc})") from exc
+        root = Path(base) / "liger_gen" / "kernels"
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     _check_owner(root)
     return root

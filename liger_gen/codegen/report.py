@@ -156,19 +156,31 @@ def entry_times(entry: Mapping[str, Any]) -> tuple[float | None, float | None]:
         return None, None
 
     def total(key: str) -> float | None:
-        values = [t.get(key) if isinstance(t, Mapping) else None for t in timing.values()]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            return None
-        return float(sum(values))
+        values = [_number(t.get(key)) if isinstance(t, Mapping) else None for t in timing.values()]
+        return None if any(v is None for v in values) else sum(values)
 
     return total("heuristic"), total("tuned")
 
 
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, a bool, NaN/inf, or an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _gbps(entry: Mapping[str, Any], tuned_ms: float | None) -> float | None:
     moved = entry.get("bytes")
-    if not tuned_ms or not isinstance(moved, Mapping) or not all(isinstance(v, (int, float)) for v in moved.values()):
+    if not tuned_ms or not isinstance(moved, Mapping):
         return None
-    return sum(moved.values()) / (tuned_ms * 1e-3) / 1e9
+    values = [_number(v) for v in moved.values()]
+    if any(v is None for v in values):
+        return None
+    return sum(values) / (tuned_ms * 1e-3) / 1e9
 
 
 def _ms(value: float | None) -> str:
@@ -273,8 +285,8 @@ def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
                 for e in table["entries"]:
                     trials = e.get("trials")
                     for phase, records in (trials.items() if isinstance(trials, dict) else ()):
-                        console.print(Text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
-                            _trial_text(r) for r in (records if isinstance(records, list) else ()))))
+                        console.print(Text(safe_text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
+                            _trial_text(r) for r in (records if isinstance(records, list) else ())))))
     if not found:
         console.print(Text(f"no tuned tables for {gpu!r} in " + ", ".join(safe_text(r) for _, r in tables.table_roots())))
     return found
@@ -284,9 +296,11 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def safe_text(value: Any) -> str:
-    """``str(value)`` with terminal control characters (ESC, BEL, CR, ...) shown as ``\\xNN``: table contents are
-    printed, never executed by the terminal."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+    """``str(value)`` with terminal control characters (ESC, BEL, CR, ...) shown as ``\\xNN`` and characters that
+    cannot be encoded (a lone surrogate from a JSON ``\\ud800``) as backslash escapes: table contents are
+    printed, never executed by the terminal, and never make printing fail."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _cells(*values: Any) -> list[Text]:
@@ -297,6 +311,6 @@ def _cells(*values: Any) -> list[Text]:
 def _trial_text(record: Any) -> str:
     if not isinstance(record, dict):
         return safe_text(record)
-    ms = record.get("ms")
-    timed = f" {ms:.4f}ms" if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms else ""
+    ms = _number(record.get("ms"))
+    timed = f" {ms:.4f}ms" if ms else ""
     return safe_text(f"#{record.get('number', '?')} {record.get('status', '?')}{timed}")

@@ -39,6 +39,7 @@ import math
 import multiprocessing
 import os
 import queue as queue_module
+import stat
 import statistics
 import time
 import traceback
@@ -532,8 +533,12 @@ def repair_journal(path: str | os.PathLike) -> int:
     from optuna.storages.journal import JournalFileSymlinkLock
 
     path = Path(path)
-    if not path.exists():
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
         return 0
+    if not stat.S_ISREG(mode):  # a FIFO would block the read below forever
+        raise JournalError(f"tuning journal {path} is not a regular file (mode {stat.filemode(mode)})")
     lock = JournalFileSymlinkLock(str(path))
     lock_file = Path(str(path) + ".lock")
     try:
@@ -556,8 +561,9 @@ def repair_journal(path: str | os.PathLike) -> int:
             try:
                 if end < 0:
                     raise ValueError("no newline")
-                if not isinstance(json.loads(line), dict):
-                    raise ValueError("not a record")
+                record = json.loads(line)
+                if not (isinstance(record, dict) and type(record.get("op_code")) is int):
+                    raise ValueError("not an Optuna journal record (an object with an int op_code)")
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 if bad_line is None:
                     bad_line = (line_no, exc)
@@ -603,7 +609,12 @@ def open_storage(spec: Any):
 
     Path(spec).parent.mkdir(parents=True, exist_ok=True)
     repair_journal(spec)
-    return optuna.storages.JournalStorage(JournalFileBackend(spec))
+    try:  # the storage replays every record now: a record that parses but is not what Optuna wrote fails here
+        return optuna.storages.JournalStorage(JournalFileBackend(spec))
+    except Exception as exc:  # noqa: BLE001 - whatever Optuna raises on a corrupt record
+        raise JournalError(f"tuning journal {spec} cannot be replayed by Optuna ({type(exc).__name__}: {exc}): a "
+                           f"record in it is corrupt. Nothing was changed; move it aside to start the studies over "
+                           f"(tables already written are kept).") from exc
 
 
 def claim(storage, name: str) -> int | None:

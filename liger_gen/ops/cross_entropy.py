@@ -518,8 +518,8 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         out["loss"].fill_(float("nan") if reduction == "mean" else 0.0)
         out["zl"].fill_(float("nan") if reduction == "mean" else 0.0)
     elif uses_triton(logits):
-        if logits.is_cuda:
-            check_targets("cross_entropy", target, n_cols, ignore_index)
+        # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
+        check_targets("cross_entropy", target, n_cols, ignore_index)
         module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
         _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                         softcap, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
@@ -725,11 +725,11 @@ def _check_inputs(op: str, logits, target, weight, ignore_index, reduction, labe
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
     lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
-    if not (lse_square_scale >= 0.0 and math.isfinite(lse_square_scale)):
+    if not 0.0 <= lse_square_scale < math.inf:  # comparisons, not math.isfinite: torch.compile(dynamic=True)
         raise ValueError(f"{op}: lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
     if softcap is not None:
         softcap = check_float_arg(op, "softcap", softcap)
-        if not (softcap > 0.0 and math.isfinite(softcap)):
+        if not 0.0 < softcap < math.inf:
             raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap}")
     return label_smoothing, lse_square_scale, softcap
 
@@ -804,8 +804,6 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     check_kernel_dtypes(op, logits=logits)
     x = _rows_layout(logits)
     t = target.reshape(-1)
-    if not t.is_cuda:  # the interpreter; CUDA tensors are checked on the device, in the op (no host sync)
-        check_targets(op, t, logits.shape[-1], ignore_index)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     if use_custom_op():

@@ -460,8 +460,8 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
     reduction "mean", whose dlogits are computed without the mean's 1/Σw (they would underflow). Unrequested
     gradients are empty tensors. ``plan``: a FusedLinearCrossEntropyConfig (or dict); None: table or heuristic.
     """
-    if x.is_cuda:
-        check_targets("fused_linear_cross_entropy", target, w.shape[0], ignore_index)
+    # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
+    check_targets("fused_linear_cross_entropy", target, w.shape[0], ignore_index)
     run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, plan)
     one = torch.ones((), dtype=torch.float32, device=x.device)
 
@@ -747,10 +747,16 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignor
                         lse_square_scale, softcap, False, False, False)
         return out[0], out[1]
     if use_custom_op():
-        grad = torch.is_grad_enabled()
-        need_dx = grad and x.requires_grad
-        need_dw = grad and lm_head_weight.requires_grad
-        need_db = grad and bias is not None and bias.requires_grad
+        if torch.jit.is_tracing():
+            # a trace records these flags as constants: compute every gradient, whatever the tensors need now,
+            # so that the trace is right when it replays with other tensors (autograd drops the unneeded ones)
+            need_dx = need_dw = True
+            need_db = bias is not None
+        else:
+            grad = torch.is_grad_enabled()
+            need_dx = grad and x.requires_grad
+            need_dw = grad and lm_head_weight.requires_grad
+            need_db = grad and bias is not None and bias.requires_grad
         out = torch.ops.liger_gen.fused_linear_cross_entropy_fwd(
             x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
             softcap, need_dx, need_dw, need_db)
@@ -781,11 +787,11 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
     lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
-    if not (math.isfinite(lse_square_scale) and lse_square_scale >= 0.0):
+    if not 0.0 <= lse_square_scale < math.inf:  # comparisons, not math.isfinite: torch.compile(dynamic=True)
         raise ValueError(f"{op}: lse_square_scale must be a finite float >= 0, got {lse_square_scale}")
     if softcap is not None:
         softcap = check_float_arg(op, "softcap", softcap)
-        if not (math.isfinite(softcap) and softcap > 0.0):
+        if not 0.0 < softcap < math.inf:
             raise ValueError(f"{op}: softcap must be None or a finite float > 0, got {softcap}")
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
@@ -824,8 +830,6 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     if uses_triton(x) and x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the kernel path supports float32, bfloat16 and float16; got {describe('x', x)} "
                         f"(float64 runs only on the plain-PyTorch CPU path)")
-    if not target.is_cuda:  # CUDA tensors are checked on the device, in the op (no host sync)
-        check_targets(op, target.reshape(-1), vocab, ignore_index)
     return label_smoothing, lse_square_scale, softcap
 
 
@@ -847,8 +851,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     chunks in fp32, or added into dW in bf16 with one rounding per chunk). Gradients are exact (no filtering of
     small terms). Peak extra memory beyond the gradients is at most ``FusedLinearCrossEntropySpace.MAX_EXTRA_BYTES``
     (256 MiB; more only when even a 16-row chunk needs more, and float16 adds an fp32 dW accumulator), whatever
-    the number of tokens, on every path: CUDA, the plain CPU path and the interpreter (the CPU paths hold more
-    buffers per row and take fewer rows per chunk: ``cpu_chunk_rows``). Under torch.compile the backward of
+    the number of tokens, on every path of the 16- and 32-bit dtypes: CUDA, the plain CPU path and the
+    interpreter (the CPU paths hold more buffers per row and take fewer rows per chunk: ``cpu_chunk_rows``);
+    float64 runs the unfused reference and has no bound. Under torch.compile the backward of
     "mean"/"sum" returns new gradient tensors (a custom op may not write into its saved outputs), so dx and dW
     are held twice while it runs.
 

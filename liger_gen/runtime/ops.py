@@ -146,9 +146,9 @@ def check_targets(op: str, target: torch.Tensor, n_classes: int, ignore_index: i
 
     CUDA: one launch of a device-side assertion (``templates/checks.py.jinja``), no host synchronisation: the
     error surfaces at the next synchronisation as "device-side assert triggered", as PyTorch's CUDA cross-entropy
-    reports it, and the launch is captured by CUDA graphs and runs inside custom ops under torch.compile. CPU
-    (plain and interpreter paths): ValueError naming the first bad value, unless torch.compile or torch.jit.trace
-    is recording (a host check cannot be recorded). ``target`` is 1-D, any stride.
+    reports it, and the launch is captured by CUDA graphs. CPU: ValueError naming the first bad value. Called
+    inside the ops' implementations, so it runs also where torch.compile or torch.jit.trace recorded the op; a
+    call while they are recording (where a host check cannot run) returns. ``target`` is 1-D, any stride.
     """
     if target.is_cuda:
         _checks_module().targets_in_range(target, n_classes, ignore_index)

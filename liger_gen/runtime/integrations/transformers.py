@@ -62,6 +62,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 
 _SILU = ("silu", "swish")
 _original_rope: dict[str, object] = {}  # modeling module name → transformers' apply_rotary_pos_emb
+_patched_rope: dict[str, object] = {}  # modeling module name → its liger-gen wrapper (one object, so it pickles)
 
 
 def _replace_norm(module: nn.Module, family: ModelFamily) -> RMSNorm:
@@ -116,9 +117,11 @@ def _causal_lm_forward(self, *args, **kwargs):
     original forward unchanged.
     """
     original = type(self).forward
-    bound = _signature(original).bind(self, *args, **kwargs)
+    signature = _signature(original)
+    bound = signature.bind(self, *args, **kwargs)
     named = dict(bound.arguments)
-    extra = named.pop("kwargs", {})
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    extra = dict(named.pop(var_keyword, {})) if var_keyword else {}  # **kwargs, **loss_kwargs (4.46), none (4.45)
     labels = named.get("labels")
     if not self.training or labels is None or named.get("use_cache"):
         return original(self, *args, **kwargs)
@@ -126,11 +129,14 @@ def _causal_lm_forward(self, *args, **kwargs):
 
     from liger_gen.functional import fused_linear_cross_entropy
 
-    for name in ("self", "labels", "logits_to_keep", "use_cache"):
+    for name in ("self", "labels", "logits_to_keep", "num_logits_to_keep", "use_cache"):
         named.pop(name, None)
-    return_dict = extra.pop("return_dict", None)
+    return_dict = named.pop("return_dict", None)  # a named parameter before transformers 4.51, else in **kwargs
+    return_dict = extra.pop("return_dict", return_dict)
     shift_labels = extra.pop("shift_labels", None)
-    num_items_in_batch = extra.get("num_items_in_batch")
+    num_items_in_batch = extra.pop("num_items_in_batch", None)  # a loss argument; base models before 4.48 reject it
+    if "return_dict" in _signature(type(self.model).forward).parameters:
+        named["return_dict"] = True  # the base model returns a tuple when config.return_dict/its caller says so
     outputs = self.model(**named, **extra)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # tokens < n predict token n, as transformers' ForCausalLMLoss shifts them
@@ -228,7 +234,21 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     if rope:
         modeling = importlib.import_module(family.modeling_module)
         original = _original_rope.setdefault(family.modeling_module, modeling.apply_rotary_pos_emb)
-        modeling.apply_rotary_pos_emb = _transformers_rope(original)
+        patched = _patched_rope.get(family.modeling_module)
+        if patched is None:
+            patched = _patched_rope[family.modeling_module] = _transformers_rope(original)
+        modeling.apply_rotary_pos_emb = patched
+        # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
+        # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
+        # which now names the wrapper, so those references must be the wrapper for torch.save to work.
+        for module in model.modules():
+            if module.__dict__.get("rotary_fn") is original:
+                module.rotary_fn = patched
+            hidden = module.__dict__.get("_hidden_kernels")
+            if isinstance(hidden, dict):
+                for key, value in list(hidden.items()):
+                    if value is original:
+                        hidden[key] = patched
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
         model.forward = FusedLossForward(model)
     return model
