@@ -506,7 +506,8 @@ def op_problems(unit: WorkUnit, model, device, seed: int) -> list:
 
 
 class JournalError(ValueError):
-    """A tuning journal is corrupt in the middle (a bad record with valid ones after it): not resumable as is."""
+    """A tuning journal cannot be resumed as is: a bad record with valid ones after it, a record Optuna cannot
+    replay, or a path that is not a regular file."""
 
 
 class JournalWarning(UserWarning):

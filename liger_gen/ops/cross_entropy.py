@@ -529,9 +529,8 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         # directly, e.g. under torch.compile; the public function takes cross_entropy_torch on this path)
         t = target.long()
         valid = t != ignore_index
-        one = torch.ones((), dtype=torch.float32)
         scale = (cross_entropy_mean_scale(target, n_cols, weight, ignore_index) if reduction == "mean"
-                 else torch.stack([one, one]))
+                 else torch.ones(2, dtype=torch.float32))
         z = logits.reshape(rows, n_cols).to(torch.float32, copy=True)
         ce, zl, lse = _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale,
                                             softcap, scale, None, want_grad=grad_in_fwd)

@@ -42,6 +42,7 @@ import triton
 
 from liger_gen.codegen.render import template_hash
 from liger_gen.codegen.spaces import DeviceLimits, dtype_name, log_distance, space_for
+from liger_gen.runtime.devices import GPU_SLUG
 
 FORMAT_VERSION = 2
 ENV_TUNED_DIR = "LIGER_GEN_TUNED_DIR"
@@ -51,7 +52,7 @@ MAX_TABLE_BYTES = 16 * 2**20
 # the form of each key field: what ``new_table`` writes (a Triton version may carry a local suffix: 3.6.0+gitabc)
 _KEY_FORMS = {
     "op": re.compile(r"[a-z][a-z0-9_]*"),
-    "gpu": re.compile(r"[a-z0-9][a-z0-9._-]*"),
+    "gpu": GPU_SLUG,  # every name canonical_gpu_name gives
     "template_hash": re.compile(r"[0-9a-f]{16}"),
     "triton_version": re.compile(r"\d+\.\d+(\.\d+)?([.+-][0-9A-Za-z.+-]*)?"),
 }
@@ -148,9 +149,9 @@ def load_table(path: Path) -> dict[str, Any]:
     of our format, or if a key field does not have its form (e.g. an empty ``triton_version``)."""
     try:
         data = json.loads(read_table_text(Path(path)))
+    except TableError:
+        raise
     except (OSError, ValueError, RecursionError) as exc:  # ValueError covers JSON and int-size errors
-        if isinstance(exc, TableError):
-            raise
         raise TableError(f"cannot read tuned table {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise TableError(f"tuned table {path}: top level is {type(data).__name__}, expected an object")
