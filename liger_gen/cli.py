@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from liger_gen import __version__
-from liger_gen.ops import available_ops
+from liger_gen.ops import all_specs, available_ops, get_spec
 from liger_gen.bench.step import step_command_options
 from liger_gen.runtime.devices import GPU_SLUG, KNOWN_GPUS
 
@@ -132,8 +132,8 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
     if visible[0] != gpu:
         raise click.ClickException(f"--gpu {gpu} does not match the visible GPU {visible[1]!r} ({visible[0]}); "
                                    f"tables must be tuned on the GPU they are for.")
-    from liger_gen.codegen.report import run_tuning
-    from liger_gen.codegen.tuner import cuda_visible
+    from liger_gen.tuning.report import run_tuning
+    from liger_gen.tuning.tuner import cuda_visible
 
     if devices is None:
         devices = list(range(workers)) if workers else None
@@ -149,10 +149,10 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                                        f"every worker must tune on the GPU the tables are for.")
         if len(devices) == 1:
             torch.cuda.set_device(devices[0])
-    from liger_gen.codegen.tuner import JournalError
+    from liger_gen.tuning.tuner import JournalError
 
     try:
-        result = run_tuning(ops=ops, model=model, rows=rows, dtypes=dtype_list, trials=trials,
+        result = run_tuning(specs=[get_spec(op) for op in ops], model=model, rows=rows, dtypes=dtype_list, trials=trials,
                             out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
                             budget_s=budget_s or None,
                             devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
@@ -169,7 +169,7 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
 @click.option("--trials", "show_trials", is_flag=True, help="Also list every trial.")
 def show(gpu, show_trials) -> None:
     """Print the tuned tables for the current or named GPU."""
-    from liger_gen.codegen.report import show_tables
+    from liger_gen.tuning.report import show_tables
     from liger_gen.runtime.devices import current_gpu
 
     if gpu is None:
@@ -177,7 +177,7 @@ def show(gpu, show_trials) -> None:
         if visible is None:
             raise click.ClickException("no CUDA GPU is visible: name one with --gpu (e.g. --gpu h200)")
         gpu = visible[0]
-    if not show_tables(gpu, show_trials=show_trials):
+    if not show_tables(gpu, all_specs(), show_trials=show_trials):
         sys.exit(1)
 
 

@@ -7,13 +7,13 @@ formula it follows and the errors it raises) and re-exported here.
 from liger_gen.ops.cross_entropy import cross_entropy
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm
 from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-from liger_gen.ops.geglu import geglu, geglu_gate_up
+from liger_gen.ops.glu import geglu, geglu_gate_up
 from liger_gen.ops.jsd import jsd
 from liger_gen.ops.kl_div import kl_div
 from liger_gen.ops.layer_norm import layer_norm
 from liger_gen.ops.rms_norm import rms_norm
 from liger_gen.ops.rope import rope
-from liger_gen.ops.swiglu import swiglu, swiglu_gate_up
+from liger_gen.ops.glu import swiglu, swiglu_gate_up
 
 __all__ = ["cross_entropy", "fused_add_rms_norm", "fused_linear_cross_entropy", "geglu", "geglu_gate_up", "jsd",
            "kl_div", "layer_norm", "rms_norm", "rope", "swiglu", "swiglu_gate_up"]

@@ -7,7 +7,7 @@ from torch import nn
 
 from liger_gen import functional as F
 from liger_gen.ops.layer_norm import LayerNorm
-from liger_gen.ops.swiglu import SwiGLUMLP
+from liger_gen.ops.glu import SwiGLUMLP
 from liger_gen.reference import CASTING_MODES
 
 

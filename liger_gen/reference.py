@@ -8,13 +8,13 @@ from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm_float64, fused_a
 from liger_gen.ops.fused_linear_cross_entropy import (fused_linear_cross_entropy_float64,
                                                       fused_linear_cross_entropy_float64_chunked,
                                                       fused_linear_cross_entropy_torch)
-from liger_gen.ops.geglu import geglu_float64, geglu_torch
+from liger_gen.ops.glu import geglu_float64, geglu_torch
 from liger_gen.ops.jsd import jsd_float64, jsd_torch
 from liger_gen.ops.kl_div import kl_div_float64, kl_div_torch
 from liger_gen.ops.layer_norm import layer_norm_float64, layer_norm_torch
 from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out_dtype, rms_norm_torch
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
-from liger_gen.ops.swiglu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
+from liger_gen.ops.glu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
 
 __all__ = ["CASTING_MODES", "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64",
            "fused_add_rms_norm_torch",

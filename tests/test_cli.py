@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from liger_gen.cli import main
 from liger_gen.models import PRESETS, resolve_model
+from liger_gen.ops.rms_norm import RMSNormSpace
 from liger_gen.runtime import tables
 
 
@@ -40,7 +41,7 @@ def test_a_gpu_the_runtime_names_by_its_slug_can_be_shown_and_tuned(runner, tmp_
     slug = devices.canonical_gpu_name("Tesla T4")
     assert slug == "tesla-t4"
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
-    t = tables.new_table("rms_norm", slug, "Tesla T4", "7.5")
+    t = tables.new_table(RMSNormSpace, slug, "Tesla T4", "7.5")
     cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
     t["entries"] = [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384, "config": cfg}]
     tables.write_table(tables.table_path(tmp_path, slug, "rms_norm"), t)
@@ -86,7 +87,7 @@ def test_show_lists_a_user_table(runner, tmp_path, monkeypatch):
     from liger_gen.ops.rms_norm import RMSNormSpace
 
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
-    t = tables.new_table("rms_norm", "h200", "NVIDIA H200", "9.0")
+    t = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
     cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
     t["entries"] = [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384, "config": cfg, "heuristic": cfg,
                      "timing_ms": {"fwd": {"tuned": 0.05, "heuristic": 0.06}, "bwd": {"tuned": 0.1, "heuristic": 0.1}},
@@ -161,7 +162,7 @@ def _show(runner, tmp_path, monkeypatch, **table_fields):
     from liger_gen.ops.rms_norm import RMSNormSpace
 
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
-    t = tables.new_table("rms_norm", "h200", "NVIDIA H200", "9.0")
+    t = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
     cfg = RMSNormSpace(4096, torch.bfloat16).heuristic().to_dict()
     entry = {"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384, "config": cfg, "heuristic": cfg,
              "timing_ms": {"fwd": {"tuned": 0.05, "heuristic": 0.06}, "bwd": {"tuned": 0.1, "heuristic": 0.1}},

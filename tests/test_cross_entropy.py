@@ -85,7 +85,8 @@ def test_custom_ops_on_the_plain_cpu_path_match_float64(dtype, reduction, monkey
     x, t = _case(11, v, dtype, "cpu", gen, ignore=(2, 7))
     w = 0.5 + torch.rand(v, generator=gen)
     opts = (-100, reduction, 0.1, 1e-2, 5.0)
-    loss, zl, lse, q, scale = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, *opts)
+    loss, zl, lse, q, scale, empty = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, *opts, False)
+    assert empty.numel() == 0  # no gradient in the forward unless asked
     x64 = x.double().requires_grad_()
     ref, ref_z = cross_entropy_float64(x64, t, w, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2,
                                        softcap=5.0)
@@ -560,10 +561,11 @@ def test_opcheck_custom_ops(device):
     x = torch.randn(5, 40, device=device)
     t = torch.randint(0, 40, (5,), device=device)
     w = torch.rand(40, device=device)
-    for args in ((x, t, None, -100, "mean", 0.0, 0.0, None), (x, t, w, -100, "none", 0.1, 1e-3, 3.0)):
+    for args in ((x, t, None, -100, "mean", 0.0, 0.0, None, False), (x, t, w, -100, "none", 0.1, 1e-3, 3.0, False),
+                 (x, t, w, -100, "mean", 0.1, 1e-3, 3.0, True)):
         torch.library.opcheck(torch.ops.liger_gen.cross_entropy_fwd.default, args,
                               test_utils=("test_schema", "test_faketensor"))
-    loss, _, lse, q, scale = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, -100, "none", 0.1, 1e-3, 3.0)
+    loss, _, lse, q, scale, _ = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, -100, "none", 0.1, 1e-3, 3.0, False)
     torch.library.opcheck(torch.ops.liger_gen.cross_entropy_bwd.default,
                           (torch.ones_like(loss), x, t, w, lse, q, scale, -100, "none", 0.1, 1e-3, 3.0),
                           test_utils=("test_schema", "test_faketensor"))
@@ -716,7 +718,7 @@ def test_gate_catches_a_wrong_gradient(device):
 def test_tuner_produces_a_valid_entry(device):
     import optuna
 
-    from liger_gen.codegen.tuner import Tuner
+    from liger_gen.tuning.tuner import Tuner
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 

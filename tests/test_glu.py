@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.ops.geglu import GeGLUProblem, GeGLUSpace, geglu, geglu_gate_up
-from liger_gen.ops.swiglu import (GLUConfig, GLUProblem, GLUSpace, SwiGLUMLP, as_rows, glu_float64, glu_torch,
-                                  swiglu, swiglu_gate_up)
+from liger_gen.ops.glu import (GeGLUProblem, GeGLUSpace, GLUConfig, GLUProblem, GLUSpace, SwiGLUMLP, as_rows,
+                               geglu, geglu_gate_up, glu_float64, glu_torch, swiglu, swiglu_gate_up)
 from liger_gen.runtime import tables
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -195,10 +194,7 @@ def test_gate_up_gradient_is_one_tensor_without_split_or_cat(approximate, device
     assert not [n for n in names if any(w in n for w in ("Slice", "Split", "Cat", "Copy", "Chunk", "Stack"))], names
     assert "AccumulateGrad" in names
     dy = torch.randn(6, 20, device=device)
-    if approximate is None:
-        grad = torch.ops.liger_gen.swiglu_gate_up_bwd(dy, gate_up.detach())
-    else:
-        grad = torch.ops.liger_gen.geglu_gate_up_bwd(dy, gate_up.detach(), approximate)
+    grad = torch.ops.liger_gen.glu_gate_up_bwd(dy, gate_up.detach(), "silu" if approximate is None else "gelu_tanh")
     assert grad.shape == (6, 40) and grad.is_contiguous()
 
 
@@ -260,12 +256,8 @@ def test_custom_ops_fall_back_to_pytorch_on_plain_cpu(monkeypatch):
         g2, u2 = _leaf(g.clone()), _leaf(u.clone())
         ref = glu_torch(g2, u2, activation)
         ref_grads = torch.autograd.grad(ref, (g2, u2), dy)
-        if approximate is None:
-            outs = ops.swiglu_fwd(g, u), ops.swiglu_bwd(dy, g, u), ops.swiglu_gate_up_fwd(packed), \
-                ops.swiglu_gate_up_bwd(dy, packed)
-        else:
-            outs = ops.geglu_fwd(g, u, approximate), ops.geglu_bwd(dy, g, u, approximate), \
-                ops.geglu_gate_up_fwd(packed, approximate), ops.geglu_gate_up_bwd(dy, packed, approximate)
+        outs = ops.glu_fwd(g, u, activation), ops.glu_bwd(dy, g, u, activation), \
+            ops.glu_gate_up_fwd(packed, activation), ops.glu_gate_up_bwd(dy, packed, activation)
         y, (dg, du), y_packed, d_packed = outs
         assert torch.equal(y, ref) and torch.equal(y_packed, ref)
         assert torch.equal(dg, ref_grads[0]) and torch.equal(du, ref_grads[1])
@@ -335,18 +327,13 @@ def test_opcheck_custom_ops(device):
     g, u, dy = (torch.randn(5, 40, device=device) for _ in range(3))
     packed = torch.randn(5, 80, device=device)
     ops = torch.ops.liger_gen
-    cases = [
-        (ops.swiglu_fwd.default, (g, u)),
-        (ops.swiglu_bwd.default, (dy, g, u)),
-        (ops.swiglu_gate_up_fwd.default, (packed,)),
-        (ops.swiglu_gate_up_bwd.default, (dy, packed)),
-    ]
-    for approximate in ("none", "tanh"):
+    cases = []
+    for activation, _ in ACTIVATIONS:
         cases += [
-            (ops.geglu_fwd.default, (g, u, approximate)),
-            (ops.geglu_bwd.default, (dy, g, u, approximate)),
-            (ops.geglu_gate_up_fwd.default, (packed, approximate)),
-            (ops.geglu_gate_up_bwd.default, (dy, packed, approximate)),
+            (ops.glu_fwd.default, (g, u, activation)),
+            (ops.glu_bwd.default, (dy, g, u, activation)),
+            (ops.glu_gate_up_fwd.default, (packed, activation)),
+            (ops.glu_gate_up_bwd.default, (dy, packed, activation)),
         ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -502,13 +489,13 @@ def test_problem_reference_in_chunks_bytes_and_validation(monkeypatch):
 
 def test_tuning_problems_use_intermediate_size():
     from liger_gen.models import PRESETS
-    from liger_gen.ops import get_op
+    from liger_gen.ops import get_spec
 
     model = dataclasses.replace(PRESETS["llama3-8b"], intermediate_size=48)
     for op, activation in (("swiglu", "silu"), ("geglu", "gelu_tanh")):
-        module = get_op(op)
-        assert module.SPACE.op == op and module.SPACE.template == "glu"
-        problems = module.tuning_problems(model, [3, 5], torch.float32, "cpu")
+        spec = get_spec(op)
+        assert spec.space.op == op and spec.space.template == "glu"
+        problems = spec.tuning_problems(model, [3, 5], torch.float32, "cpu")
         assert [(p.op, p.rows, p.dims, p.variant) for p in problems] == [
             (op, r, {"n_cols": 48}, {"activation": activation}) for r in (3, 5)]
 
@@ -523,14 +510,14 @@ def _cost_model(launch, params):
 def test_small_tuner_run_writes_a_usable_table(op, tmp_path, monkeypatch):
     import optuna
 
-    from liger_gen.codegen.tuner import Tuner, tune_to_table
+    from liger_gen.tuning.tuner import Tuner, tune_to_table
     from liger_gen.runtime.ops import clear_caches
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     problem_cls = GLUProblem if op == "swiglu" else GeGLUProblem
     problem = problem_cls(torch.float32, 96, 12, "cpu", seed=1)
     tuner = Tuner(n_trials=4, timer=_cost_model, seed=0, retime_rounds=1)
-    path, (entry,) = tune_to_table(op, [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
+    path, (entry,) = tune_to_table(problem.SPACE, [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
                                    compute_capability="9.0", tuner=tuner)
     assert path == tmp_path / "h200" / f"{op}.json"
     config = GLUConfig.from_dict(entry["config"])
@@ -543,7 +530,7 @@ def test_small_tuner_run_writes_a_usable_table(op, tmp_path, monkeypatch):
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
     tables.clear_caches()
     try:
-        found = tables.lookup(op, torch.float32, 96, 12, "h200", DeviceLimits.interpreter(),
+        found = tables.lookup(problem.SPACE, torch.float32, 96, 12, "h200", DeviceLimits.interpreter(),
                               variant=problem.variant)
         assert found["source"] == "user" and found["config"] == config
     finally:

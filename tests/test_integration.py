@@ -5,7 +5,7 @@ import torch
 
 import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.runtime.integrations import transformers as integration
+from liger_gen.integrations import transformers as integration
 
 from conftest import CPU_PATHS
 

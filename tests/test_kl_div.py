@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.codegen.tuner import Tuner, tune_to_table
+from liger_gen.tuning.tuner import Tuner, tune_to_table
 from liger_gen.models import ModelShape
 from liger_gen.ops.kl_div import (REDUCTIONS, DivergenceConfig, KLDivProblem, KLDivSpace, kl_div, kl_div_float64,
                                   kl_div_torch, tuning_problems, tuning_rows)
@@ -245,11 +245,14 @@ def test_opcheck_custom_ops(device):
     torch.library.opcheck(torch.ops.liger_gen.kl_div_fwd.default, (x, t, "batchmean", 5, False), test_utils=utils)
     torch.library.opcheck(torch.ops.liger_gen.kl_div_fwd.default, (x, t, "none", 1, True), test_utils=utils)
     g = torch.tensor(0.5, device=device)
-    torch.library.opcheck(torch.ops.liger_gen.kl_div_bwd.default, (g, x, t, "sum", 1, False, True, True),
+    torch.library.opcheck(torch.ops.liger_gen.kl_div_bwd.default, (g, x, t, "sum", 1, False, True, True, x.dtype),
                           test_utils=utils)
     torch.library.opcheck(torch.ops.liger_gen.kl_div_bwd.default,
-                          (torch.randn(5, 40, device=device), x, t, "none", 1, True, True, False),
+                          (torch.randn(5, 40, device=device), x, t, "none", 1, True, True, False, x.dtype),
                           test_utils=utils)
+    # d/dinput does not read the input: the backward is called without it when the target needs no gradient
+    torch.library.opcheck(torch.ops.liger_gen.kl_div_bwd.default,
+                          (g, None, t, "batchmean", 5, False, True, False, torch.bfloat16), test_utils=utils)
 
 
 def test_double_backward_raises(device):
@@ -360,7 +363,7 @@ def test_tuner_writes_an_entry_the_runtime_finds(device, tmp_path, monkeypatch):
 
     problem = KLDivProblem(torch.float32, 600, 8, device, seed=1)
     tuner = Tuner(n_trials=4, timer=cost, seed=0, retime_rounds=1)
-    path, (entry,) = tune_to_table("kl_div", [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
+    path, (entry,) = tune_to_table(KLDivSpace, [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
                                    compute_capability="9.0", tuner=tuner)
     config = DivergenceConfig.from_dict(entry["config"])
     assert not problem.space.violations(config)
@@ -372,7 +375,7 @@ def test_tuner_writes_an_entry_the_runtime_finds(device, tmp_path, monkeypatch):
     # the runtime finds the written entry for the nearest row count
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
     tables.clear_caches()
-    found = tables.lookup("kl_div", torch.float32, {"vocab": 600}, 11, "h200")
+    found = tables.lookup(KLDivSpace, torch.float32, {"vocab": 600}, 11, "h200")
     assert found["source"] == "user" and found["config"] == config
     tables.clear_caches()
 

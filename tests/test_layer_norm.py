@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.codegen.tuner import Tuner, tune_to_table
+from liger_gen.tuning.tuner import Tuner, tune_to_table
 from liger_gen.models import PRESETS
 from liger_gen.ops.layer_norm import (LayerNorm, LayerNormConfig, LayerNormProblem, LayerNormSpace, layer_norm,
                                       layer_norm_float64, tuning_problems)
@@ -191,9 +191,9 @@ def test_small_tuner_run_writes_a_valid_entry(tmp_path, monkeypatch):
 
     problem = LayerNormProblem(torch.float32, 96, 20, "cpu", seed=1)
     tuner = Tuner(n_trials=4, timer=cost_model, seed=0, retime_rounds=1)
-    path, _ = tune_to_table("layer_norm", [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
+    path, _ = tune_to_table(LayerNormSpace, [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
                             compute_capability="9.0", tuner=tuner)
-    (entry,) = tables.load_table(path)["entries"]
+    (entry,) = tables.with_trials(path, tables.load_table(path))["entries"]
     heuristic = problem.space.heuristic()
     for phase in ("fwd", "bwd"):
         assert entry["trials"][phase][0]["params"] == problem.space.phase_params(heuristic, phase)
@@ -203,7 +203,7 @@ def test_small_tuner_run_writes_a_valid_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGER_GEN_TUNED_DIR", str(tmp_path))
     tables.clear_caches()
     try:
-        found = tables.lookup("layer_norm", torch.float32, 96, 20, "h200", DeviceLimits.interpreter())
+        found = tables.lookup(LayerNormSpace, torch.float32, 96, 20, "h200", DeviceLimits.interpreter())
         assert found["source"] == "user" and found["config"] == config
     finally:
         tables.clear_caches()

@@ -11,6 +11,7 @@ from liger_gen.ops.rms_norm import RMSNormSpace
 from liger_gen.runtime import tables
 
 OP, GPU, N = "rms_norm", "h200", 256
+SPACE = RMSNormSpace
 
 
 def _entry(rows, config, dtype="bfloat16", n_cols=N):
@@ -37,7 +38,7 @@ def _write(root, table, gpu=GPU):
 
 
 def _table(entries, **overrides):
-    t = tables.new_table(OP, GPU, "NVIDIA H200", "9.0")
+    t = tables.new_table(SPACE, GPU, "NVIDIA H200", "9.0")
     t["entries"] = entries
     t.update(overrides)
     return t
@@ -45,25 +46,25 @@ def _table(entries, **overrides):
 
 def test_missing_table_warns_once_and_uses_heuristic(user_dir):
     with pytest.warns(tables.TunedTableWarning, match="no tuned rms_norm config"):
-        found = tables.lookup(OP, torch.bfloat16, N, 1000, GPU)
+        found = tables.lookup(SPACE, torch.bfloat16, N, 1000, GPU)
     assert found["source"] == "heuristic"
     assert found["config"] == RMSNormSpace(N, torch.bfloat16).heuristic()
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tables.lookup(OP, torch.bfloat16, N, 1000, GPU)  # second time: no warning
+        tables.lookup(SPACE, torch.bfloat16, N, 1000, GPU)  # second time: no warning
 
 
 def test_valid_table_is_used_with_nearest_rows_bucket(user_dir):
     small, large = _tuned_config(BLOCK_M_FWD=1), _tuned_config(BLOCK_M_FWD=4)
     _write(user_dir, _table([_entry(1024, small), _entry(65536, large)]))
-    assert tables.lookup(OP, torch.bfloat16, N, 2000, GPU)["config"] == small
-    found = tables.lookup(OP, torch.bfloat16, N, 30000, GPU)
+    assert tables.lookup(SPACE, torch.bfloat16, N, 2000, GPU)["config"] == small
+    found = tables.lookup(SPACE, torch.bfloat16, N, 30000, GPU)
     assert found["config"] == large and found["source"] == "user" and found["rows"] == 65536
     # dtype and n_cols must match exactly
     with pytest.warns(tables.TunedTableWarning):
-        assert tables.lookup(OP, torch.float16, N, 2000, GPU)["source"] == "heuristic"
+        assert tables.lookup(SPACE, torch.float16, N, 2000, GPU)["source"] == "heuristic"
 
 
 def test_user_dir_comes_before_packaged(user_dir, tmp_path, monkeypatch):
@@ -71,36 +72,38 @@ def test_user_dir_comes_before_packaged(user_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "packaged_root", lambda: packaged)
     _write(packaged, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))]))
     _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=2))]))
-    assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["config"].BLOCK_M_FWD == 2
+    assert tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["config"].BLOCK_M_FWD == 2
     (user_dir / GPU / f"{OP}.json").unlink()
     tables.clear_caches()
-    found = tables.lookup(OP, torch.bfloat16, N, 4096, GPU)
+    found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
     assert found["source"] == "packaged" and found["config"].BLOCK_M_FWD == 8
 
 
 @pytest.mark.parametrize("override,reason", [
     ({"gpu": "a100"}, "tuned on GPU"),
     ({"triton_version": "2.1.0"}, "Triton"),
-    ({"template_hash": "0123456789abcdef"}, "template"),
+    ({"template_hashes": {"rms_norm": "0123456789abcdef"}}, "template hashes differ for rms_norm"),
+    ({"template_hashes": {"rms_norm": tables.template_hash("rms_norm"), "cross_entropy": "0123456789abcdef"}},
+     "cross_entropy"),
 ])
 def test_foreign_table_warns_and_falls_back(user_dir, override, reason):
     # a foreign table filed under this GPU's folder (e.g. copied by hand) must still not be used
     _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))], **override))
     with pytest.warns(tables.TunedTableWarning, match=reason):
-        found = tables.lookup(OP, torch.bfloat16, N, 4096, GPU)
+        found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
     assert found["source"] == "heuristic"
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"format_version": 1}', "", "[" * 100000 + "]" * 100000,
                                   '{"format_version": ' + "9" * 5000 + "}",
-                                  json.dumps({"format_version": 1, "op": OP, "gpu": GPU, "template_hash": "x",
+                                  json.dumps({"format_version": 3, "op": OP, "gpu": GPU, "template_hashes": {"rms_norm": "x"},
                                               "triton_version": "3", "entries": [{"dtype": "bfloat16"}]})])
 def test_corrupt_table_warns_and_falls_back(user_dir, text):
     path = tables.table_path(user_dir, GPU, OP)
     path.parent.mkdir(parents=True)
     path.write_text(text)
     with pytest.warns(tables.TunedTableWarning):
-        found = tables.lookup(OP, torch.bfloat16, N, 4096, GPU)
+        found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
     assert found["source"] == "heuristic"
 
 
@@ -116,14 +119,14 @@ def test_entry_with_invalid_config_is_not_used(user_dir, changes, words):
     t = _table([{"dtype": "bfloat16", "dims": {"n_cols": N}, "rows": 4096, "config": bad}])
     _write(user_dir, t)
     with pytest.warns(tables.TunedTableWarning, match=words):
-        assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
+        assert tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
 
 
 def test_entry_whose_config_is_not_an_object_is_rejected(user_dir):
     t = _table([{"dtype": "bfloat16", "dims": {"n_cols": N}, "rows": 4096, "config": []}])
     _write(user_dir, t)
     with pytest.warns(tables.TunedTableWarning, match="corrupt"):
-        assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
+        assert tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
 
 
 def test_no_gpu_means_heuristic_without_warning(user_dir):
@@ -131,13 +134,13 @@ def test_no_gpu_means_heuristic_without_warning(user_dir):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tables.lookup(OP, torch.float32, N, 10, None)["source"] == "heuristic"
+        assert tables.lookup(SPACE, torch.float32, N, 10, None)["source"] == "heuristic"
 
 
 def test_heuristic_only_ignores_tables(user_dir):
     _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))]))
     with tables.heuristic_only():
-        assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
+        assert tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["source"] == "heuristic"
 
 
 def test_write_table_sorted_and_atomic(tmp_path):
@@ -152,18 +155,45 @@ def test_write_table_sorted_and_atomic(tmp_path):
     assert text == json.dumps(json.loads(text), indent=1, sort_keys=True) + "\n"
 
 
+def test_trial_logs_are_written_beside_the_table_and_read_back(tmp_path):
+    path = tables.table_path(tmp_path, GPU, OP)
+    logged = {**_entry(1024, _tuned_config()), "trials": {"fwd": [{"number": 0, "ms": 0.5}]},
+              "search": {"fwd": {"trials": 1}}, "retime": {"fwd": []}}
+    tables.write_table(path, _table([logged, _entry(4096, _tuned_config())]))
+    shipped = tables.load_table(path)
+    assert [set(e) & set(tables.TRIAL_FIELDS) for e in shipped["entries"]] == [set(), set()]
+    assert tables.trials_path(path).exists()
+    merged = tables.with_trials(path, shipped)["entries"]
+    assert merged[0]["trials"] == logged["trials"] and merged[0]["search"] == logged["search"]
+    assert "trials" not in merged[1]
+    tables.trials_path(path).write_text("{not json")  # a broken log costs only the log
+    assert tables.with_trials(path, shipped) == shipped
+
+
+@pytest.mark.parametrize("hashes", [{}, {"rms_norm": "zz"}, {"rms_norm": 7}, {"rms_norm": ""}])
+def test_template_hashes_of_the_wrong_form_make_the_table_unused(user_dir, hashes):
+    _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))], template_hashes=hashes))
+    assert _lookup_warns("template_hashes") == "heuristic"
+
+
 def test_packaged_tables_parse_and_belong_to_their_gpu():
-    from liger_gen.codegen.spaces import space_for
-    from liger_gen.ops import available_ops
+    from liger_gen.ops import available_ops, get_spec
 
     root = tables.packaged_root()
     ops = set()
     for path in root.glob("*/*.json"):
+        if path.name.endswith(".trials.json"):
+            continue
         table = tables.load_table(path)
         assert table["gpu"] == path.parent.name and table["op"] == path.stem
+        space_cls = get_spec(table["op"]).space
+        assert [r for r in tables.foreign_reasons(table, space=space_cls, gpu=table["gpu"]) if "Triton" not in r] == []
+        assert set(table["template_hashes"]) == {space_cls.template, *space_cls.also_renders}
+        assert not set(tables.TRIAL_FIELDS) & {k for e in table["entries"] for k in e}  # logs live beside it
+        assert tables.load_trials(path)  # ... and are there
         ops.add(table["op"])
         for e in table["entries"]:
-            space = space_for(table["op"], e["dims"], getattr(torch, e["dtype"]))
+            space = space_cls(e["dims"], getattr(torch, e["dtype"]))
             assert not space.violations(space.config_cls.from_dict(e["config"])), (path, e["dims"], e["rows"])
     assert ops == set(available_ops())  # every op has a packaged (H200) table
 
@@ -173,7 +203,7 @@ def test_packaged_tables_parse_and_belong_to_their_gpu():
 
 def _lookup_warns(match):
     with pytest.warns(tables.TunedTableWarning, match=match):
-        return tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"]
+        return tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["source"]
 
 
 def test_a_folder_name_over_the_limit_warns_and_falls_back(tmp_path, monkeypatch):
@@ -227,7 +257,7 @@ def test_a_table_over_the_size_cap_is_not_read(user_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("field,value", [("triton_version", ""), ("triton_version", "main"), ("gpu", ""),
-                                         ("template_hash", ""), ("template_hash", "zz"), ("op", "../rms_norm"),
+                                         ("op", "../rms_norm"),
                                          ("compute_capability", "nine")])
 def test_a_key_field_of_the_wrong_form_makes_the_table_unused(user_dir, field, value):
     """An empty triton_version used to skip the version check (the running version stood in for it)."""
@@ -240,14 +270,14 @@ def test_triton_version_with_a_local_suffix_is_accepted(user_dir):
 
     _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))],
                             triton_version=triton.__version__ + "+git1234abc"))
-    assert tables.lookup(OP, torch.bfloat16, N, 4096, GPU)["source"] == "user"
+    assert tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["source"] == "user"
 
 
 def _write_entries_one_by_one(root, first_rows):
-    from liger_gen.codegen.tuner import write_entries
+    from liger_gen.tuning.tuner import write_entries
 
     for i in range(50):
-        write_entries(OP, [_entry(first_rows + i, _tuned_config())], root, gpu=GPU, device_name="NVIDIA H200",
+        write_entries(SPACE, [_entry(first_rows + i, _tuned_config())], root, gpu=GPU, device_name="NVIDIA H200",
                       compute_capability="9.0")
 
 

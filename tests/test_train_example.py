@@ -71,9 +71,9 @@ class _LigerOpCounter:
     def __enter__(self):
         self._original = ops._variant
 
-        def counting(op, *args):
-            self.calls[op] = self.calls.get(op, 0) + 1
-            return self._original(op, *args)
+        def counting(space, *args):
+            self.calls[space.op] = self.calls.get(space.op, 0) + 1
+            return self._original(space, *args)
 
         ops._variant = counting
         return self

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import liger_gen
-from liger_gen.runtime.integrations import transformers as integration
+from liger_gen.integrations import transformers as integration
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer's own requirement

@@ -11,7 +11,7 @@ import torch
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import Problem
 from liger_gen.ops.rms_norm import RMSNormProblem, RMSNormSpace
-from liger_gen.codegen.tuner import Tuner, tune_to_table
+from liger_gen.tuning.tuner import Tuner, tune_to_table
 from liger_gen.runtime import tables
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -103,18 +103,20 @@ def test_failing_and_wrong_variants_are_pruned(problem):
 
 def test_table_written_atomically_reread_and_merged(problem, tmp_path):
     tuner = Tuner(n_trials=4, timer=cost_model)
-    path, entries = tune_to_table("rms_norm", [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
+    path, entries = tune_to_table(RMSNormSpace, [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
                                   compute_capability="9.0", tuner=tuner)
     assert path == tmp_path / "h200" / "rms_norm.json"
     first = tables.load_table(path)
     assert [e["rows"] for e in first["entries"]] == [20]
     other = RMSNormProblem(torch.float32, 96, 64, "cpu")
-    tune_to_table("rms_norm", [other, problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
+    tune_to_table(RMSNormSpace, [other, problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
                   compute_capability="9.0", tuner=tuner)
     merged = tables.load_table(path)
     assert [e["rows"] for e in merged["entries"]] == [20, 64]  # replaced, not duplicated
-    assert sorted(p.name for p in path.parent.iterdir()) == ["rms_norm.json"]
-    assert json.loads(path.read_text())["template_hash"] == first["template_hash"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["rms_norm.json", "rms_norm.trials.json"]
+    assert json.loads(path.read_text())["template_hashes"] == first["template_hashes"]
+    logged = tables.with_trials(path, merged)["entries"]
+    assert [sorted(e["trials"]) for e in logged] == [["bwd", "fwd"], ["bwd", "fwd"]]  # the logs, beside it
 
 
 def test_study_resumes_from_storage(problem, tmp_path):
@@ -184,7 +186,7 @@ def test_polish_zero_measures_nothing_extra(problem):
 # ------------------------------------------------------------------------------ timing methods and re-timing
 
 def test_timing_pure_helpers_and_method():
-    from liger_gen.codegen.timing import Timing, graph_plan, per_launch_ms, timing_method
+    from liger_gen.tuning.timing import Timing, graph_plan, per_launch_ms, timing_method
     import pickle
 
     # 20 us kernel after a 35 us flush: 72 launches make a ~4 ms graph; replay pairs fill ~60 ms (7 pairs)
@@ -205,7 +207,7 @@ def test_timing_pure_helpers_and_method():
 
 
 def test_gpu_timer_falls_back_to_events_and_says_why(monkeypatch):
-    from liger_gen.codegen import timing
+    from liger_gen.tuning import timing
 
     def no_capture(launch, params=None):
         raise timing.GraphCaptureError("RuntimeError: operation not permitted when stream is capturing")
@@ -217,7 +219,7 @@ def test_gpu_timer_falls_back_to_events_and_says_why(monkeypatch):
 
 
 def test_trials_and_entry_record_the_timing_method(fast):
-    from liger_gen.codegen.timing import Timing
+    from liger_gen.tuning.timing import Timing
 
     def graph(launch, p):
         return Timing(cost_model(launch, p), "graph")
@@ -232,7 +234,7 @@ def test_trials_and_entry_record_the_timing_method(fast):
 
 
 def test_mixed_timing_methods_are_retimed_with_one_method(fast):
-    from liger_gen.codegen.timing import Timing
+    from liger_gen.tuning.timing import Timing
 
     heuristic = fast.template_params(fast.space.heuristic())
 
@@ -330,7 +332,7 @@ class Interrupt:
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, Killed])  # the trial ends FAIL / stays RUNNING
 @pytest.mark.parametrize("at", [1, 4, 9, 12, 16])  # the heuristic, the search, the polish, the backward phase
 def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc):
-    from liger_gen.codegen.tuner import open_storage
+    from liger_gen.tuning.tuner import open_storage
 
     settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2)
     reference = Tuner(timer=cost_model, **settings).tune(fast)
@@ -341,7 +343,7 @@ def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc):
 
 
 def test_points_left_queued_by_a_killed_run_do_not_change_the_entry(fast, tmp_path):
-    from liger_gen.codegen.tuner import open_storage
+    from liger_gen.tuning.tuner import open_storage
 
     settings = dict(n_trials=6, seed=2, polish_trials=2, retime_rounds=1)
     reference = Tuner(build=fake_build, timer=cost_model, **settings).tune(fast)
@@ -396,7 +398,7 @@ def test_retime_disqualifies_configs_that_fail_or_time_to_nonsense(fast):
 def test_a_journal_with_a_torn_tail_resumes_to_the_same_entry(fast, tmp_path, tear):
     """Disk full or power loss while a record was written: the torn tail is cut off (and kept aside), with a
     warning, and the resumed run ends at the uninterrupted entry. Optuna alone fails on every later run."""
-    from liger_gen.codegen.tuner import JournalWarning, open_storage
+    from liger_gen.tuning.tuner import JournalWarning, open_storage
 
     settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2)
     reference = Tuner(timer=cost_model, **settings).tune(fast)
@@ -416,7 +418,7 @@ def test_a_journal_with_a_torn_tail_resumes_to_the_same_entry(fast, tmp_path, te
 
 
 def test_a_journal_corrupt_in_the_middle_is_a_clear_error(fast, tmp_path):
-    from liger_gen.codegen.tuner import JournalError, open_storage
+    from liger_gen.tuning.tuner import JournalError, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
@@ -434,7 +436,7 @@ def test_a_stale_journal_lock_is_named_in_a_warning(fast, tmp_path):
     The warning says so (here the lock's owner 'finishes' after 0.5 s, so the test does not wait 30 s)."""
     import threading
 
-    from liger_gen.codegen.tuner import JournalWarning, open_storage
+    from liger_gen.tuning.tuner import JournalWarning, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=2, seed=1, polish_trials=0,
@@ -450,7 +452,7 @@ def test_a_stale_journal_lock_is_named_in_a_warning(fast, tmp_path):
 @pytest.mark.parametrize("bad", [b"{}\n", b'{"op_codf": 0, "worker_id": "x"}\n', b"[1, 2]\n"])
 def test_a_record_that_parses_but_is_not_optunas_is_a_clear_error(fast, tmp_path, bad):
     """Valid JSON in the middle that is not an Optuna record used to reach Optuna's replay (KeyError)."""
-    from liger_gen.codegen.tuner import JournalError, open_storage
+    from liger_gen.tuning.tuner import JournalError, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
@@ -466,7 +468,7 @@ def test_a_record_optuna_cannot_replay_is_a_clear_error(fast, tmp_path):
     """A record of the right form whose content Optuna rejects: JournalError naming the file, not Optuna's error."""
     import json as json_module
 
-    from liger_gen.codegen.tuner import JournalError, open_storage
+    from liger_gen.tuning.tuner import JournalError, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
@@ -485,7 +487,7 @@ def test_a_record_optuna_cannot_replay_is_a_clear_error(fast, tmp_path):
 def test_a_fifo_named_as_the_journal_is_refused_at_once(tmp_path):
     import signal
 
-    from liger_gen.codegen.tuner import JournalError, open_storage
+    from liger_gen.tuning.tuner import JournalError, open_storage
 
     os.mkfifo(tmp_path / "run.journal")
     signal.alarm(20)  # a hang fails the test instead of the run

@@ -13,11 +13,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from liger_gen.codegen import report
+from liger_gen.tuning import report
 from liger_gen.codegen.spaces import dtype_from_name
-from liger_gen.codegen.tuner import (TuneJob, Tuner, WorkUnit, claim, cuda_visible, open_storage, plan_units,
-                                     planned_rows, tune_ops, write_entries)
+from liger_gen.tuning.tuner import (TuneJob, Tuner, WorkUnit, claim, cuda_visible, open_storage, plan_units,
+                                     tune_ops, write_entries)
 from liger_gen.models import ModelShape, PRESETS
+from liger_gen.ops import get_spec
 from liger_gen.ops.layer_norm import LayerNormSpace
 from liger_gen.runtime import tables
 from test_tuner import FakeRMSNormProblem, fake_build
@@ -68,7 +69,7 @@ def cost(launch, params):
 
 
 def job(storage=None, ops=("rms_norm", "layer_norm"), rows=(16, 32, 64)):
-    units = plan_units(list(ops), MODEL, list(rows), ["float32"])
+    units = plan_units([get_spec(op) for op in ops], MODEL, list(rows), ["float32"])
     tuner = Tuner(n_trials=6, timer=cost, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
     return TuneJob(units=units, model=MODEL, tuner=tuner, storage=storage, make_problems=fake_problems, device="cpu")
 
@@ -77,7 +78,7 @@ def written(result, root):
     """The tables ``result`` gives, as JSON without the creation time."""
     out = {}
     for op, entries in result.entries.items():
-        path = write_entries(op, entries, root, gpu="h200", device_name="NVIDIA H200", compute_capability="9.0")
+        path = write_entries(get_spec(op).space, entries, root, gpu="h200", device_name="NVIDIA H200", compute_capability="9.0")
         table = json.loads(path.read_text())
         table.pop("created")
         out[op] = table
@@ -127,7 +128,7 @@ def test_run_tuning_prints_times_and_gains_and_removes_its_journal(reference, tm
     out = io.StringIO()
     monkeypatch.setattr(report, "console", Console(file=out, width=240))
     tuner = Tuner(n_trials=6, timer=cost, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
-    result = report.run_tuning(ops=["rms_norm", "layer_norm"], model=MODEL, rows=[16, 32, 64],
+    result = report.run_tuning(specs=[get_spec("rms_norm"), get_spec("layer_norm")], model=MODEL, rows=[16, 32, 64],
                                dtypes=[torch.float32], trials=6, out_root=tmp_path, storage=None, seed=0,
                                device="cpu", gpu="h200", device_name="fake GPU", compute_capability="9.0",
                                devices=[None, None], tuner=tuner, make_problems=fake_problems)
@@ -136,8 +137,10 @@ def test_run_tuning_prints_times_and_gains_and_removes_its_journal(reference, tm
     summary = report.gain_summary(reference.entries)
     assert f"median gain over the heuristic {100 * summary['median_gain']:+.1f}% over 6 entries" in text
     assert result.entries == reference.entries
-    assert sorted(p.name for p in (tmp_path / "h200").iterdir()) == ["layer_norm.json", "rms_norm.json"]
-    assert tables.load_table(tmp_path / "h200" / "rms_norm.json")["entries"] == \
+    assert sorted(p.name for p in (tmp_path / "h200").iterdir()) == [
+        "layer_norm.json", "layer_norm.trials.json", "rms_norm.json", "rms_norm.trials.json"]
+    path = tmp_path / "h200" / "rms_norm.json"
+    assert tables.with_trials(path, tables.load_table(path))["entries"] == \
         sorted(reference.entries["rms_norm"], key=tables.entry_sort_key)
 
 
@@ -177,19 +180,21 @@ def test_gain_summary():
 
 def test_plan_units_caps_rows_and_splits_the_budget():
     llama = PRESETS["llama3-8b"]
-    assert planned_rows("cross_entropy", llama, [4096, 16384, 65536]) == [4096, 16384]
-    assert planned_rows("fused_linear_cross_entropy", llama, [4096, 16384, 65536]) == [4096]
-    assert planned_rows("rms_norm", llama, [4096, 16384, 65536]) == [4096, 16384, 65536]
-    units = plan_units(["rms_norm", "fused_linear_cross_entropy"], llama, [4096, 16384, 65536],
+    ce, flce, rms = get_spec("cross_entropy"), get_spec("fused_linear_cross_entropy"), get_spec("rms_norm")
+    assert ce.tuning_rows(llama, [4096, 16384, 65536]) == [4096, 16384]
+    assert flce.tuning_rows(llama, [4096, 16384, 65536]) == [4096]
+    assert rms.tuning_rows(llama, [4096, 16384, 65536]) == [4096, 16384, 65536]
+    assert get_spec("kl_div").tuning_rows(llama, [4096, 16384, 65536]) == [4096, 8192]
+    units = plan_units([rms, flce], llama, [4096, 16384, 65536],
                        ["bfloat16", "float32"], budget_s=60)
     assert [(u.index, u.op, u.dtype, u.rows) for u in units] == [
         (0, "rms_norm", "bfloat16", 4096), (1, "rms_norm", "bfloat16", 16384), (2, "rms_norm", "bfloat16", 65536),
         (3, "rms_norm", "float32", 4096), (4, "rms_norm", "float32", 16384), (5, "rms_norm", "float32", 65536),
         (6, "fused_linear_cross_entropy", "bfloat16", 4096), (7, "fused_linear_cross_entropy", "float32", 4096)]
     assert [u.budget_s for u in units] == [10.0] * 6 + [30.0] * 2
-    assert plan_units(["rms_norm"], llama, [4096], ["bfloat16"]) == [WorkUnit(0, "rms_norm", "bfloat16", 4096)]
+    assert plan_units([rms], llama, [4096], ["bfloat16"]) == [WorkUnit(0, "rms_norm", "bfloat16", 4096)]
     with pytest.raises(ValueError, match="budget_s must be > 0"):
-        plan_units(["rms_norm"], llama, [4096], ["bfloat16"], budget_s=0)
+        plan_units([rms], llama, [4096], ["bfloat16"], budget_s=0)
 
 
 def test_claims_are_taken_once_and_storage_specs(tmp_path):

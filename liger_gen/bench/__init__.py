@@ -398,12 +398,13 @@ def bench_provider(case: Case, inputs: Inputs, ref: dict[str, torch.Tensor] | No
     with (prov.context() if prov.context else contextlib.nullcontext()):
         if prov.lookup:
             try:
+                from liger_gen.ops import get_spec
                 from liger_gen.runtime.devices import current_gpu
                 from liger_gen.runtime.tables import lookup
 
                 # what the runtime picks on this device: CPU tensors (the interpreter) never read a table
                 gpu = current_gpu(timer.device)[0] if timer.cuda else None
-                found = lookup(case.op, dtype, case.lookup_dims(dims), dims["rows"], gpu)
+                found = lookup(get_spec(case.op).space, dtype, case.lookup_dims(dims), dims["rows"], gpu)
                 res["lookup"] = {"source": found["source"], "rows": found["rows"],
                                  "config": found["config"].to_dict()}
             except Exception as exc:  # noqa: BLE001 - informative only

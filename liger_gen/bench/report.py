@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from liger_gen.files import write_atomic
+
 SCHEMA_VERSION = 1
 SPEEDUP_PEERS = ("torch-compile", "liger-kernel")
 REQUIRED = {
@@ -197,10 +199,7 @@ def validate(data: Any) -> dict:
 
 def write_json(data: dict, path: str | Path) -> Path:
     """Write ``data`` (validated) as indented JSON; NaN is written as JSON's ``NaN`` (Python reads it back)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(validate(data), indent=2, default=str) + "\n", encoding="utf-8")
-    return path
+    return write_atomic(path, json.dumps(validate(data), indent=2, default=str) + "\n")
 
 
 def load_json(path: str | Path) -> dict:

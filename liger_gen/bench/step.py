@@ -113,6 +113,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from liger_gen.files import write_atomic
+
 SCHEMA = "liger-gen/bench-step/1"
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -560,7 +562,7 @@ def _undo_liger_gen() -> None:
 
     restore = getattr(liger_gen, "restore_rope", None)
     if restore is None:
-        from liger_gen.runtime.integrations.transformers import restore_rope as restore
+        from liger_gen.integrations.transformers import restore_rope as restore
     restore()
 
 
@@ -946,13 +948,7 @@ def _json_safe(obj):
 
 def write_json(result: dict[str, Any], path: str | Path) -> Path:
     """Write ``result`` as strict JSON (non-finite floats become null), creating the folder; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n",
-                   encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,1 +1,2 @@
-"""Code generation: render templates, describe search spaces, build variants, tune them."""
+"""Code generation: render templates, describe search spaces and op specs, build variants (the tuner that searches
+them lives in ``liger_gen.tuning``)."""

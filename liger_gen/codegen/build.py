@@ -19,7 +19,6 @@ import linecache
 import os
 import stat
 import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from liger_gen.codegen.render import render, source_hash
+from liger_gen.files import write_atomic
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -68,23 +68,6 @@ def _check_owner(path: Path) -> None:
         raise PermissionError(f"kernel cache {path} is writable by group or others (mode {oct(st.st_mode)})")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old file or the whole new one, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def materialize(op: str, params: Mapping[str, Any]) -> tuple[Path, str]:
     """Render the variant and make sure its file exists in the cache with exactly that content.
 
@@ -99,7 +82,7 @@ def materialize(op: str, params: Mapping[str, Any]) -> tuple[Path, str]:
         except (FileNotFoundError, UnicodeDecodeError):
             current = None
         if current != source:
-            _write_atomic(path, source)
+            write_atomic(path, source, mode=None, fsync=True)
     except OSError as exc:  # unwritable, foreign-owned, group-writable, a file in the way, disk full
         _warn_cache_unusable(exc)
         return IN_MEMORY / name, source

@@ -5,7 +5,8 @@ for a norm or ``{"n_q_heads": 32, "n_kv_heads": 8, "head_dim": 128, "rotary_dim"
 which params exist and which values they may take (``Param``), which combinations are invalid on a device
 (``violations``, checked before anything compiles), and a heuristic default that is valid for every supported
 shape (``heuristic``). The tuner samples the space; the runtime falls back to the heuristic when no tuned table
-applies. Each op's space lives in its module under ``liger_gen/ops``; this module holds the shared machinery.
+applies. Each op's space lives in its module under ``liger_gen/ops`` and is handed to the runtime and the tuner
+by the op's spec; this module holds the shared machinery.
 """
 
 from __future__ import annotations
@@ -135,12 +136,16 @@ class KernelConfig:
 class Space:
     """Search space, constraints and heuristic of one op at one feature shape and dtype.
 
-    Subclasses set ``op``, ``template`` (the template family, often ``op``), ``config_cls``, ``DIMS`` (names of
-    the feature dims, in order), ``PARAMS``, and implement ``heuristic`` and ``shape_violations``.
+    Subclasses set ``op`` (the name of its table), ``template`` (the template family, often ``op``),
+    ``config_cls``, ``DIMS`` (names of the feature dims, in order), ``PARAMS``, and implement ``heuristic`` and
+    ``shape_violations``. ``also_renders`` names the other templates whose kernels a config configures (fused
+    linear cross-entropy's ``CE_*`` settings launch the cross-entropy kernels): every listed template's hash keys
+    the op's tuned table, so editing any of them retires its entries.
     """
 
     op: ClassVar[str]
     template: ClassVar[str]
+    also_renders: ClassVar[tuple[str, ...]] = ()
     config_cls: ClassVar[type]
     DIMS: ClassVar[tuple[str, ...]]
     PARAMS: ClassVar[tuple[Param, ...]]
@@ -221,6 +226,11 @@ class Space:
         return out
 
 
+def template_names(space: type[Space] | Space) -> tuple[str, ...]:
+    """Every template whose kernels ``space``'s configs select: its own first, then ``also_renders``."""
+    return (space.template, *space.also_renders)
+
+
 def normalize_dims(names: tuple[str, ...], dims: Mapping[str, int] | int) -> dict[str, int]:
     """``dims`` as a dict with exactly ``names`` as keys; a bare int is allowed for one-dim ops."""
     if isinstance(dims, int) and not isinstance(dims, bool):
@@ -230,10 +240,3 @@ def normalize_dims(names: tuple[str, ...], dims: Mapping[str, int] | int) -> dic
     if not isinstance(dims, Mapping) or set(dims) != set(names):
         raise ValueError(f"expected dims with keys {names}, got {dims!r}")
     return {name: dims[name] for name in names}
-
-
-def space_for(op: str, dims: Mapping[str, int] | int, dtype: torch.dtype, limits: DeviceLimits | None = None):
-    """The search space of ``op`` at one feature shape; KeyError names the known ops."""
-    from liger_gen.ops import get_op
-
-    return get_op(op).SPACE(dims, dtype, limits)

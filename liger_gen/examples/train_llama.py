@@ -56,12 +56,13 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from liger_gen.files import write_atomic
 
 #: The default corpus, shipped inside the package (public domain, 1,115,394 bytes).
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
@@ -257,15 +258,7 @@ def get_tokenizer(text: str, vocab_size: int, cache_dir: Path):
     )
     tokenizer.train_from_iterator([text], trainer=trainer)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(tokenizer.to_str())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, tokenizer.to_str())
     return tokenizer, path, False
 
 

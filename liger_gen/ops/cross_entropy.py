@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
-                                   check_targets, describe, kernel_module, module_for, no_double_backward, saveable,
-                                   use_custom_op, uses_triton)
+                                   check_targets, describe, kernel_module, module_for, use_custom_op, uses_triton)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -308,8 +309,6 @@ class CrossEntropySpace(Space):
         return problems
 
 
-SPACE = CrossEntropySpace
-
 # ------------------------------------------------------------------------------------------------ launches
 
 
@@ -473,8 +472,6 @@ class CrossEntropyProblem(Problem):
         return 2 * self.rows * self.vocab * e + self.rows * (self.buffers["target"].element_size() + 4 * 3)
 
 
-PROBLEM = CrossEntropyProblem
-
 MAX_TUNING_ROWS = 16384
 
 
@@ -488,6 +485,12 @@ def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: in
     """
     return [CrossEntropyProblem(dtype, model.vocab_size, r, device, seed=seed)
             for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
+
+
+SPEC = OpSpec("cross_entropy", CrossEntropySpace, CrossEntropyProblem, tuning_problems,
+              custom_ops=("liger_gen::cross_entropy_fwd", "liger_gen::cross_entropy_bwd"),
+              max_tuning_rows=MAX_TUNING_ROWS)
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -520,7 +523,7 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
     elif uses_triton(logits):
         # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
         check_targets("cross_entropy", target, n_cols, ignore_index)
-        module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
+        module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
         _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
                         softcap, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
                         q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
@@ -562,7 +565,7 @@ def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tenso
     if rows == 0:
         pass
     elif uses_triton(logits):
-        module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
+        module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
         _launch_backward(module, g, logits, target, weight, lse, q, scale, ignore_index, reduction,
                          label_smoothing, lse_square_scale, softcap, dlogits)
     else:  # the closed form (only reached when the op is called directly on the CPU, e.g. under torch.compile)
@@ -573,103 +576,85 @@ def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tenso
     return dlogits.view(logits.shape)
 
 
-@torch.library.custom_op("liger_gen::cross_entropy_fwd", mutates_args=())
-def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
-                      reduction: str, label_smoothing: float, lse_square_scale: float, softcap: Optional[float]
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, lse, q, scale) — see _fwd_impl. Always the recompute form: no gradient in the forward."""
-    loss, zl, lse, q, scale, _ = _fwd_impl(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                           lse_square_scale, softcap, grad_in_fwd=False)
-    return loss, zl, lse, q, scale
+def _fwd_op_impl(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                 reduction: str, label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
+                 grad_in_fwd: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                             torch.Tensor]:
+    """(loss, z_loss, lse, q, scale, dlogits) — see _fwd_impl; dlogits is an empty (0,) tensor unless
+    ``grad_in_fwd``."""
+    out = _fwd_impl(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                    grad_in_fwd)
+    return out if grad_in_fwd else (*out[:5], logits.new_empty((0,)))
 
 
-@cross_entropy_fwd.register_fake
-def _(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap):
+def _fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+              grad_in_fwd):
     rows = target.shape[0]
     shape = (rows,) if reduction == "none" else ()
     f32 = dict(dtype=torch.float32)
+    dlogits = logits.new_empty((rows, logits.shape[-1]) if grad_in_fwd else (0,))
     return (logits.new_empty(shape, **f32), logits.new_empty(shape, **f32), logits.new_empty((rows,), **f32),
-            logits.new_empty((rows,), **f32), logits.new_empty((2,), **f32))
+            logits.new_empty((rows,), **f32), logits.new_empty((2,), **f32), dlogits)
 
 
-@torch.library.custom_op("liger_gen::cross_entropy_bwd", mutates_args=())
-def cross_entropy_bwd(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-                      weight: Optional[torch.Tensor], lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                      ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float,
-                      softcap: Optional[float]) -> torch.Tensor:
-    """dlogits of logits' shape, contiguous, in logits' dtype."""
-    return _bwd_impl(grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
-                     lse_square_scale, softcap)
-
-
-@cross_entropy_bwd.register_fake
-def _(grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
-      lse_square_scale, softcap):
+def _bwd_fake(grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
+              lse_square_scale, softcap):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-def _setup_context(ctx, inputs, output):
-    logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap = inputs
-    _, _, lse, q, scale = output
-    ctx.save_for_backward(logits, target, weight, lse, q, scale)
+cross_entropy_fwd = Kernel("cross_entropy_fwd", _fwd_op_impl, _fwd_fake)
+cross_entropy_bwd = Kernel("cross_entropy_bwd", _bwd_impl, _bwd_fake)
+
+
+def _grad_in_fwd(logits: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether the forward writes dlogits (the tuned GRAD_IN_FWD of this shape): only in eager mode, where the
+    backward may scale the saved gradient in place (a recorded graph cannot); never for float16 (its unit-scale
+    gradient would underflow)."""
+    if use_custom_op() or target.shape[0] == 0 or logits.dtype == torch.float16 or not uses_triton(logits):
+        return False
+    module, _, _ = kernel_module(CrossEntropySpace, logits, logits.shape[-1], target.shape[0])
+    return bool(module.GRAD_IN_FWD)
+
+
+def _save(ctx, inputs, output):
+    logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, grad_in_fwd = inputs
+    _, zl, lse, q, scale, dlogits = output
+    ctx.mark_non_differentiable(zl, lse, q, scale, dlogits)
+    ctx.grad_in_fwd = grad_in_fwd
     ctx.options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    ctx.logits_shape = logits.shape
+    if grad_in_fwd:
+        saved(ctx, dlogits)
+    else:
+        saved(ctx, logits, target, weight, lse, q, scale)
 
 
-def _backward(ctx, grad_loss, _grad_zl, _grad_lse, _grad_q, _grad_scale):
+def _backward(ctx, grad_loss, *_unused):
+    """With GRAD_IN_FWD=1 the forward wrote dlogits and saved only that; the backward scales it in place (rows
+    whose upstream gradient is exactly 1 are skipped on the device) and hands it on. A second backward through
+    the same graph (retain_graph=True) then raises a RuntimeError rather than returning a twice-scaled
+    gradient. Otherwise dlogits is recomputed from the logits, lse and q."""
+    if ctx.grad_in_fwd:
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("liger_gen cross_entropy: backward ran twice through one forward "
+                               "(retain_graph=True); the gradient written by the forward was already scaled "
+                               "and handed on. Run the forward again for each backward.")
+        ctx.consumed = True
+        (dlogits,) = ctx.saved_tensors
+        module, _, _ = kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])
+        g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
+        module.scale_grad_(dlogits, g)
+        torch.autograd.graph.increment_version(dlogits)
+        return dlogits.view(ctx.logits_shape), None, None, None, None, None, None, None, None
     logits, target, weight, lse, q, scale = ctx.saved_tensors
-    dlogits = torch.ops.liger_gen.cross_entropy_bwd(grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
-    return dlogits, None, None, None, None, None, None, None
+    dlogits = cross_entropy_bwd(grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
+    return dlogits, None, None, None, None, None, None, None, None
 
 
-cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _CrossEntropyFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels (far less host time per call than the custom-op dispatcher).
-
-    With a GRAD_IN_FWD=1 config and a gradient needed, the forward writes dlogits and saves only that; the
-    backward scales it in place (rows whose upstream gradient is exactly 1 are skipped on the device) and
-    hands it on. A second backward through the same graph (retain_graph=True) then raises a RuntimeError
-    rather than returning a twice-scaled gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                need_grad):
-        grad_in_fwd = False
-        if need_grad and uses_triton(logits) and target.shape[0] > 0 and logits.dtype != torch.float16:
-            module, _, _ = kernel_module("cross_entropy", logits, logits.shape[-1], target.shape[0])
-            grad_in_fwd = bool(module.GRAD_IN_FWD)
-        loss, zl, lse, q, scale, dlogits = _fwd_impl(logits, target, weight, ignore_index, reduction,
-                                                     label_smoothing, lse_square_scale, softcap, grad_in_fwd)
-        ctx.grad_in_fwd = grad_in_fwd
-        ctx.options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-        ctx.logits_shape = logits.shape
-        if grad_in_fwd:
-            ctx.save_for_backward(dlogits)
-        elif need_grad:
-            ctx.save_for_backward(*saveable(logits, target, weight), lse, q, scale)
-        ctx.mark_non_differentiable(zl)
-        return loss, zl
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_zl):
-        no_double_backward("cross_entropy", "liger_gen.reference.cross_entropy_torch")
-        if ctx.grad_in_fwd:
-            if getattr(ctx, "consumed", False):
-                raise RuntimeError("liger_gen cross_entropy: backward ran twice through one forward "
-                                   "(retain_graph=True); the gradient written by the forward was already scaled "
-                                   "and handed on. Run the forward again for each backward.")
-            ctx.consumed = True
-            (dlogits,) = ctx.saved_tensors
-            module, _, _ = kernel_module("cross_entropy", dlogits, dlogits.shape[-1], dlogits.shape[0])
-            g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
-            module.scale_grad_(dlogits, g)
-            torch.autograd.graph.increment_version(dlogits)
-            return dlogits.view(ctx.logits_shape), None, None, None, None, None, None, None, None
-        logits, target, weight, lse, q, scale = ctx.saved_tensors
-        dlogits = _bwd_impl(grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
-        return dlogits, None, None, None, None, None, None, None, None
+cross_entropy_2d = Differentiable(cross_entropy_fwd, _save, _backward,
+                                  reference="liger_gen.reference.cross_entropy_torch", outputs=2)
+"""(loss, z_loss, lse, q, scale, dlogits) of logits (rows, V) or (B, T, V) with unit last stride and target
+(rows,), differentiable in the logits; only loss carries a gradient."""
 
 
 def _rows_layout(logits: torch.Tensor) -> torch.Tensor:
@@ -805,14 +790,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     t = target.reshape(-1)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
-    if use_custom_op():
-        loss, zl, _, _, _ = torch.ops.liger_gen.cross_entropy_fwd(x, t, weight, ignore_index, reduction,
-                                                                 label_smoothing, lse_square_scale, softcap)
-        zl = zl.detach()
-    else:
-        need_grad = torch.is_grad_enabled() and logits.requires_grad
-        loss, zl = _CrossEntropyFunction.apply(x, t, weight, ignore_index, reduction, label_smoothing,
-                                               lse_square_scale, softcap, need_grad)
+    grad_in_fwd = torch.is_grad_enabled() and logits.requires_grad and _grad_in_fwd(x, t)
+    loss, zl, *_ = cross_entropy_2d(x, t, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                                    softcap, grad_in_fwd)
     if reduction == "none":
         loss, zl = loss.view(target.shape), zl.view(target.shape)
     return (loss, zl) if return_z_loss else loss
@@ -824,7 +804,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 
 
 @functools.lru_cache(maxsize=None)
-def _aux_module():
+def aux_module():
     """A kernel module for the row-vector kernels (mean denominators, reductions), whose settings are fixed."""
     from liger_gen.codegen.build import load_variant
 
@@ -853,7 +833,7 @@ def cross_entropy_mean_scale(target: torch.Tensor, n_classes: int, weight: torch
     scale = torch.empty(2, dtype=torch.float32, device=target.device)
     if target.shape[0] == 0:
         return scale.fill_(float("inf"))
-    _aux_module().mean_scale(target, weight, scale, n_classes, ignore_index)
+    aux_module().mean_scale(target, weight, scale, n_classes, ignore_index)
     return scale
 
 
@@ -881,7 +861,7 @@ def cross_entropy_reduce(loss_rows: torch.Tensor, zl_rows: torch.Tensor, reducti
     if loss_rows.shape[0] == 0:
         fill = float("nan") if reduction == "mean" else 0.0
         return loss.fill_(fill), zl.fill_(fill)
-    _aux_module().reduce(loss_rows, zl_rows, s, loss, zl)
+    aux_module().reduce(loss_rows, zl_rows, s, loss, zl)
     return loss, zl
 
 
@@ -944,12 +924,12 @@ def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlog
     if uses_triton(logits) and logits.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
                         f"{describe('logits', logits)}")
-    return _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                          scale, grad_output, config)
+    return loss_and_grad_unchecked(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale,
+                                   softcap, scale, grad_output, config)
 
 
-def _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap, scale,
-                   grad_output, config, scratch: bool = False):
+def loss_and_grad_unchecked(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+                            scale, grad_output, config, scratch: bool = False):
     """``cross_entropy_loss_and_grad`` without its argument checks (for callers that validated them once, such
     as FLCE's chunk loop, which calls it once per chunk). ``scratch``: the caller no longer needs ``logits``,
     so the plain CPU path may overwrite fp32 logits instead of working on a copy."""
@@ -962,7 +942,7 @@ def _loss_and_grad(logits, target, dlogits, weight, ignore_index, label_smoothin
         weight = weight.contiguous()
     if uses_triton(logits):
         if config is None:
-            module, _, _ = kernel_module("cross_entropy", logits, n_cols, rows)
+            module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
         else:
             module = module_for("cross_entropy", config, ())
         module.forward(logits, target, weight, loss_rows, zl_rows, lse, None, dlogits, scale, grad_output,

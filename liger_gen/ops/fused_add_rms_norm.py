@@ -24,8 +24,10 @@ import torch
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
 from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_out_dtype,
                                     rms_norm_torch)
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, use_custom_op, uses_triton)
+                                   uses_triton)
 
 OP = "fused_add_rms_norm"
 
@@ -86,8 +88,6 @@ class FusedAddRMSNormSpace(RMSNormSpace):
     # (65536 would need 64 > 42)
     MAX_N_COLS = 32768
 
-
-SPACE = FusedAddRMSNormSpace
 
 # ------------------------------------------------------------------------------------------------ tuning
 
@@ -175,13 +175,15 @@ class FusedAddRMSNormProblem(Problem):
         return mn * ey + 2 * mn * e + n * e + m * 4 + 2 * mn * e + n * e
 
 
-PROBLEM = FusedAddRMSNormProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's residual adds before each decoder norm: one problem per token count at ``hidden_size``."""
     return [FusedAddRMSNormProblem(dtype, model.hidden_size, r, device, seed=seed, eps=model.rms_norm_eps)
             for r in rows]
+
+
+SPEC = OpSpec(OP, FusedAddRMSNormSpace, FusedAddRMSNormProblem, tuning_problems,
+              custom_ops=("liger_gen::fused_add_rms_norm_fwd", "liger_gen::fused_add_rms_norm_bwd"))
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -198,7 +200,7 @@ def _fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps
     if x.numel() == 0:
         return y, s, rstd.fill_(float("inf"))
     if uses_triton(x):
-        module, _, _ = kernel_module(OP, s, n_cols, rows, casting_mode=casting_mode)
+        module, _, _ = kernel_module(FusedAddRMSNormSpace, s, n_cols, rows, casting_mode=casting_mode)
         module.forward(x, residual, weight, y, s, rstd, eps, offset)
     else:  # CPU without the interpreter: plain PyTorch (only reached when the op is called directly)
         torch.add(x, residual, out=s)
@@ -223,7 +225,7 @@ def _bwd_impl(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, wei
         ds = ds.contiguous()
     dw = torch.empty_like(weight)
     if uses_triton(s):
-        module, _, limits = kernel_module(OP, s, n_cols, rows, casting_mode=casting_mode)
+        module, _, limits = kernel_module(FusedAddRMSNormSpace, s, n_cols, rows, casting_mode=casting_mode)
         dw_partial = torch.empty((module.num_bwd_programs(rows, limits.num_sms), n_cols), dtype=torch.float32,
                                  device=s.device)
         module.backward(dy, ds, s, weight, rstd, dx, dr, dw, dw_partial, offset, limits.num_sms)
@@ -240,93 +242,50 @@ def _bwd_impl(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, wei
     return dx, dr, dw
 
 
-@torch.library.custom_op("liger_gen::fused_add_rms_norm_fwd", mutates_args=())
-def fused_add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           offset: float, casting_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y, s = x + residual (rows, n_cols) and rstd (rows,) fp32 for 2-D inputs with unit column stride."""
-    return _fwd_impl(x, residual, weight, eps, offset, casting_mode)
-
-
-@fused_add_rms_norm_fwd.register_fake
-def _(x, residual, weight, eps, offset, casting_mode):
+def _fwd_fake(x, residual, weight, eps, offset, casting_mode):
     rows, n_cols = x.shape
     s_dtype = torch.promote_types(x.dtype, residual.dtype)
     y = x.new_empty((rows, n_cols), dtype=rms_norm_out_dtype(s_dtype, weight.dtype, casting_mode))
     return y, x.new_empty((rows, n_cols), dtype=s_dtype), x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("liger_gen::fused_add_rms_norm_bwd", mutates_args=())
-def fused_add_rms_norm_bwd(dy: torch.Tensor, ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
-                           rstd: torch.Tensor, offset: float, casting_mode: str, x_dtype: torch.dtype,
-                           residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, dresidual (rows, n_cols) in x_dtype / residual_dtype and dW (n_cols,) in weight's dtype; ds may be None."""
-    return _bwd_impl(dy, ds, s, weight, rstd, offset, casting_mode, x_dtype, residual_dtype)
-
-
-@fused_add_rms_norm_bwd.register_fake
-def _(dy, ds, s, weight, rstd, offset, casting_mode, x_dtype, residual_dtype):
+def _bwd_fake(dy, ds, s, weight, rstd, offset, casting_mode, x_dtype, residual_dtype):
     return (s.new_empty(s.shape, dtype=x_dtype), s.new_empty(s.shape, dtype=residual_dtype),
             torch.empty_like(weight))
 
 
-def _setup_context(ctx, inputs, output):
+fused_add_rms_norm_fwd = Kernel("fused_add_rms_norm_fwd", _fwd_impl, _fwd_fake)
+fused_add_rms_norm_bwd = Kernel("fused_add_rms_norm_bwd", _bwd_impl, _bwd_fake)
+
+
+def _save(ctx, inputs, output):
     x, residual, weight, _eps, offset, casting_mode = inputs
     _, s, rstd = output
-    ctx.save_for_backward(s, weight, rstd)
-    ctx.offset = offset
-    ctx.casting_mode = casting_mode
+    saved(ctx, s, weight, rstd)
+    ctx.offset, ctx.casting_mode = offset, casting_mode
     ctx.dtypes = (x.dtype, residual.dtype)
 
 
 def _backward(ctx, dy, ds, _drstd):
-    # the custom op's autograd materialises unused outputs' gradients as zeros, so dy and ds are tensors here
+    # gradients are not materialised: an unused sum costs nothing (the kernel skips the ds stream) and an unused
+    # y skips the kernel
     s, weight, rstd = ctx.saved_tensors
-    dx, dr, dw = torch.ops.liger_gen.fused_add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode,
-                                                            *ctx.dtypes)
+    x_dtype, residual_dtype = ctx.dtypes
+    if dy is None:
+        # only the sum was used: its gradient passes straight through (a distinct buffer per input, see the
+        # module docstring); weight gets no gradient, as in PyTorch
+        if ds is None:
+            return None, None, None, None, None, None
+        return ds.to(x_dtype), ds.to(residual_dtype, copy=True), None, None, None, None
+    dx, dr, dw = fused_add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode, x_dtype,
+                                        residual_dtype)
     return dx, dr, (dw if ctx.needs_input_grad[2] else None), None, None, None
 
 
-fused_add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FusedAddRMSNormFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels (less host time per call than the custom-op dispatcher; see
-    ``rms_norm._RMSNormFunction``). Gradients are not materialised, so an unused sum costs nothing in the
-    backward (the kernel skips the ds stream) and an unused y skips the kernel."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting_mode):
-        y, s, rstd = _fwd_impl(x, residual, weight, eps, offset, casting_mode)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(s, *saveable(weight), rstd)
-        ctx.offset = offset
-        ctx.casting_mode = casting_mode
-        ctx.dtypes = (x.dtype, residual.dtype)
-        return y, s
-
-    @staticmethod
-    def backward(ctx, dy, ds):
-        no_double_backward(OP, "liger_gen.reference.fused_add_rms_norm_torch")
-        s, weight, rstd = ctx.saved_tensors
-        x_dtype, residual_dtype = ctx.dtypes
-        if dy is None:
-            # only the sum was used: its gradient passes straight through (a distinct buffer per input, see the
-            # module docstring); weight gets no gradient, as in PyTorch
-            if ds is None:
-                return None, None, None, None, None, None
-            return ds.to(x_dtype), ds.to(residual_dtype, copy=True), None, None, None, None
-        dx, dr, dw = _bwd_impl(dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode, x_dtype, residual_dtype)
-        return dx, dr, (dw if ctx.needs_input_grad[2] else None), None, None, None
-
-
-def fused_add_rms_norm_2d(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                          casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, s) for 2-D x and residual of one shape with unit column stride, differentiable: the custom op while
-    torch.compile traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if use_custom_op():
-        y, s, _ = torch.ops.liger_gen.fused_add_rms_norm_fwd(x, residual, weight, eps, offset, casting_mode)
-        return y, s
-    return _FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting_mode)
+fused_add_rms_norm_2d = Differentiable(fused_add_rms_norm_fwd, _save, _backward,
+                                       reference="liger_gen.reference.fused_add_rms_norm_torch", outputs=2)
+"""(y, s, rstd) for 2-D x and residual of one shape with unit column stride, differentiable in x, residual and
+weight."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -401,5 +360,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         r2d = r2d.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    y, s = fused_add_rms_norm_2d(x2d, r2d, weight, eps, offset, casting_mode)
+    y, s = fused_add_rms_norm_2d(x2d, r2d, weight, eps, offset, casting_mode)[:2]
     return y.view(x.shape), s.view(x.shape)

@@ -30,12 +30,14 @@ import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
+from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, TARGET_DTYPES, CrossEntropyConfig,
-                                         CrossEntropySpace, _aux_module,
-                                         _loss_and_grad, cross_entropy_float64, cross_entropy_mean_scale,
-                                         cross_entropy_reduce, cross_entropy_torch)
+                                         CrossEntropySpace, aux_module, cross_entropy_float64,
+                                         cross_entropy_mean_scale, cross_entropy_reduce, cross_entropy_torch,
+                                         loss_and_grad_unchecked)
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, check_targets, describe,
-                                   kernel_module, no_double_backward, saveable, use_custom_op, uses_triton)
+                                   kernel_module, use_custom_op, uses_triton)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -174,6 +176,7 @@ class FusedLinearCrossEntropySpace(Space):
 
     op = "fused_linear_cross_entropy"
     template = "fused_linear_cross_entropy"
+    also_renders = ("cross_entropy",)  # the CE_* settings launch cross-entropy's kernels
     config_cls = FusedLinearCrossEntropyConfig
     DIMS = ("hidden", "vocab")
     phases = ("fwd",)
@@ -255,8 +258,6 @@ class FusedLinearCrossEntropySpace(Space):
         return problems
 
 
-SPACE = FusedLinearCrossEntropySpace
-
 # ------------------------------------------------------------------------------------------------ chunk loop
 
 
@@ -323,7 +324,7 @@ def _plan(x: torch.Tensor, hidden: int, vocab: int, rows: int, plan) -> FusedLin
         return FusedLinearCrossEntropyConfig.from_dict(plan)
     dims = {"hidden": hidden, "vocab": vocab}
     if uses_triton(x):
-        _, config, _ = kernel_module("fused_linear_cross_entropy", x, dims, max(1, rows))
+        _, config, _ = kernel_module(FusedLinearCrossEntropySpace, x, dims, max(1, rows))
         return config
     space = FusedLinearCrossEntropySpace(dims, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32)
     return space.heuristic()
@@ -424,7 +425,7 @@ class _Chunked:
             grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
             # the arguments were validated once by the public function: the unchecked entry point, per chunk
             o = self.options
-            loss_c, zl_c, _ = _loss_and_grad(
+            loss_c, zl_c, _ = loss_and_grad_unchecked(
                 logits, self.target[start:end], grad, o["weight"], o["ignore_index"], o["label_smoothing"],
                 o["lse_square_scale"], o["softcap"], scale,
                 None if grad_output is None else grad_output[start:end], self.ce_config, scratch=True)
@@ -517,7 +518,7 @@ def _scale_in_place(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     if not t.numel():
         return t
     if uses_triton(t) and t.is_contiguous():
-        _aux_module().scale_grad_(t.view(-1, t.shape[-1]), factor.float())
+        aux_module().scale_grad_(t.view(-1, t.shape[-1]), factor.float())
         return t
     return t.mul_(factor)
 
@@ -595,7 +596,6 @@ class FusedLinearCrossEntropyProblem(Problem):
         return 6 * self.rows * self.hidden * self.vocab
 
 
-PROBLEM = FusedLinearCrossEntropyProblem
 MAX_TUNING_ROWS = 4096  # each trial is a full fused forward (3 GEMMs); the best chunk barely depends on rows
 
 
@@ -606,22 +606,17 @@ def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: in
     return [FusedLinearCrossEntropyProblem(dtype, dims, r, device, seed=seed) for r in capped]
 
 
+SPEC = OpSpec("fused_linear_cross_entropy", FusedLinearCrossEntropySpace, FusedLinearCrossEntropyProblem,
+              tuning_problems, max_tuning_rows=MAX_TUNING_ROWS,
+              custom_ops=("liger_gen::fused_linear_cross_entropy_fwd", "liger_gen::fused_linear_cross_entropy_bwd",
+                          "liger_gen::fused_linear_cross_entropy_scale_grads"))
+SPECS = {SPEC.name: SPEC}
+
+
 # ------------------------------------------------------------------------------------------------ binding
 
-@torch.library.custom_op("liger_gen::fused_linear_cross_entropy_fwd", mutates_args=())
-def fused_linear_cross_entropy_fwd(
-        x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-        weight: torch.Tensor | None, ignore_index: int, reduction: str, label_smoothing: float,
-        lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
-        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, dx_unscaled, grad_scale, dW, db) for a 2-D x; see ``_fwd_impl``."""
-    return _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
-                     lse_square_scale, softcap, need_dx, need_dw, need_db)
-
-
-@fused_linear_cross_entropy_fwd.register_fake
-def _(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-      need_dx, need_dw, need_db):
+def _fwd_fake(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+              softcap, need_dx, need_dw, need_db):
     rows, hidden = x.shape
     loss_shape = (rows,) if reduction == "none" else ()
     grads = reduction != "none"
@@ -632,137 +627,105 @@ def _(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_sm
             x.new_empty((0,)) if bias is None or not (grads and need_db) else bias.new_empty(bias.shape))
 
 
-@torch.library.custom_op("liger_gen::fused_linear_cross_entropy_bwd", mutates_args=())
-def fused_linear_cross_entropy_bwd(
-        grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
-        bias: torch.Tensor | None, weight: torch.Tensor | None, ignore_index: int, label_smoothing: float,
-        lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
-        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dW, db) of reduction "none" for per-row upstream gradients (recomputes the logits per chunk)."""
-    return _bwd_none_impl(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing,
-                          lse_square_scale, softcap, need_dx, need_dw, need_db)
-
-
-@fused_linear_cross_entropy_bwd.register_fake
-def _(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-      need_dx, need_dw, need_db):
+def _bwd_fake(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing, lse_square_scale,
+              softcap, need_dx, need_dw, need_db):
     return (x.new_empty(x.shape if need_dx else (0,)),
             lm_head_weight.new_empty(lm_head_weight.shape if need_dw else (0,)),
             x.new_empty((0,)) if bias is None or not need_db else bias.new_empty(bias.shape))
 
 
-@torch.library.custom_op("liger_gen::fused_linear_cross_entropy_scale_grads", mutates_args=())
-def fused_linear_cross_entropy_scale_grads(
-        grad_loss: torch.Tensor, dx_unscaled: torch.Tensor, grad_scale: torch.Tensor, dw: torch.Tensor,
-        db: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of reduction mean/sum: the forward's gradients times the upstream gradient (new tensors)."""
+def _scale_grads_op_impl(grad_loss: torch.Tensor, dx_unscaled: torch.Tensor, grad_scale: torch.Tensor,
+                         dw: torch.Tensor, db: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of reduction mean/sum in a recorded graph: the forward's gradients times the upstream gradient,
+    as new tensors."""
     return _scale_grads(grad_loss, dx_unscaled, grad_scale, dw, db, in_place=False)
 
 
-@fused_linear_cross_entropy_scale_grads.register_fake
-def _(grad_loss, dx_unscaled, grad_scale, dw, db):
-    return torch.empty_like(dx_unscaled), torch.empty_like(dw), torch.empty_like(db)
+def _fwd_op_impl(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+                 weight: torch.Tensor | None, ignore_index: int, reduction: str, label_smoothing: float,
+                 lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool, need_db: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, dx_unscaled, grad_scale, dW, db) for a 2-D x with the tuned plan; see ``_fwd_impl``."""
+    return _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                     lse_square_scale, softcap, need_dx, need_dw, need_db)
 
 
-def _setup_context(ctx, inputs, output):
+def _bwd_op_impl(grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+                 bias: torch.Tensor | None, weight: torch.Tensor | None, ignore_index: int, label_smoothing: float,
+                 lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
+                 need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db) of reduction "none" for per-row upstream gradients (recomputes the logits per chunk)."""
+    return _bwd_none_impl(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing,
+                          lse_square_scale, softcap, need_dx, need_dw, need_db)
+
+
+fused_linear_cross_entropy_fwd = Kernel("fused_linear_cross_entropy_fwd", _fwd_op_impl, _fwd_fake)
+fused_linear_cross_entropy_bwd = Kernel("fused_linear_cross_entropy_bwd", _bwd_op_impl, _bwd_fake)
+fused_linear_cross_entropy_scale_grads = Kernel(
+    "fused_linear_cross_entropy_scale_grads", _scale_grads_op_impl,
+    lambda grad_loss, dx_unscaled, grad_scale, dw, db: (torch.empty_like(dx_unscaled), torch.empty_like(dw),
+                                                        torch.empty_like(db)))
+
+
+def _save(ctx, inputs, output):
     (x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
      need_dx, need_dw, need_db) = inputs
-    ctx.reduction = reduction
-    ctx.has_bias = bias is not None
-    if reduction == "none":
-        ctx.save_for_backward(x, w, target, bias, weight)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.reduction, ctx.has_bias, ctx.used = reduction, bias is not None, False
+    if reduction == "none":  # the backward recomputes the logits chunk by chunk
+        saved(ctx, x, w, target, bias, weight)
         ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
-    else:
+    else:  # the forward computed the gradients for an upstream gradient of 1
         _, _, dx_u, grad_scale, dw, db = output
-        ctx.save_for_backward(dx_u, grad_scale, dw, db)
+        saved(ctx, dx_u, grad_scale, dw, db)
 
 
-def _grads_out(ctx, dx, dw, db):
+def _backward(ctx, grad_loss, *_unused):
+    if ctx.reduction == "none":
+        x, w, target, bias, weight = ctx.saved_tensors
+        dx, dw, db = fused_linear_cross_entropy_bwd(grad_loss, x, w, target, bias, weight, *ctx.options)
+    elif use_custom_op():  # a graph is being recorded: new tensors, no mutation of saved ones
+        dx, dw, db = fused_linear_cross_entropy_scale_grads(grad_loss, *ctx.saved_tensors)
+    else:
+        # the saved gradients are scaled in place (no second dW-sized buffer), so a second backward through
+        # the same graph (retain_graph=True) raises instead of returning wrong values
+        if ctx.used:
+            raise RuntimeError("liger_gen fused_linear_cross_entropy: backward ran twice through one forward "
+                               "(retain_graph=True); the gradients computed in the forward were already "
+                               "consumed. Call the op again for a second backward.")
+        ctx.used = True
+        dx, dw, db = _scale_grads(grad_loss, *ctx.saved_tensors, in_place=True)
     return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None,
             db if ctx.has_bias and ctx.needs_input_grad[3] else None) + (None,) * 9
 
 
-def _backward(ctx, grad_loss, _grad_z, _g_dx, _g_scale, _g_dw, _g_db):
-    if ctx.reduction == "none":
-        x, w, target, bias, weight = ctx.saved_tensors
-        dx, dw, db = torch.ops.liger_gen.fused_linear_cross_entropy_bwd(grad_loss, x, w, target, bias, weight,
-                                                                        *ctx.options)
-    else:
-        dx, dw, db = torch.ops.liger_gen.fused_linear_cross_entropy_scale_grads(grad_loss, *ctx.saved_tensors)
-    return _grads_out(ctx, dx, dw, db)
-
-
-fused_linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Eager-mode binding of the same chunk loop (lower host overhead than the custom-op dispatcher).
-
-    For mean/sum the saved gradients are scaled in place in the backward (no second dW-sized buffer), so a
-    second backward through the same graph (retain_graph=True) raises instead of returning wrong values.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                softcap):
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
-        loss, z, dx_u, grad_scale, dw, db = _fwd_impl(x, w, target, bias, weight, ignore_index, reduction,
-                                                      label_smoothing, lse_square_scale, softcap, need_dx, need_dw,
-                                                      need_db)
-        ctx.reduction, ctx.has_bias, ctx.used = reduction, bias is not None, False
-        if reduction == "none":
-            ctx.save_for_backward(*saveable(x, w, target), *saveable(bias, weight))
-            ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
-        else:
-            ctx.save_for_backward(dx_u, grad_scale, dw, db)
-        ctx.mark_non_differentiable(z)
-        return loss, z
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_z):
-        no_double_backward("fused_linear_cross_entropy",
-                           "liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch")
-        if ctx.reduction == "none":
-            x, w, target, bias, weight = ctx.saved_tensors
-            dx, dw, db = _bwd_none_impl(grad_loss, x, w, target, bias, weight, *ctx.options)
-        else:
-            if ctx.used:
-                raise RuntimeError("liger_gen fused_linear_cross_entropy: backward ran twice through one forward "
-                                   "(retain_graph=True); the gradients computed in the forward were already "
-                                   "consumed. Call the op again for a second backward.")
-            ctx.used = True
-            dx, dw, db = _scale_grads(grad_loss, *ctx.saved_tensors, in_place=True)
-        return _grads_out(ctx, dx, dw, db)[:10]
+_fused_linear_cross_entropy_2d = Differentiable(
+    fused_linear_cross_entropy_fwd, _save, _backward,
+    reference="liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch", outputs=2)
 
 
 def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
                                   lse_square_scale, softcap):
-    """(loss, z_loss) of a 2-D x, differentiable in x, lm_head_weight and bias: the custom op while
-    torch.compile traces (no graph break), the autograd.Function in eager mode."""
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or lm_head_weight.requires_grad
-                                              or (bias is not None and bias.requires_grad))
-    if not wants_grad and not use_custom_op():
-        # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd node)
-        out = _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
-                        lse_square_scale, softcap, False, False, False)
-        return out[0], out[1]
-    if use_custom_op():
-        if torch.jit.is_tracing():
-            # a trace records these flags as constants: compute every gradient, whatever the tensors need now,
-            # so that the trace is right when it replays with other tensors (autograd drops the unneeded ones)
-            need_dx = need_dw = True
-            need_db = bias is not None
-        else:
-            grad = torch.is_grad_enabled()
-            need_dx = grad and x.requires_grad
-            need_dw = grad and lm_head_weight.requires_grad
-            need_db = grad and bias is not None and bias.requires_grad
-        out = torch.ops.liger_gen.fused_linear_cross_entropy_fwd(
-            x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-            softcap, need_dx, need_dw, need_db)
-        return out[0], out[1].detach()
-    return _FusedLinearCrossEntropyFunction.apply(x, lm_head_weight, target, bias, weight, ignore_index, reduction,
-                                                  label_smoothing, lse_square_scale, softcap)
+    """(loss, z_loss) of a 2-D x, differentiable in x, lm_head_weight and bias."""
+    if torch.jit.is_tracing():
+        # a trace records these flags as constants: compute every gradient, whatever the tensors need now, so
+        # that the trace is right when it replays with other tensors (autograd drops the unneeded ones)
+        need_dx = need_dw = True
+        need_db = bias is not None
+    else:
+        grad = torch.is_grad_enabled()
+        need_dx = grad and x.requires_grad
+        need_dw = grad and lm_head_weight.requires_grad
+        need_db = grad and bias is not None and bias.requires_grad
+        if not (need_dx or need_dw or need_db) and not use_custom_op():
+            # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd
+            # node)
+            out = _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                            lse_square_scale, softcap, False, False, False)
+            return out[0], out[1]
+    out = _fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignore_index, reduction,
+                                         label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
+    return out[0], out[1]
 
 
 # ------------------------------------------------------------------------------------------------ public op

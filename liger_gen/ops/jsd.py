@@ -20,9 +20,11 @@ import math
 import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
-from liger_gen.ops.kl_div import DivergenceSpace, chunk_rows, random_log_probs, tuning_rows
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.kl_div import DivergenceSpace, chunk_rows, random_log_probs, tuning_row_cap, tuning_rows
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, use_custom_op, uses_triton)
+                                   uses_triton)
 
 # kernel MODE constexpr: the two endpoints are the limits JSD_b / beta and JSD_b / (1 − beta), not JSD_b itself
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -91,8 +93,6 @@ class JSDSpace(DivergenceSpace):
     template = "jsd"
     BWD_STREAMS = 2
 
-
-SPACE = JSDSpace
 
 # ------------------------------------------------------------------------------------------------ tuning
 
@@ -171,13 +171,15 @@ class JSDProblem(Problem):
         return mv * (e_s + e_t) + label + (mv * e_s if phase == "bwd" else 0)
 
 
-PROBLEM = JSDProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """Distillation over the model's vocabulary: one problem per token count (capped, see
     ``liger_gen.ops.kl_div.tuning_rows``), beta = 0.5 with labels."""
     return [JSDProblem(dtype, model.vocab_size, r, device, seed=seed) for r in tuning_rows(model.vocab_size, rows)]
+
+
+SPEC = OpSpec("jsd", JSDSpace, JSDProblem, tuning_problems, custom_ops=("liger_gen::jsd_fwd", "liger_gen::jsd_bwd"),
+              rows_cap=lambda model: tuning_row_cap(model.vocab_size))
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -196,7 +198,7 @@ def _fwd_impl(s: torch.Tensor, t: torch.Tensor, label: torch.Tensor | None, beta
             n_valid.copy_((label != ignore_index).sum())
         return loss.zero_(), n_valid
     if uses_triton(s):
-        module, _, _ = kernel_module("jsd", s, vocab, rows)
+        module, _, _ = kernel_module(JSDSpace, s, vocab, rows)
         module.forward(s, t, label, loss, n_valid, jsd_mode(beta), beta, ignore_index)
         return loss, n_valid
     # CPU without the interpreter: the reference math (only reached when the op is called directly)
@@ -215,7 +217,7 @@ def _bwd_impl(g: torch.Tensor, n_valid: torch.Tensor, s: torch.Tensor, t: torch.
     if s.numel() == 0:
         return ds
     if uses_triton(s):
-        module, _, _ = kernel_module("jsd", s, vocab, rows)
+        module, _, _ = kernel_module(JSDSpace, s, vocab, rows)
         module.backward(g, n_valid, s, t, label, ds, jsd_mode(beta), beta, ignore_index)
         return ds
     # CPU without the interpreter: autograd of the reference math
@@ -228,71 +230,32 @@ def _bwd_impl(g: torch.Tensor, n_valid: torch.Tensor, s: torch.Tensor, t: torch.
     return ds.copy_(grad * (g.float() / n_valid.clamp_min(1)))
 
 
-@torch.library.custom_op("liger_gen::jsd_fwd", mutates_args=())
-def jsd_fwd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, label: torch.Tensor | None, beta: float,
-            ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss 0-d in the student's dtype, n_valid 0-d fp32) of 2-D (rows, vocab) log-probabilities."""
-    return _fwd_impl(student_logp, teacher_logp, label, beta, ignore_index)
+def _fwd_fake(s, t, label, beta, ignore_index):
+    return s.new_empty(()), s.new_empty((), dtype=torch.float32)
 
 
-@jsd_fwd.register_fake
-def _(student_logp, teacher_logp, label, beta, ignore_index):
-    return student_logp.new_empty(()), student_logp.new_empty((), dtype=torch.float32)
+def _bwd_fake(g, n_valid, s, t, label, beta, ignore_index):
+    return s.new_empty(tuple(s.shape))
 
 
-@torch.library.custom_op("liger_gen::jsd_bwd", mutates_args=())
-def jsd_bwd(grad: torch.Tensor, n_valid: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
-            label: torch.Tensor | None, beta: float, ignore_index: int) -> torch.Tensor:
-    """d loss / d student_logp of the 2-D op, contiguous (rows, vocab)."""
-    return _bwd_impl(grad, n_valid, student_logp, teacher_logp, label, beta, ignore_index)
+jsd_fwd = Kernel("jsd_fwd", _fwd_impl, _fwd_fake)
+jsd_bwd = Kernel("jsd_bwd", _bwd_impl, _bwd_fake)
 
 
-@jsd_bwd.register_fake
-def _(grad, n_valid, student_logp, teacher_logp, label, beta, ignore_index):
-    return student_logp.new_empty(tuple(student_logp.shape))
-
-
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, output):
     student_logp, teacher_logp, label, beta, ignore_index = inputs
-    _, n_valid = output
-    ctx.save_for_backward(student_logp, teacher_logp, label, n_valid)
+    saved(ctx, student_logp, teacher_logp, label, output[1])
     ctx.beta, ctx.ignore_index = beta, ignore_index
 
 
 def _backward(ctx, grad, _dn_valid):
     s, t, label, n_valid = ctx.saved_tensors
-    ds = torch.ops.liger_gen.jsd_bwd(grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index)
+    ds = jsd_bwd(grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index)
     return ds, None, None, None, None
 
 
-jsd_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _JSDFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels (an autograd.Function costs less host time per call than the
-    custom-op dispatcher)."""
-
-    @staticmethod
-    def forward(ctx, student_logp, teacher_logp, label, beta, ignore_index):
-        loss, n_valid = _fwd_impl(student_logp, teacher_logp, label, beta, ignore_index)
-        ctx.save_for_backward(*saveable(student_logp, teacher_logp, label), n_valid)
-        ctx.beta, ctx.ignore_index = beta, ignore_index
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        no_double_backward("jsd", "liger_gen.reference.jsd_torch")
-        s, t, label, n_valid = ctx.saved_tensors
-        return _bwd_impl(grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index), None, None, None, None
-
-
-def jsd_2d(student_logp: torch.Tensor, teacher_logp: torch.Tensor, label: torch.Tensor | None, beta: float,
-           ignore_index: int) -> torch.Tensor:
-    """JSD of 2-D (rows, vocab) log-probabilities, differentiable in the student: the custom op while
-    torch.compile traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if use_custom_op():
-        return torch.ops.liger_gen.jsd_fwd(student_logp, teacher_logp, label, beta, ignore_index)[0]
-    return _JSDFunction.apply(student_logp, teacher_logp, label, beta, ignore_index)
+jsd_2d = Differentiable(jsd_fwd, _save, _backward, reference="liger_gen.reference.jsd_torch", outputs=1)
+"""(loss, n_valid) of 2-D (rows, vocab) log-probabilities, differentiable in the student."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -388,4 +351,4 @@ def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.
     s2d = student_logp.reshape(rows, vocab)
     t2d = teacher_logp.reshape(rows, vocab)
     label1d = None if label is None else label.reshape(rows)
-    return jsd_2d(s2d, t2d, label1d, beta, ignore_index)
+    return jsd_2d(s2d, t2d, label1d, beta, ignore_index)[0]

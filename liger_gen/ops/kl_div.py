@@ -18,8 +18,9 @@ import torch
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module, no_double_backward,
-                                   saveable, use_custom_op, uses_triton)
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 _REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2, "batchmean": 2}  # ATen's enum; batchmean divides after
@@ -158,8 +159,6 @@ class KLDivSpace(DivergenceSpace):
     BWD_STREAMS = 3
 
 
-SPACE = KLDivSpace
-
 # ------------------------------------------------------------------------------------------------ tuning
 
 # Tuning holds the inputs, a float64 gradient reference and the check's float64 temporaries on the GPU at
@@ -170,9 +169,14 @@ MAX_TUNING_ROWS = 8192
 MAX_TUNING_ELEMENTS = 2**31
 
 
+def tuning_row_cap(vocab: int) -> int:
+    """MAX_TUNING_ROWS, or the largest power of two with rows·vocab <= 2^31 when that is smaller."""
+    return min(MAX_TUNING_ROWS, 1 << max(0, (MAX_TUNING_ELEMENTS // max(1, vocab)).bit_length() - 1))
+
+
 def tuning_rows(vocab: int, rows: list[int]) -> list[int]:
-    """``rows`` capped at MAX_TUNING_ROWS and at the largest power of two with rows·vocab <= 2^31, deduplicated."""
-    cap = min(MAX_TUNING_ROWS, 1 << max(0, (MAX_TUNING_ELEMENTS // max(1, vocab)).bit_length() - 1))
+    """``rows`` capped at ``tuning_row_cap(vocab)``, deduplicated."""
+    cap = tuning_row_cap(vocab)
     out: list[int] = []
     for r in rows:
         r = max(1, min(int(r), cap))
@@ -274,13 +278,16 @@ class KLDivProblem(Problem):
         return reads + mv * e * (2 if self.target_grad else 1)
 
 
-PROBLEM = KLDivProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """Distillation over the model's vocabulary: one problem per token count (capped, see ``tuning_rows``),
     reduction "batchmean" with probabilities as target (the default call)."""
     return [KLDivProblem(dtype, model.vocab_size, r, device, seed=seed) for r in tuning_rows(model.vocab_size, rows)]
+
+
+SPEC = OpSpec("kl_div", KLDivSpace, KLDivProblem, tuning_problems,
+              custom_ops=("liger_gen::kl_div_fwd", "liger_gen::kl_div_bwd"),
+              rows_cap=lambda model: tuning_row_cap(model.vocab_size))
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -297,7 +304,7 @@ def _fwd_impl(x: torch.Tensor, t: torch.Tensor, reduction: str, divisor: int, lo
         return torch.zeros((), dtype=torch.float32, device=x.device).div_(divisor).to(out_dtype)
     if uses_triton(x):
         out = torch.empty(() if reduce else (rows, vocab), dtype=out_dtype, device=x.device)
-        module, _, _ = kernel_module("kl_div", x, vocab, rows)
+        module, _, _ = kernel_module(KLDivSpace, x, vocab, rows)
         module.forward(x, t, out, log_target, reduce, divisor)
         return out
     # CPU without the interpreter: the kernel's math in PyTorch (only reached when the op is called directly)
@@ -307,20 +314,17 @@ def _fwd_impl(x: torch.Tensor, t: torch.Tensor, reduction: str, divisor: int, lo
 
 def _bwd_impl(g: torch.Tensor, x: torch.Tensor | None, t: torch.Tensor, reduction: str, divisor: int,
               log_target: bool, input_grad: bool, target_grad: bool,
-              input_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dt), each contiguous (rows, vocab) in its input's dtype, or an empty (0,) tensor when not asked.
-
-    x may be None when only dx is asked (dx = −t·g does not read x); ``input_dtype`` then gives dx's dtype.
-    """
+              input_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dt), each contiguous (rows, vocab) in its input's dtype (``input_dtype`` for dx), or an empty (0,)
+    tensor when not asked. x may be None when only dx is asked (dx = −t·g does not read x)."""
     rows, vocab = t.shape
     reduce = reduction != "none"
-    x_dtype = x.dtype if x is not None else input_dtype
-    dx = t.new_empty((rows, vocab) if input_grad else (0,), dtype=x_dtype)
+    dx = t.new_empty((rows, vocab) if input_grad else (0,), dtype=input_dtype)
     dt = t.new_empty((rows, vocab) if target_grad else (0,))
     if t.numel() == 0 or not (input_grad or target_grad):
         return dx, dt
     if uses_triton(t):
-        module, _, _ = kernel_module("kl_div", dx if input_grad else x, vocab, rows)
+        module, _, _ = kernel_module(KLDivSpace, dx if input_grad else x, vocab, rows)
         module.backward(g, x, t, dx if input_grad else None, dt if target_grad else None, log_target, reduce,
                         divisor)
         return dx, dt
@@ -336,84 +340,47 @@ def _bwd_impl(g: torch.Tensor, x: torch.Tensor | None, t: torch.Tensor, reductio
     return dx, dt
 
 
-@torch.library.custom_op("liger_gen::kl_div_fwd", mutates_args=())
-def kl_div_fwd(input: torch.Tensor, target: torch.Tensor, reduction: str, divisor: int,
-               log_target: bool) -> torch.Tensor:
-    """KL divergence of 2-D (rows, vocab) input and target: (rows, vocab) for "none", else 0-d (Σl / divisor)."""
-    return _fwd_impl(input, target, reduction, divisor, log_target)
-
-
-@kl_div_fwd.register_fake
-def _(input, target, reduction, divisor, log_target):
+def _fwd_fake(input, target, reduction, divisor, log_target):
     out_dtype = torch.promote_types(input.dtype, target.dtype)
     return input.new_empty(() if reduction != "none" else tuple(input.shape), dtype=out_dtype)
 
 
-@torch.library.custom_op("liger_gen::kl_div_bwd", mutates_args=())
-def kl_div_bwd(grad: torch.Tensor, input: torch.Tensor, target: torch.Tensor, reduction: str, divisor: int,
-               log_target: bool, input_grad: bool, target_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d input, d target) of the 2-D op; a gradient that is not asked for is an empty (0,) tensor."""
-    return _bwd_impl(grad, input, target, reduction, divisor, log_target, input_grad, target_grad)
-
-
-@kl_div_bwd.register_fake
-def _(grad, input, target, reduction, divisor, log_target, input_grad, target_grad):
-    dx = input.new_empty(tuple(input.shape) if input_grad else (0,))
-    dt = target.new_empty(tuple(target.shape) if target_grad else (0,))
+def _bwd_fake(g, x, t, reduction, divisor, log_target, input_grad, target_grad, input_dtype):
+    dx = t.new_empty(tuple(t.shape) if input_grad else (0,), dtype=input_dtype)
+    dt = t.new_empty(tuple(t.shape) if target_grad else (0,))
     return dx, dt
 
 
-def _setup_context(ctx, inputs, output):
+kl_div_fwd = Kernel("kl_div_fwd", _fwd_impl, _fwd_fake)
+kl_div_bwd = Kernel("kl_div_bwd", _bwd_impl, _bwd_fake)
+
+
+def _save(ctx, inputs, output):
     input, target, reduction, divisor, log_target = inputs
-    ctx.save_for_backward(input, target)
+    saved(ctx, input if ctx.needs_input_grad[1] else None, target)  # d/dinput = −t·g does not read the input
     ctx.reduction, ctx.divisor, ctx.log_target = reduction, divisor, log_target
+    ctx.input_dtype = input.dtype
 
 
 def _backward(ctx, grad):
     input, target = ctx.saved_tensors
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dt = torch.ops.liger_gen.kl_div_bwd(grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target,
-                                            need_x, need_t)
+    dx, dt = kl_div_bwd(grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target, need_x, need_t,
+                        ctx.input_dtype)
     return (dx if need_x else None), (dt if need_t else None), None, None, None
 
 
-kl_div_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _KLDivFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels (an autograd.Function costs less host time per call than the
-    custom-op dispatcher). The input is saved only when the target needs a gradient (d/dinput needs only t)."""
-
-    @staticmethod
-    def forward(ctx, input, target, reduction, divisor, log_target):
-        out = _fwd_impl(input, target, reduction, divisor, log_target)
-        need_t = ctx.needs_input_grad[1]
-        ctx.save_for_backward(*saveable(input if need_t else None, target))
-        ctx.reduction, ctx.divisor, ctx.log_target = reduction, divisor, log_target
-        ctx.input_dtype = input.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        no_double_backward("kl_div", "liger_gen.reference.kl_div_torch")
-        input, target = ctx.saved_tensors
-        need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dt = _bwd_impl(grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target, need_x, need_t,
-                           ctx.input_dtype)
-        return (dx if need_x else None), (dt if need_t else None), None, None, None
+_kl_div_2d = Differentiable(kl_div_fwd, _save, _backward, reference="liger_gen.reference.kl_div_torch")
 
 
 def kl_div_2d(input: torch.Tensor, target: torch.Tensor, reduction: str, divisor: int,
               log_target: bool) -> torch.Tensor:
-    """KL divergence of 2-D (rows, vocab) tensors, differentiable in both: the custom op while torch.compile
-    traces (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
+    """KL divergence of 2-D (rows, vocab) tensors, differentiable in both."""
     if torch.jit.is_tracing() and reduction in ("mean", "batchmean"):
         # torch.jit.trace records a custom op's int arguments as constants, so the divisor (a traced size here)
         # is applied outside the op, where the trace keeps it a function of the input's shape
-        return torch.ops.liger_gen.kl_div_fwd(input, target, "sum", 1, log_target) / divisor
-    if use_custom_op():
-        return torch.ops.liger_gen.kl_div_fwd(input, target, reduction, divisor, log_target)
-    return _KLDivFunction.apply(input, target, reduction, divisor, log_target)
+        return _kl_div_2d(input, target, "sum", 1, log_target) / divisor
+    return _kl_div_2d(input, target, reduction, divisor, log_target)
 
 
 # ------------------------------------------------------------------------------------------------ public op

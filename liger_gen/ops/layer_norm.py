@@ -18,8 +18,10 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormSpace
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, use_custom_op, uses_triton)
+                                   uses_triton)
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -68,8 +70,6 @@ class LayerNormSpace(RMSNormSpace):
     config_cls = LayerNormConfig
     REDUCTIONS_PER_ROW = 2
 
-
-SPACE = LayerNormSpace
 
 # ------------------------------------------------------------------------------------------------ tuning
 
@@ -157,13 +157,15 @@ class LayerNormProblem(Problem):
         return 2 * mn * e + int(self.has_weight) * n * e + 2 * m * 4 + mn * e + n_params * n * e
 
 
-PROBLEM = LayerNormProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """LayerNorm at the model's ``hidden_size``, one problem per token count, with weight and bias (the
     ``torch.nn.LayerNorm`` default). eps is PyTorch's default: it does not change the kernel's time."""
     return [LayerNormProblem(dtype, model.hidden_size, r, device, seed=seed) for r in rows]
+
+
+SPEC = OpSpec("layer_norm", LayerNormSpace, LayerNormProblem, tuning_problems,
+              custom_ops=("liger_gen::layer_norm_fwd", "liger_gen::layer_norm_bwd"))
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -179,7 +181,7 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if x.numel() == 0:  # as torch.native_layer_norm: mean 0 and rstd NaN for rows of zero width
         return y, mean.zero_(), rstd.fill_(float("nan"))
     if uses_triton(x):
-        module, _, _ = kernel_module("layer_norm", x, n_cols, rows)
+        module, _, _ = kernel_module(LayerNormSpace, x, n_cols, rows)
         module.forward(x, weight, bias, y, mean, rstd, eps)
     else:  # CPU without the interpreter: plain PyTorch (only reached when the op is called directly)
         var, m = torch.var_mean(x.float(), dim=-1, correction=0)
@@ -201,7 +203,7 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bi
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     if uses_triton(x):
-        module, _, limits = kernel_module("layer_norm", x, n_cols, rows)
+        module, _, limits = kernel_module(LayerNormSpace, x, n_cols, rows)
         n_programs = module.num_bwd_programs(rows, limits.num_sms)
         dw_partial, db_partial = (torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
                                   if t is not None else None for t in (weight, bias))
@@ -218,76 +220,38 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bi
     return dx, dw, db
 
 
-@torch.library.custom_op("liger_gen::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y (rows, n_cols) in x's dtype, mean and rstd (rows,) fp32, for a 2-D x with unit column stride."""
-    return _fwd_impl(x, weight, bias, eps)
-
-
-@layer_norm_fwd.register_fake
-def _(x, weight, bias, eps):
+def _fwd_fake(x, weight, bias, eps):
     rows, n_cols = x.shape
     return (x.new_empty((rows, n_cols)), x.new_empty((rows,), dtype=torch.float32),
             x.new_empty((rows,), dtype=torch.float32))
 
 
-@torch.library.custom_op("liger_gen::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx (rows, n_cols) in x's dtype; dW, dB (n_cols,) in weight's / bias's dtype, or (0,) when absent."""
-    return _bwd_impl(dy, x, weight, bias, mean, rstd)
-
-
-@layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd):
+def _bwd_fake(dy, x, weight, bias, mean, rstd):
     dw = torch.empty_like(weight) if weight is not None else x.new_empty((0,))
     db = torch.empty_like(bias) if bias is not None else x.new_empty((0,))
     return torch.empty_like(x, memory_format=torch.contiguous_format), dw, db
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps = inputs
+layer_norm_fwd = Kernel("layer_norm_fwd", _fwd_impl, _fwd_fake)
+layer_norm_bwd = Kernel("layer_norm_bwd", _bwd_impl, _bwd_fake)
+
+
+def _save(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
     _, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    saved(ctx, x, weight, bias, mean, rstd)
 
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.liger_gen.layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
     return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
             db if ctx.needs_input_grad[2] else None, None)
 
 
-layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _LayerNormFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels (lower host overhead than the custom-op dispatcher; see
-    ``ops/rms_norm.py``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = _fwd_impl(x, weight, bias, eps)
-        ctx.save_for_backward(*saveable(x, weight, bias), mean, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        no_double_backward("layer_norm", "torch.nn.functional.layer_norm")
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _bwd_impl(dy, x, weight, bias, mean, rstd)
-        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
-                db if ctx.needs_input_grad[2] else None, None)
-
-
-def layer_norm_2d(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                  eps: float) -> torch.Tensor:
-    """LayerNorm of a 2-D x with unit column stride, differentiable: the custom op while torch.compile traces
-    (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if use_custom_op():
-        return torch.ops.liger_gen.layer_norm_fwd(x, weight, bias, eps)[0]
-    return _LayerNormFunction.apply(x, weight, bias, eps)
+layer_norm_2d = Differentiable(layer_norm_fwd, _save, _backward, reference="torch.nn.functional.layer_norm",
+                               outputs=1)
+"""(y, mean, rstd) of a 2-D x with unit column stride, differentiable in x, weight and bias."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -368,7 +332,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
         weight = weight.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    return layer_norm_2d(x2d, weight, bias, eps).view(x.shape)
+    return layer_norm_2d(x2d, weight, bias, eps)[0].view(x.shape)
 
 
 class LayerNorm(torch.nn.LayerNorm):

@@ -15,8 +15,10 @@ import torch
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, saveable, use_custom_op, uses_triton)
+                                   uses_triton)
 
 CASTING_MODES = ("llama", "gemma", "none")
 
@@ -173,8 +175,6 @@ class RMSNormSpace(Space):
         return problems
 
 
-SPACE = RMSNormSpace
-
 # ------------------------------------------------------------------------------------------------ tuning
 
 
@@ -238,12 +238,14 @@ class RMSNormProblem(Problem):
         return self.buffers["x"].element_size()
 
 
-PROBLEM = RMSNormProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's decoder norms: one problem per token count at ``hidden_size``."""
     return [RMSNormProblem(dtype, model.hidden_size, r, device, seed=seed, eps=model.rms_norm_eps) for r in rows]
+
+
+SPEC = OpSpec("rms_norm", RMSNormSpace, RMSNormProblem, tuning_problems,
+              custom_ops=("liger_gen::rms_norm_fwd", "liger_gen::rms_norm_bwd"))
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -258,7 +260,7 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
     if x.numel() == 0:
         return y, rstd.fill_(float("inf"))
     if uses_triton(x):
-        module, _, _ = kernel_module("rms_norm", x, n_cols, rows, casting_mode=casting_mode)
+        module, _, _ = kernel_module(RMSNormSpace, x, n_cols, rows, casting_mode=casting_mode)
         module.forward(x, weight, y, rstd, eps, offset)
     else:  # CPU without the interpreter: plain PyTorch (only reached when the op is called directly)
         y.copy_(rms_norm_torch(x, weight, eps, offset, casting_mode))
@@ -277,7 +279,7 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
         dy = dy.contiguous()
     dw = torch.empty_like(weight)
     if uses_triton(x):
-        module, _, limits = kernel_module("rms_norm", x, n_cols, rows, casting_mode=casting_mode)
+        module, _, limits = kernel_module(RMSNormSpace, x, n_cols, rows, casting_mode=casting_mode)
         dw_partial = torch.empty((module.num_bwd_programs(rows, limits.num_sms), n_cols), dtype=torch.float32,
                                  device=x.device)
         module.backward(dy, x, weight, rstd, dx, dw, dw_partial, offset, limits.num_sms)
@@ -290,76 +292,35 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
     return dx, dw
 
 
-@torch.library.custom_op("liger_gen::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                 casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """y (rows, n_cols) and rstd (rows,) fp32 for a 2-D x with unit column stride."""
-    return _fwd_impl(x, weight, eps, offset, casting_mode)
-
-
-@rms_norm_fwd.register_fake
-def _(x, weight, eps, offset, casting_mode):
+def _fwd_fake(x, weight, eps, offset, casting_mode):
     rows, n_cols = x.shape
     y = x.new_empty((rows, n_cols), dtype=rms_norm_out_dtype(x.dtype, weight.dtype, casting_mode))
     return y, x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("liger_gen::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
-                 casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx (rows, n_cols) in x's dtype and dW (n_cols,) in weight's dtype."""
-    return _bwd_impl(dy, x, weight, rstd, offset, casting_mode)
-
-
-@rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, offset, casting_mode):
+def _bwd_fake(dy, x, weight, rstd, offset, casting_mode):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, casting_mode = inputs
-    _, rstd = output
-    ctx.save_for_backward(x, weight, rstd)
-    ctx.offset = offset
-    ctx.casting_mode = casting_mode
+rms_norm_fwd = Kernel("rms_norm_fwd", _fwd_impl, _fwd_fake)
+rms_norm_bwd = Kernel("rms_norm_bwd", _bwd_impl, _bwd_fake)
+
+
+def _save(ctx, inputs, output):
+    x, weight, _eps, offset, casting_mode = inputs
+    saved(ctx, x, weight, output[1])
+    ctx.offset, ctx.casting_mode = offset, casting_mode
 
 
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.liger_gen.rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+    dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
     return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels: an autograd.Function costs far less host time per call than
-    the custom-op dispatcher (measured on this project's CPU machine with the launches stubbed out: ~35 µs
-    against ~150 µs per forward+backward), and eager training is host-bound for small and medium models."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode):
-        y, rstd = _fwd_impl(x, weight, eps, offset, casting_mode)
-        ctx.save_for_backward(*saveable(x, weight), rstd)
-        ctx.offset = offset
-        ctx.casting_mode = casting_mode
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        no_double_backward("rms_norm", "liger_gen.reference.rms_norm_torch")
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = _bwd_impl(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
-        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
-
-
-def rms_norm_2d(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str) -> torch.Tensor:
-    """RMSNorm of a 2-D x with unit column stride, differentiable: the custom op while torch.compile traces
-    (no graph break), the autograd.Function in eager mode. Both launch the same kernels."""
-    if use_custom_op():
-        return torch.ops.liger_gen.rms_norm_fwd(x, weight, eps, offset, casting_mode)[0]
-    return _RMSNormFunction.apply(x, weight, eps, offset, casting_mode)
+rms_norm_2d = Differentiable(rms_norm_fwd, _save, _backward, reference="liger_gen.reference.rms_norm_torch",
+                           outputs=1)
+"""(y, rstd) of a 2-D x with unit column stride, differentiable in x and weight."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -420,4 +381,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         x2d = x2d.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    return rms_norm_2d(x2d, weight, eps, offset, casting_mode).view(x.shape)
+    return rms_norm_2d(x2d, weight, eps, offset, casting_mode)[0].view(x.shape)

@@ -21,8 +21,10 @@ import torch
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe, kernel_module,
-                                   no_double_backward, saveable, use_custom_op, uses_triton)
+                                   uses_triton)
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -226,8 +228,6 @@ class RoPESpace(Space):
         return problems
 
 
-SPACE = RoPESpace
-
 # ------------------------------------------------------------------------------------------------ tuning
 
 
@@ -289,14 +289,15 @@ class RoPEProblem(Problem):
         return 2 * qk + (b["cos"].numel() + b["sin"].numel()) * b["cos"].element_size()
 
 
-PROBLEM = RoPEProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's attention RoPE (full rotary: rotary_dim = head_dim), one problem per token count."""
     dims = {"n_q_heads": model.num_attention_heads, "n_kv_heads": model.num_key_value_heads,
             "head_dim": model.head_dim, "rotary_dim": model.head_dim}
     return [RoPEProblem(dtype, dims, r, device, seed=seed) for r in rows]
+
+
+SPEC = OpSpec("rope", RoPESpace, RoPEProblem, tuning_problems, custom_ops=("liger_gen::rope_fwd", "liger_gen::rope_bwd"))
+SPECS = {SPEC.name: SPEC}
 
 
 # ------------------------------------------------------------------------------------------------ binding
@@ -308,14 +309,15 @@ def _dims(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> dict[str, int]
     return {"n_q_heads": q.shape[1], "n_kv_heads": k.shape[1], "head_dim": q.shape[-1], "rotary_dim": cos.shape[-1]}
 
 
-def _fwd_impl(q, k, cos, sin, position_ids):
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              position_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q_out, k_out in the promoted dtype of (q, cos, sin), laid out like q and k (when they are dense)."""
     out_dtype = rope_out_dtype(q.dtype, cos.dtype, sin.dtype)
     q_out, k_out = torch.empty_like(q, dtype=out_dtype), torch.empty_like(k, dtype=out_dtype)
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
     if uses_triton(q) and q.numel() and k.numel():
-        module, _, _ = kernel_module("rope", q, _dims(q, k, cos), q.shape[0] * q.shape[2])
+        module, _, _ = kernel_module(RoPESpace, q, _dims(q, k, cos), q.shape[0] * q.shape[2])
         module.forward(q, k, cos, sin, position_ids, q_out, k_out)
     else:  # CPU without the interpreter (only reached when the op is called directly), or zero heads
         q_ref, k_ref = rope_torch(q, k, cos, sin, position_ids, 1)
@@ -324,7 +326,8 @@ def _fwd_impl(q, k, cos, sin, position_ids):
     return q_out, k_out
 
 
-def _bwd_impl(dq_out, dk_out, cos, sin, position_ids, q_dtype):
+def _bwd_impl(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              position_ids: Optional[torch.Tensor], q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """dq, dk in q's dtype (fp32 math, one rounding), laid out like the incoming grads."""
     if dq_out.stride(-1) != 1:
         dq_out = dq_out.contiguous()
@@ -334,7 +337,7 @@ def _bwd_impl(dq_out, dk_out, cos, sin, position_ids, q_dtype):
     if dq.numel() == 0 and dk.numel() == 0:
         return dq, dk
     if uses_triton(dq_out) and dq.numel() and dk.numel():
-        module, _, _ = kernel_module("rope", dq, _dims(dq_out, dk_out, cos), dq_out.shape[0] * dq_out.shape[2])
+        module, _, _ = kernel_module(RoPESpace, dq, _dims(dq_out, dk_out, cos), dq_out.shape[0] * dq_out.shape[2])
         module.backward(dq_out, dk_out, cos, sin, position_ids, dq, dk)
     else:
         dq_ref, dk_ref = _rope_bwd_torch(dq_out, dk_out, cos, sin, position_ids, q_dtype)
@@ -347,37 +350,30 @@ def _bwd_layout(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(g if g.stride(-1) == 1 else g.contiguous(), dtype=dtype)
 
 
-@torch.library.custom_op("liger_gen::rope_fwd", mutates_args=())
-def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             position_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_out, k_out for (batch, heads, seq, head_dim)-indexed q, k with unit head_dim stride."""
-    return _fwd_impl(q, k, cos, sin, position_ids)
-
-
-@rope_fwd.register_fake
-def _(q, k, cos, sin, position_ids):
+def _fwd_fake(q, k, cos, sin, position_ids):
     out_dtype = rope_out_dtype(q.dtype, cos.dtype, sin.dtype)
     return torch.empty_like(q, dtype=out_dtype), torch.empty_like(k, dtype=out_dtype)
 
 
-@torch.library.custom_op("liger_gen::rope_bwd", mutates_args=())
-def rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             position_ids: Optional[torch.Tensor], q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """dq, dk (in ``q_dtype``) from the grads of q_out, k_out: the rotation by −θ."""
-    return _bwd_impl(dq_out, dk_out, cos, sin, position_ids, q_dtype)
-
-
-@rope_bwd.register_fake
-def _(dq_out, dk_out, cos, sin, position_ids, q_dtype):
+def _bwd_fake(dq_out, dk_out, cos, sin, position_ids, q_dtype):
     return _bwd_layout(dq_out, q_dtype), _bwd_layout(dk_out, q_dtype)
 
 
-def _needs_cos_sin_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    return cos.requires_grad or sin.requires_grad
+rope_fwd = Kernel("rope_fwd", _fwd_impl, _fwd_fake)
+rope_bwd = Kernel("rope_bwd", _bwd_impl, _bwd_fake)
 
 
-def _grads(ctx, dq_out, dk_out, cos, sin, position_ids, q, k, op_call):
-    """(dq, dk, dcos, dsin, None) for both bindings; ``op_call`` launches the backward kernel."""
+def _save(ctx, inputs, output):
+    q, k, cos, sin, position_ids = inputs
+    q_out, k_out = output
+    keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]  # q and k only for cos/sin gradients
+    saved(ctx, cos, sin, position_ids, *((q, k) if keep_qk else (None, None)))
+    ctx.q_dtype = q.dtype
+    ctx.out_meta = ((q_out.shape, q_out.dtype), (k_out.shape, k_out.dtype))
+
+
+def _backward(ctx, dq_out, dk_out):
+    cos, sin, position_ids, q, k = ctx.saved_tensors
     q_out_meta, k_out_meta = ctx.out_meta
     if dq_out is None:  # an output autograd did not materialise: its grad is zero
         dq_out = torch.zeros(q_out_meta[0], dtype=q_out_meta[1], device=cos.device)
@@ -386,57 +382,16 @@ def _grads(ctx, dq_out, dk_out, cos, sin, position_ids, q, k, op_call):
     need_q, need_k, need_cos, need_sin = ctx.needs_input_grad[:4]
     dq = dk = d_cos = d_sin = None
     if need_q or need_k:
-        dq, dk = op_call(dq_out, dk_out, cos, sin, position_ids, ctx.q_dtype)
+        dq, dk = rope_bwd(dq_out, dk_out, cos, sin, position_ids, ctx.q_dtype)
     if (need_cos or need_sin) and q is not None:
         d_cos, d_sin = _cos_sin_grads(dq_out, dk_out, q, k, cos, sin, position_ids)
     return (dq if need_q else None), (dk if need_k else None), (d_cos if need_cos else None), \
         (d_sin if need_sin else None), None
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, position_ids = inputs
-    q_out, k_out = output
-    keep_qk = _needs_cos_sin_grad(cos, sin)
-    ctx.save_for_backward(cos, sin, position_ids, *((q, k) if keep_qk else (None, None)))
-    ctx.q_dtype = q.dtype
-    ctx.out_meta = ((q_out.shape, q_out.dtype), (k_out.shape, k_out.dtype))
-
-
-def _backward(ctx, dq_out, dk_out):
-    cos, sin, position_ids, q, k = ctx.saved_tensors
-    return _grads(ctx, dq_out, dk_out, cos, sin, position_ids, q, k, torch.ops.liger_gen.rope_bwd)
-
-
-rope_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _RoPEFunction(torch.autograd.Function):
-    """Eager-mode binding of the same kernels (an autograd.Function costs less host time per call than the
-    custom-op dispatcher; see rms_norm)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids):
-        q_out, k_out = _fwd_impl(q, k, cos, sin, position_ids)
-        keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        ctx.save_for_backward(*saveable(cos, sin, position_ids, *((q, k) if keep_qk else (None, None))))
-        ctx.q_dtype = q.dtype
-        ctx.out_meta = ((q_out.shape, q_out.dtype), (k_out.shape, k_out.dtype))
-        return q_out, k_out
-
-    @staticmethod
-    def backward(ctx, dq_out, dk_out):
-        no_double_backward("rope", "liger_gen.reference.rope_torch")
-        cos, sin, position_ids, q, k = ctx.saved_tensors
-        return _grads(ctx, dq_out, dk_out, cos, sin, position_ids, q, k, _bwd_impl)
-
-
-def rope_4d(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE of (batch, heads, seq, head_dim)-indexed q, k with unit head_dim stride, differentiable: the custom
-    op while torch.compile traces (no graph break), the autograd.Function in eager mode."""
-    if use_custom_op():
-        return torch.ops.liger_gen.rope_fwd(q, k, cos, sin, position_ids)
-    return _RoPEFunction.apply(q, k, cos, sin, position_ids)
+rope_4d = Differentiable(rope_fwd, _save, _backward, reference="liger_gen.reference.rope_torch")
+"""(q_out, k_out) of (batch, heads, seq, head_dim)-indexed q, k with unit head_dim stride, differentiable in q,
+k, cos and sin."""
 
 
 # ------------------------------------------------------------------------------------------------ public op

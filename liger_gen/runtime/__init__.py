@@ -1,1 +1,1 @@
-"""Runtime: device names, tuned-table lookup, custom ops and model integrations."""
+"""Runtime: device names, tuned-table lookup, kernel selection and the custom-op bindings."""

@@ -1,9 +1,10 @@
 """What every op's runtime binding shares: which path a tensor takes, the per-shape kernel choice, input checks.
 
-A binding asks ``kernel_module(op, tensor, dims, rows, **variant)`` for the rendered kernel module of one call
-shape. The launch config is chosen once per (op, device, dtype, dims, rows, variant) and memoised: a call costs
-a dict lookup plus the Triton launch. The runtime never benchmarks on its own. The custom ops themselves live in
-each op's module under ``liger_gen/ops``.
+A binding asks ``kernel_module(space, tensor, dims, rows, **variant)`` for the rendered kernel module of one call
+shape, where ``space`` is its op spec's search-space class (the runtime is handed the op's description, never a
+name to look up). The launch config is chosen once per (space, device, dtype, dims, rows, variant) and memoised:
+a call costs a dict lookup plus the Triton launch. The runtime never benchmarks on its own. The custom ops
+themselves live in each op's module under ``liger_gen/ops``, bound through ``liger_gen.runtime.binding``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.codegen.spaces import DeviceLimits
+from liger_gen.codegen.spaces import DeviceLimits, Space
 from liger_gen.runtime import tables
 from liger_gen.runtime.devices import current_gpu
 
@@ -57,25 +58,24 @@ def module_for(template: str, config, variant: tuple) -> ModuleType:
 
 
 @functools.lru_cache(maxsize=4096)
-def _variant(op: str, device: torch.device, dtype: torch.dtype, dims: tuple | int, rows: int, variant: tuple,
-             heuristic_only: bool) -> tuple[ModuleType, Any, DeviceLimits]:
-    from liger_gen.ops import template_of
-
+def _variant(space: type[Space], device: torch.device, dtype: torch.dtype, dims: tuple | int, rows: int,
+             variant: tuple, heuristic_only: bool) -> tuple[ModuleType, Any, DeviceLimits]:
     gpu, limits = device_info(device)
-    found = tables.lookup(op, dtype, dims if isinstance(dims, int) else dict(dims), rows, gpu, limits,
+    found = tables.lookup(space, dtype, dims if isinstance(dims, int) else dict(dims), rows, gpu, limits,
                           variant=dict(variant))
-    return module_for(template_of(op), found["config"], variant), found["config"], limits
+    return module_for(space.template, found["config"], variant), found["config"], limits
 
 
-def kernel_module(op: str, t: torch.Tensor, dims: Mapping[str, int] | int, rows: int,
+def kernel_module(space: type[Space], t: torch.Tensor, dims: Mapping[str, int] | int, rows: int,
                   **variant: Any) -> tuple[ModuleType, Any, DeviceLimits]:
-    """(kernel module, config, device limits) for ``op`` at one call shape on ``t``'s device and dtype.
+    """(kernel module, config, device limits) for the op of ``space`` (its spec's search-space class) at one
+    call shape on ``t``'s device and dtype.
 
     ``dims`` are the op's feature dims (a bare int for one-dim ops); ``variant`` the render-time options that
     are not tuned (e.g. ``casting_mode="llama"``). Memoised per shape: a call builds the cache key and looks it up.
     """
     key = dims if isinstance(dims, int) else tuple(dims.items())
-    return _variant(op, t.device, t.dtype, key, int(rows), tuple(sorted(variant.items())),
+    return _variant(space, t.device, t.dtype, key, int(rows), tuple(sorted(variant.items())),
                     tables.heuristic_only_enabled())
 
 
@@ -94,11 +94,6 @@ def no_double_backward(op: str, reference: str) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError(f"liger_gen {op}: double backward (create_graph=True) is not supported; use "
                            f"{reference} where second derivatives are needed")
-
-
-def saveable(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Inference-mode tensors cannot be saved for backward (x made under inference_mode, weight trained)."""
-    return tuple(t.clone() if t is not None and t.is_inference() else t for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------ input checks

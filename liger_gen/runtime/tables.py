@@ -2,16 +2,22 @@
 
 One JSON file per GPU and op, ``<root>/<gpu>/<op>.json``. The file records its key fields inside::
 
-    {"format_version": 2, "op": "rms_norm", "gpu": "h200", "device_name": "NVIDIA H200",
+    {"format_version": 3, "op": "rms_norm", "gpu": "h200", "device_name": "NVIDIA H200",
      "compute_capability": "9.0", "triton_version": "3.6.0", "torch_version": "2.11.0+cu130",
-     "template_hash": "...", "created": "2026-11-29T23:10:00Z",
+     "template_hashes": {"rms_norm": "..."}, "created": "2026-11-29T23:10:00Z",
      "entries": [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 16384,
                   "variant": {"casting_mode": "llama"}, "config": {...}, "heuristic": {...},
-                  "timing_ms": {...}, "trials": {...}}, ...]}
+                  "timing_ms": {...}, "timing_method": {...}, "bytes": {...}}, ...]}
 
-Lookup contract (``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables packaged in ``liger_gen/tuned``,
-then the op's analytic heuristic. A table is used only if its op, GPU, template hash and Triton major.minor
-version match the running ones; otherwise it is skipped with one warning and the next source is tried. Feature
+``template_hashes`` holds the hash of every template the op's configs select (its own, and the ``also_renders``
+of its space: fused linear cross-entropy's table is keyed by its template and cross-entropy's). The tuner's
+trial logs (``trials``, ``search``, ``retime`` of each entry) go to ``<op>.trials.json`` beside the table, which
+the runtime never reads (``liger-gen show --trials`` does).
+
+The runtime is handed the op's space class (``spec.space``), never an op name to look up. Lookup contract
+(``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables packaged in ``liger_gen/tuned``, then the space's
+analytic heuristic. A table is used only if its op, GPU, template hashes and Triton major.minor version match the
+running ones; otherwise it is skipped with one warning and the next source is tried. Feature
 dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype must match exactly; entries tuned with the same render-time
 options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance.
 A corrupt, ill-formed, unreadable or oversized file (over ``MAX_TABLE_BYTES``, or not a regular file) warns and is
@@ -30,7 +36,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 import threading
 import warnings
 from importlib import resources
@@ -41,10 +46,13 @@ import torch
 import triton
 
 from liger_gen.codegen.render import template_hash
-from liger_gen.codegen.spaces import DeviceLimits, dtype_name, log_distance, space_for
+from liger_gen.codegen.spaces import DeviceLimits, Space, dtype_name, log_distance, template_names
+from liger_gen.files import write_atomic
 from liger_gen.runtime.devices import GPU_SLUG
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: Entry fields that are the tuner's logs: written to ``<op>.trials.json``, not to the table.
+TRIAL_FIELDS = ("trials", "search", "retime")
 ENV_TUNED_DIR = "LIGER_GEN_TUNED_DIR"
 #: Larger files are not read (the packaged tables are ~0.1 MB; a 100 MB table would cost seconds and GBs per rank).
 MAX_TABLE_BYTES = 16 * 2**20
@@ -53,7 +61,6 @@ MAX_TABLE_BYTES = 16 * 2**20
 _KEY_FORMS = {
     "op": re.compile(r"[a-z][a-z0-9_]*"),
     "gpu": GPU_SLUG,  # every name canonical_gpu_name gives
-    "template_hash": re.compile(r"[0-9a-f]{16}"),
     "triton_version": re.compile(r"\d+\.\d+(\.\d+)?([.+-][0-9A-Za-z.+-]*)?"),
 }
 _OPTIONAL_FORMS = {"compute_capability": re.compile(r"\d+\.\d+")}
@@ -86,14 +93,12 @@ def reset_warnings() -> None:
         _warned.clear()
 
 
-def op_template_hash(op: str) -> str:
-    """Hash of the template family that renders ``op`` ("?" for an op this installation does not have)."""
-    from liger_gen.ops import template_of
+_HASH_FORM = re.compile(r"[0-9a-f]{16}")
 
-    try:
-        return template_hash(template_of(op))
-    except KeyError:
-        return "?"
+
+def template_hashes(space: type[Space]) -> dict[str, str]:
+    """{template name: source hash} of every template ``space``'s configs select: what keys its table."""
+    return {name: template_hash(name) for name in template_names(space)}
 
 
 def triton_major_minor(version: str | None = None) -> str:
@@ -121,6 +126,12 @@ def table_roots() -> list[tuple[str, Path]]:
 def table_path(root: Path, gpu: str, op: str) -> Path:
     """``<root>/<gpu>/<op>.json``."""
     return Path(root) / gpu / f"{op}.json"
+
+
+def trials_path(path: Path) -> Path:
+    """The trial log beside the table at ``path``: ``<op>.trials.json``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.trials.json")
 
 
 def read_table_text(path: Path) -> str:
@@ -155,7 +166,7 @@ def load_table(path: Path) -> dict[str, Any]:
         raise TableError(f"cannot read tuned table {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise TableError(f"tuned table {path}: top level is {type(data).__name__}, expected an object")
-    for field, kind in (("format_version", int), ("op", str), ("gpu", str), ("template_hash", str),
+    for field, kind in (("format_version", int), ("op", str), ("gpu", str), ("template_hashes", dict),
                         ("triton_version", str), ("entries", list)):
         if field not in data:
             raise TableError(f"tuned table {path}: missing field {field!r}")
@@ -170,6 +181,11 @@ def load_table(path: Path) -> dict[str, Any]:
         if not isinstance(data[field], str) or not form.fullmatch(data[field]):
             raise TableError(f"tuned table {path}: field {field!r} is {data[field]!r}, which is not of the form "
                              f"{form.pattern!r}")
+    hashes = data["template_hashes"]
+    if not hashes or not all(isinstance(k, str) and isinstance(v, str) and _HASH_FORM.fullmatch(v)
+                             for k, v in hashes.items()):
+        raise TableError(f"tuned table {path}: field 'template_hashes' must map template names to 16-digit hex "
+                         f"hashes, got {hashes!r}")
     for field in ("device_name", "torch_version", "created"):
         if field in data and not isinstance(data[field], str):
             raise TableError(f"tuned table {path}: field {field!r} is {type(data[field]).__name__}, expected str")
@@ -184,16 +200,21 @@ def load_table(path: Path) -> dict[str, Any]:
     return data
 
 
-def foreign_reasons(table: dict[str, Any], *, op: str, gpu: str) -> list[str]:
-    """Why a table does not belong to this op, GPU, template and Triton version (empty when it does)."""
+def foreign_reasons(table: dict[str, Any], *, space: type[Space], gpu: str) -> list[str]:
+    """Why a table does not belong to ``space``'s op, this GPU, the current templates and Triton version (empty
+    when it does)."""
     reasons = []
-    if table["op"] != op:
-        reasons.append(f"op {table['op']!r} != {op!r}")
+    if table["op"] != space.op:
+        reasons.append(f"op {table['op']!r} != {space.op!r}")
     if table["gpu"] != gpu:
         reasons.append(f"tuned on GPU {table['gpu']!r}, running on {gpu!r}")
-    current = op_template_hash(op)
-    if table["template_hash"] != current:
-        reasons.append(f"template hash {table['template_hash']} != current {current} (template changed)")
+    current = template_hashes(space)
+    if table["template_hashes"] != current:
+        changed = sorted(set(current) | set(table["template_hashes"]))
+        changed = [n for n in changed if table["template_hashes"].get(n) != current.get(n)]
+        reasons.append("template hashes differ for " + ", ".join(
+            f"{n} ({table['template_hashes'].get(n, 'absent')} != current {current.get(n, 'absent')})"
+            for n in changed) + " (template changed)")
     if triton_major_minor(str(table["triton_version"])) != triton_major_minor():
         reasons.append(f"tuned with Triton {table['triton_version']}, running Triton {triton.__version__}")
     return reasons
@@ -239,22 +260,53 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def write_table(path: Path, table: dict[str, Any]) -> None:
-    """Write a table atomically (temp file in the same folder + rename), keys sorted, entries in key order."""
+    """Write a table and its trial log atomically (each: temp file in the same folder + rename), keys sorted,
+    entries in key order. Entry fields in ``TRIAL_FIELDS`` go to ``trials_path(path)``, the rest to ``path``;
+    the trial log is written first, so a table never names trials that are not on disk."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = dict(table)
-    table["entries"] = sorted(table["entries"], key=entry_sort_key)
-    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    entries = sorted(table["entries"], key=entry_sort_key)
+    shipped = [{k: v for k, v in e.items() if k not in TRIAL_FIELDS} for e in entries]
+    logs = [{**_entry_key_fields(e), **{k: e[k] for k in TRIAL_FIELDS if k in e}} for e in entries]
+    header = {k: v for k, v in table.items() if k != "entries"}
+    if any(len(log) > len(_entry_key_fields(log)) for log in logs):
+        write_atomic(trials_path(path), json.dumps({**header, "entries": logs}, indent=1, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps({**header, "entries": shipped}, indent=1, sort_keys=True) + "\n")
+
+
+def _entry_key_fields(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: entry[k] for k in ("dtype", "dims", "rows", "variant") if k in entry}
+
+
+def with_trials(path: Path, table: dict[str, Any]) -> dict[str, Any]:
+    """``table`` (loaded from ``path``) with each entry's trial-log fields read back from ``<op>.trials.json``
+    (entries whose log is missing, or a log that cannot be read, keep only their table fields)."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # tables are shipped data: readable by everyone (mkstemp makes 0600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        logs = load_trials(path)
+    except TableError:
+        return table
+    merged = [{**logs.get(entry_sort_key(e), {}), **e} for e in table["entries"]]
+    return {**table, "entries": merged}
+
+
+def load_trials(path: Path) -> dict[tuple, dict[str, Any]]:
+    """entry key → trial-log fields, from the trial log beside the table at ``path``; TableError if it cannot be
+    read or is not a JSON object with a list of entries."""
+    where = trials_path(path)
+    try:
+        data = json.loads(read_table_text(where))
+    except TableError:
         raise
+    except (OSError, ValueError, RecursionError) as exc:
+        raise TableError(f"cannot read trial log {where}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise TableError(f"trial log {where}: expected an object with a list of entries")
+    out = {}
+    for e in data["entries"]:
+        try:
+            out[entry_sort_key(e)] = {k: e[k] for k in TRIAL_FIELDS if k in e}
+        except (KeyError, TypeError, AttributeError):
+            continue  # a malformed log entry is only a missing log
+    return out
 
 
 def entry_sort_key(entry: dict[str, Any]) -> tuple:
@@ -263,17 +315,17 @@ def entry_sort_key(entry: dict[str, Any]) -> tuple:
             tuple(sorted((k, str(v)) for k, v in entry.get("variant", {}).items())), entry["rows"])
 
 
-def new_table(op: str, gpu: str, device_name: str, compute_capability: str) -> dict[str, Any]:
-    """An empty table stamped with this process's versions and the current template hash."""
+def new_table(space: type[Space], gpu: str, device_name: str, compute_capability: str) -> dict[str, Any]:
+    """An empty table for ``space``'s op stamped with this process's versions and the current template hashes."""
     return {
         "format_version": FORMAT_VERSION,
-        "op": op,
+        "op": space.op,
         "gpu": gpu,
         "device_name": device_name,
         "compute_capability": compute_capability,
         "triton_version": triton.__version__,
         "torch_version": torch.__version__,
-        "template_hash": op_template_hash(op),
+        "template_hashes": template_hashes(space),
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         "entries": [],
     }
@@ -301,8 +353,9 @@ def heuristic_only_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _load_for(path: str, op: str, gpu: str) -> dict[str, Any] | None:
-    """Cached: the table at ``path`` if it exists, parses and belongs to (op, gpu, template, triton); else None."""
+def _load_for(path: str, space: type[Space], gpu: str) -> dict[str, Any] | None:
+    """Cached: the table at ``path`` if it exists, parses and belongs to (space's op and templates, gpu,
+    triton); else None."""
     p = Path(path)
     try:
         table = load_table(p)
@@ -315,27 +368,29 @@ def _load_for(path: str, op: str, gpu: str) -> dict[str, Any] | None:
         else:
             _warn_once(f"liger-gen: ignoring corrupt tuned table: {exc}")
         return None
-    reasons = foreign_reasons(table, op=op, gpu=gpu)
+    reasons = foreign_reasons(table, space=space, gpu=gpu)
     if reasons:
         _warn_once(f"liger-gen: ignoring tuned table {p}: " + "; ".join(reasons))
         return None
     return table
 
 
-def lookup(op: str, dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None,
+def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None,
            limits: DeviceLimits | None = None, *, variant: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Pick the launch config for one call shape; never raises because of a table.
+    """Pick the launch config of ``space``'s op (an op spec's ``space``) for one call shape; never raises because
+    of a table.
 
     Returns ``{"source": "user"|"packaged"|"heuristic", "path": str|None, "rows": tuned bucket or None,
     "config": <space config object>}``. ``gpu`` is the canonical GPU name, or None (interpreter / no GPU),
     in which case only the heuristic applies.
     """
-    space = space_for(op, dims, dtype, limits)
+    op = space.op
+    space_cls, space = space, space(dims, dtype, limits)
     dims = space.dims
     if gpu is not None and not heuristic_only_enabled():
         for source, root in table_roots():
             path = table_path(root, gpu, op)
-            table = _load_for(str(path), op, gpu)
+            table = _load_for(str(path), space_cls, gpu)
             if table is None:
                 continue
             entry = nearest_entry(table, dtype, dims, rows, variant)
@@ -357,14 +412,14 @@ def lookup(op: str, dtype: torch.dtype, dims: dict[str, int] | int, rows: int, g
     return {"source": "heuristic", "path": None, "rows": None, "config": space.heuristic()}
 
 
-def describe_lookup(op: str, dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None = None,
-                    variant: dict[str, Any] | None = None) -> dict[str, Any]:
+def describe_lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, rows: int,
+                    gpu: str | None = None, variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """Like ``lookup`` for the current GPU, with the config as a plain dict (for reports)."""
     if gpu is None and torch.cuda.is_available():
         from liger_gen.runtime.devices import current_gpu
 
         gpu = current_gpu()[0]
-    found = lookup(op, dtype, dims, rows, gpu, variant=variant)
+    found = lookup(space, dtype, dims, rows, gpu, variant=variant)
     return {**found, "config": found["config"].to_dict()}
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import multiprocessing
 import os
@@ -54,7 +55,8 @@ from optuna.trial import TrialState
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.render import template_hash
 from liger_gen.codegen.spaces import dtype_from_name, dtype_name
-from liger_gen.codegen.timing import Timer, events_timer, gpu_timer, timing_method
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.tuning.timing import Timer, events_timer, gpu_timer, timing_method
 
 Builder = Callable[[str, Mapping[str, Any]], Any]
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -399,23 +401,24 @@ def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[
     return {**table, "entries": [e for e in table["entries"] if key(e) not in fresh] + list(entries)}
 
 
-def write_entries(op: str, entries: list[dict[str, Any]], out_root, *, gpu: str, device_name: str,
+def write_entries(space, entries: list[dict[str, Any]], out_root, *, gpu: str, device_name: str,
                   compute_capability: str) -> Path:
-    """Merge ``entries`` into ``<out_root>/<gpu>/<op>.json`` (atomic write), re-read it; returns the path.
+    """Merge ``entries`` into ``<out_root>/<gpu>/<op>.json`` for ``space``'s op (an op spec's ``space``; atomic
+    write, trial logs to ``<op>.trials.json``), re-read it; returns the path.
 
-    An existing table is kept and extended only if it belongs to this GPU, template and Triton version;
-    otherwise it is replaced. The read, merge and write happen under the table's lock (``tables.locked``), so
+    An existing table is kept and extended only if it belongs to this GPU, the current templates and Triton
+    version; otherwise it is replaced. The read, merge and write happen under the table's lock (``tables.locked``), so
     tuners writing the same table at once keep each other's entries.
     """
     from liger_gen.runtime import tables
 
-    path = tables.table_path(out_root, gpu, op)
-    table = tables.new_table(op, gpu, device_name, compute_capability)
+    path = tables.table_path(out_root, gpu, space.op)
+    table = tables.new_table(space, gpu, device_name, compute_capability)
     with tables.locked(path):
         try:
             old = tables.load_table(path)
-            if not tables.foreign_reasons(old, op=op, gpu=gpu):
-                table["entries"] = old["entries"]
+            if not tables.foreign_reasons(old, space=space, gpu=gpu):
+                table["entries"] = tables.with_trials(path, old)["entries"]
         except tables.TableError:  # missing, corrupt or foreign: replaced
             pass
         tables.write_table(path, merge_entries(table, entries))
@@ -424,9 +427,10 @@ def write_entries(op: str, entries: list[dict[str, Any]], out_root, *, gpu: str,
     return path
 
 
-def tune_to_table(op: str, problems: Iterable, out_root, *, gpu: str, device_name: str, compute_capability: str,
+def tune_to_table(space, problems: Iterable, out_root, *, gpu: str, device_name: str, compute_capability: str,
                   tuner: Tuner) -> tuple[Any, list[dict[str, Any]]]:
-    """Tune every problem in this process and merge the entries into ``<out_root>/<gpu>/<op>.json``.
+    """Tune every problem in this process and merge the entries into ``space``'s table
+    ``<out_root>/<gpu>/<op>.json``.
 
     Returns (path, new entries). ``problems`` may be a generator that builds each problem (GPU buffers) after
     the last is freed.
@@ -435,7 +439,7 @@ def tune_to_table(op: str, problems: Iterable, out_root, *, gpu: str, device_nam
     for problem in problems:
         entries.append(tuner.tune(problem))
         del problem
-    path = write_entries(op, entries, out_root, gpu=gpu, device_name=device_name,
+    path = write_entries(space, entries, out_root, gpu=gpu, device_name=device_name,
                          compute_capability=compute_capability)
     return path, entries
 
@@ -459,50 +463,25 @@ class WorkUnit:
     budget_s: float | None = None
 
 
-def planned_rows(op: str, model, rows: Sequence[int]) -> list[int]:
-    """The distinct token counts ``op`` is tuned at for ``rows``, in order: ops that cap their tuning rows
-    (``tuning_rows(vocab, rows)`` or ``MAX_TUNING_ROWS`` in the op module) give fewer. Only plans the work and
-    splits the time budget; problems that still coincide are tuned once (their claim is taken)."""
-    from liger_gen.ops import get_op
-
-    module = get_op(op)
-    capper = getattr(module, "tuning_rows", None)
-    if callable(capper):
-        try:
-            return [int(r) for r in capper(model.vocab_size, list(rows))]
-        except Exception:  # another signature: fall back to the cap below
-            pass
-    cap = getattr(module, "MAX_TUNING_ROWS", None)
-    out: list[int] = []
-    for r in rows:
-        r = min(int(r), cap) if isinstance(cap, int) else int(r)
-        if r not in out:
-            out.append(r)
-    return out
-
-
-def plan_units(ops: Sequence[str], model, rows: Sequence[int], dtypes: Sequence[str], *,
-               budget_s: float | None = None,
-               rows_for: Callable[[str, Any, Sequence[int]], list[int]] = planned_rows) -> list[WorkUnit]:
-    """Units in one-GPU order (op, dtype, rows). ``budget_s``: seconds of search and polish per op, split
-    evenly over the op's units. ValueError for a budget that is not positive."""
+def plan_units(specs: Sequence[OpSpec], model, rows: Sequence[int], dtypes: Sequence[str], *,
+               budget_s: float | None = None) -> list[WorkUnit]:
+    """Units in one-GPU order (op, dtype, rows), at the token counts each spec tunes for ``rows``
+    (``OpSpec.tuning_rows``: ops that cap their tuning rows give fewer). ``budget_s``: seconds of search and polish
+    per op, split evenly over the op's units. ValueError for a budget that is not positive."""
     if budget_s is not None and not budget_s > 0:
         raise ValueError(f"budget_s must be > 0 seconds or None, got {budget_s}")
     units: list[WorkUnit] = []
-    for op in ops:
-        op_rows = rows_for(op, model, rows)
-        pairs = [(d, r) for d in dtypes for r in op_rows]
+    for spec in specs:
+        pairs = [(d, r) for d in dtypes for r in spec.tuning_rows(model, rows)]
         share = None if budget_s is None else budget_s / max(1, len(pairs))
         for d, r in pairs:
-            units.append(WorkUnit(len(units), op, d, int(r), share))
+            units.append(WorkUnit(len(units), spec.name, d, int(r), share))
     return units
 
 
-def op_problems(unit: WorkUnit, model, device, seed: int) -> list:
-    """The tuning problems of one unit: the op module's ``tuning_problems`` at the unit's dtype and rows."""
-    from liger_gen.ops import get_op
-
-    return list(get_op(unit.op).tuning_problems(model, [unit.rows], dtype_from_name(unit.dtype), device, seed))
+def spec_problems(unit: WorkUnit, model, device, seed: int, *, specs: Mapping[str, OpSpec]) -> list:
+    """The tuning problems of one unit: its op spec's ``tuning_problems`` at the unit's dtype and rows."""
+    return list(specs[unit.op].tuning_problems(model, [unit.rows], dtype_from_name(unit.dtype), device, seed))
 
 
 class JournalError(ValueError):
@@ -633,15 +612,17 @@ def claim(storage, name: str) -> int | None:
 class TuneJob:
     """Everything a worker needs, picklable: the units, the model shapes, a Tuner (its ``storage`` and
     ``on_trial`` are set by the process that runs it), the run id that names the claims, the storage spec,
-    the problem factory ``make_problems(unit, model, device, seed) -> [Problem]``, the input seed, the device
-    type ("cuda" or "cpu") and the canonical GPU name every worker must see (None: not checked)."""
+    the op specs by name (their ``tuning_problems`` build each unit's problems, unless ``make_problems(unit,
+    model, device, seed) -> [Problem]`` is given), the input seed, the device type ("cuda" or "cpu") and the
+    canonical GPU name every worker must see (None: not checked)."""
 
     units: list[WorkUnit]
     model: Any
     tuner: Tuner
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
     storage: Any = None
-    make_problems: Callable = op_problems
+    specs: Mapping[str, OpSpec] = dataclasses.field(default_factory=dict)
+    make_problems: Callable | None = None
     seed: int = 0
     device: str = "cuda"
     gpu: str | None = None
@@ -679,7 +660,8 @@ def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: 
             continue
         start = time.monotonic()
         report({"kind": "start", "unit": unit.index, "op": unit.op, "worker": worker})
-        problems = job.make_problems(unit, job.model, device, job.seed)
+        make = job.make_problems or functools.partial(spec_problems, specs=job.specs)
+        problems = make(unit, job.model, device, job.seed)
         share = None if unit.budget_s is None else unit.budget_s / max(1, len(problems))
         tuned = 0
         for pos in range(len(problems)):

@@ -1,12 +1,13 @@
-"""SwiGLU (Shazeer, 2020, "GLU Variants Improve Transformer"): references, search space, tuning problem, custom
-ops, the public ops and the ``SwiGLUMLP`` module. GeGLU (``liger_gen.ops.geglu``) reuses everything here with
-another activation.
+"""Gated linear units (Shazeer, 2020, "GLU Variants Improve Transformer"): SwiGLU and GeGLU — references,
+search space, tuning problems, custom ops, the public ops and the ``SwiGLUMLP`` module.
 
     y = act(gate) · up          act = silu (SwiGLU) | gelu, gelu_tanh (GeGLU); elementwise over (..., n_cols)
 
 The value transformers' ``LlamaMLP`` / ``GemmaMLP`` compute as ``act_fn(gate_proj(x)) * up_proj(x)``; the
 ``*_gate_up`` variants take Phi-3's packed ``gate_up`` (last dim 2·n_cols, gate first) and return its gradient as
-one tensor. Kernels: ``templates/glu.py.jinja``.
+one tensor. Kernels: ``templates/glu.py.jinja`` (the activation is a render-time variant). SwiGLU and GeGLU
+share the space, the problem, the kernels and the custom ops (``liger_gen::glu_*``, which take the activation);
+each has its own op name, so its own spec and tuned table (``tuned/<gpu>/swiglu.json``, ``geglu.json``).
 
 Rounding (as PyTorch eager on half-precision tensors): the activation is computed in fp32 and rounded to the
 input dtype, the product is computed in fp32 and rounded again; the backward rounds dy·up to the input dtype
@@ -24,11 +25,11 @@ from torch import nn
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module, no_double_backward,
-                                   saveable, use_custom_op, uses_triton)
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
-# template activation → (op that owns its tables, how PyTorch spells it)
-ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu"}
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # the template's spellings
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 # ------------------------------------------------------------------------------------------------ references
@@ -69,6 +70,25 @@ def swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu_float64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Exact ``silu(gate) · up`` in float64."""
     return glu_float64(gate, up, "silu")
+
+
+def gelu_activation(op: str, approximate: str) -> str:
+    """The template's activation for PyTorch's ``approximate``; ValueError names the bad value."""
+    if approximate == "tanh":
+        return "gelu_tanh"
+    if approximate == "none":
+        return "gelu"
+    raise ValueError(f"{op}: approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+
+
+def geglu_torch(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``F.gelu(gate, approximate=approximate) * up`` in plain PyTorch: GemmaMLP's activation, bit for bit."""
+    return glu_torch(gate, up, gelu_activation("geglu", approximate))
+
+
+def geglu_float64(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """Exact ``gelu(gate) · up`` in float64 (the tanh approximation when ``approximate="tanh"``)."""
+    return glu_float64(gate, up, gelu_activation("geglu", approximate))
 
 
 # ------------------------------------------------------------------------------------------------ space
@@ -171,8 +191,6 @@ class GLUSpace(Space):
         return problems
 
 
-SPACE = GLUSpace
-
 # ------------------------------------------------------------------------------------------------ tuning
 
 
@@ -234,12 +252,39 @@ class GLUProblem(Problem):
         return 3 * mn_bytes if phase == "fwd" else 5 * mn_bytes
 
 
-PROBLEM = GLUProblem
-
-
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's MLP activation: one problem per token count at ``intermediate_size``."""
     return [GLUProblem(dtype, model.intermediate_size, r, device, seed=seed) for r in rows]
+
+
+class GeGLUSpace(GLUSpace):
+    """GeGLU's search space: SwiGLU's params, constraints and heuristic under GeGLU's op name (its table)."""
+
+    op = "geglu"
+
+
+class GeGLUProblem(GLUProblem):
+    """GeGLU at (rows, n_cols): ``activation`` "gelu_tanh" (default, Gemma) or "gelu"."""
+
+    op = "geglu"
+    SPACE = GeGLUSpace
+    ACTIVATION_CHOICES = ("gelu_tanh", "gelu")
+
+
+def geglu_tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """GeGLU at ``intermediate_size`` per token count, tanh approximation (Gemma's). Entries of one
+    approximation serve the other too (tables prefer the same variant, then any variant of the same dims): the
+    kernels differ only in a few flops per element of a memory-bound stream."""
+    return [GeGLUProblem(dtype, model.intermediate_size, r, device, seed=seed) for r in rows]
+
+
+_CUSTOM_OPS = ("liger_gen::glu_fwd", "liger_gen::glu_bwd", "liger_gen::glu_gate_up_fwd", "liger_gen::glu_gate_up_bwd")
+SPECS = {spec.name: spec for spec in (
+    OpSpec("swiglu", GLUSpace, GLUProblem, tuning_problems, custom_ops=_CUSTOM_OPS),
+    OpSpec("geglu", GeGLUSpace, GeGLUProblem, geglu_tuning_problems, custom_ops=_CUSTOM_OPS),
+)}
+# the space (and so the table) of each activation
+_SPACE_OF = {"silu": GLUSpace, "gelu": GeGLUSpace, "gelu_tanh": GeGLUSpace}
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -251,7 +296,7 @@ def _glu_fwd_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activat
     if gate.numel() == 0:
         return
     if uses_triton(gate):
-        module, _, _ = kernel_module(ACTIVATIONS[activation], gate, n_cols, rows, activation=activation)
+        module, _, _ = kernel_module(_SPACE_OF[activation], gate, n_cols, rows, activation=activation)
         module.forward(gate, up, y)
     else:  # CPU without the interpreter: plain PyTorch (only reached when the custom op is called directly)
         y.copy_(glu_torch(gate, up, activation))
@@ -266,7 +311,7 @@ def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate:
     if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
         dy = dy.contiguous()
     if uses_triton(gate):
-        module, _, _ = kernel_module(ACTIVATIONS[activation], gate, n_cols, rows, activation=activation)
+        module, _, _ = kernel_module(_SPACE_OF[activation], gate, n_cols, rows, activation=activation)
         module.backward(dy, gate, up, dgate, dup)
     else:  # the backward formulas autograd runs for act(gate) * up, which is what the kernel reproduces
         dup.copy_(dy * _act_torch(gate, activation))
@@ -313,128 +358,42 @@ def _gate_up_bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor, activation: str) 
 
 
 # ------------------------------------------------------------------------------------------------ binding
-# Custom ops (what torch.compile traces; no graph break) and autograd.Functions (eager, lower host overhead)
-# launch the same kernels. GeGLU registers its own custom ops in liger_gen.ops.geglu with these impls.
+# One set of custom ops for every activation (a render-time variant of the template), bound once each.
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(t.shape)
 
 
-@torch.library.custom_op("liger_gen::swiglu_fwd", mutates_args=())
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up for 2-D gate, up (rows, n_cols) with unit column stride."""
-    return _fwd_impl(gate, up, "silu")
+glu_fwd = Kernel("glu_fwd", _fwd_impl, lambda gate, up, activation: _fake_like(gate))
+glu_bwd = Kernel("glu_bwd", _bwd_impl, lambda dy, gate, up, activation: (_fake_like(gate), _fake_like(up)))
+glu_gate_up_fwd = Kernel("glu_gate_up_fwd", _gate_up_fwd_impl,
+                         lambda gate_up, activation: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)))
+glu_gate_up_bwd = Kernel("glu_gate_up_bwd", _gate_up_bwd_impl, lambda dy, gate_up, activation: _fake_like(gate_up))
 
 
-@swiglu_fwd.register_fake
-def _(gate, up):
-    return _fake_like(gate)
+def _save(ctx, inputs, output):
+    *tensors, activation = inputs  # (gate, up) or (gate_up,): never the activation, which the backward recomputes
+    saved(ctx, *tensors)
+    ctx.activation = activation
 
 
-@torch.library.custom_op("liger_gen::swiglu_bwd", mutates_args=())
-def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) of silu(gate) · up, recomputing silu from gate."""
-    return _bwd_impl(dy, gate, up, "silu")
-
-
-@swiglu_bwd.register_fake
-def _(dy, gate, up):
-    return _fake_like(gate), _fake_like(up)
-
-
-@torch.library.custom_op("liger_gen::swiglu_gate_up_fwd", mutates_args=())
-def swiglu_gate_up_fwd(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up for a 2-D packed gate_up (rows, 2·n_cols) with unit column stride."""
-    return _gate_up_fwd_impl(gate_up, "silu")
-
-
-@swiglu_gate_up_fwd.register_fake
-def _(gate_up):
-    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-
-
-@torch.library.custom_op("liger_gen::swiglu_gate_up_bwd", mutates_args=())
-def swiglu_gate_up_bwd(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """The gradient of the packed gate_up, one (rows, 2·n_cols) tensor."""
-    return _gate_up_bwd_impl(dy, gate_up, "silu")
-
-
-@swiglu_gate_up_bwd.register_fake
-def _(dy, gate_up):
-    return _fake_like(gate_up)
-
-
-def save_gate_up(ctx, inputs, output):
-    """setup_context of the (gate, up, ...) custom ops: save gate and up only, never the activation."""
-    ctx.save_for_backward(inputs[0], inputs[1])
-
-
-def save_packed(ctx, inputs, output):
-    """setup_context of the packed (gate_up, ...) custom ops: save gate_up only."""
-    ctx.save_for_backward(inputs[0])
-
-
-def _swiglu_backward(ctx, dy):
+def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
-    return torch.ops.liger_gen.swiglu_bwd(dy, gate, up)
+    dgate, dup = glu_bwd(dy, gate, up, ctx.activation)
+    return dgate, dup, None
 
 
-def _swiglu_gate_up_backward(ctx, dy):
+def _gate_up_backward(ctx, dy):
     (gate_up,) = ctx.saved_tensors
-    return torch.ops.liger_gen.swiglu_gate_up_bwd(dy, gate_up)
+    return glu_gate_up_bwd(dy, gate_up, ctx.activation), None
 
 
-swiglu_fwd.register_autograd(_swiglu_backward, setup_context=save_gate_up)
-swiglu_gate_up_fwd.register_autograd(_swiglu_gate_up_backward, setup_context=save_packed)
-
-
-class _GLUFunction(torch.autograd.Function):
-    """Eager binding of act(gate) · up: saves gate and up only; the backward recomputes the activation."""
-
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        ctx.save_for_backward(*saveable(gate, up))
-        ctx.activation = activation
-        return _fwd_impl(gate, up, activation)
-
-    @staticmethod
-    def backward(ctx, dy):
-        no_double_backward(ACTIVATIONS[ctx.activation], "liger_gen.reference.glu_torch")
-        gate, up = ctx.saved_tensors
-        dgate, dup = _bwd_impl(dy, gate, up, ctx.activation)
-        return dgate, dup, None
-
-
-class _GLUGateUpFunction(torch.autograd.Function):
-    """Eager binding of the packed layout: saves gate_up only; returns its gradient as one tensor."""
-
-    @staticmethod
-    def forward(ctx, gate_up, activation):
-        ctx.save_for_backward(*saveable(gate_up))
-        ctx.activation = activation
-        return _gate_up_fwd_impl(gate_up, activation)
-
-    @staticmethod
-    def backward(ctx, dy):
-        no_double_backward(ACTIVATIONS[ctx.activation], "liger_gen.reference.glu_gate_up_torch")
-        (gate_up,) = ctx.saved_tensors
-        return _gate_up_bwd_impl(dy, gate_up, ctx.activation), None
-
-
-def swiglu_2d(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up of 2-D tensors with unit column stride, differentiable: the custom op while torch.compile
-    traces, the autograd.Function in eager mode. Both launch the same kernels."""
-    if use_custom_op():
-        return torch.ops.liger_gen.swiglu_fwd(gate, up)
-    return _GLUFunction.apply(gate, up, "silu")
-
-
-def swiglu_gate_up_2d(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up of a 2-D packed gate_up with unit column stride, differentiable (see ``swiglu_2d``)."""
-    if use_custom_op():
-        return torch.ops.liger_gen.swiglu_gate_up_fwd(gate_up)
-    return _GLUGateUpFunction.apply(gate_up, "silu")
+glu_2d = Differentiable(glu_fwd, _save, _backward, reference="liger_gen.reference.glu_torch")
+"""act(gate) · up of 2-D gate, up with unit column stride, differentiable in both."""
+glu_gate_up_2d = Differentiable(glu_gate_up_fwd, _save, _gate_up_backward,
+                                reference="liger_gen.reference.glu_gate_up_torch")
+"""act(gate) · up of a 2-D packed gate_up with unit column stride, differentiable in it."""
 
 
 # ------------------------------------------------------------------------------------------------ input checks
@@ -526,7 +485,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not check_glu_inputs(op, gate, up):
         return swiglu_torch(gate, up)
     n_cols = gate.shape[-1]
-    return swiglu_2d(as_rows(gate, n_cols), as_rows(up, n_cols)).view(gate.shape)
+    return glu_2d(as_rows(gate, n_cols), as_rows(up, n_cols), "silu").view(gate.shape)
 
 
 def swiglu_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
@@ -550,7 +509,70 @@ def swiglu_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
     if not check_gate_up_input(op, gate_up):
         return glu_gate_up_torch(gate_up, "silu")
     width = gate_up.shape[-1]
-    return swiglu_gate_up_2d(as_rows(gate_up, width)).view(*gate_up.shape[:-1], width // 2)
+    return glu_gate_up_2d(as_rows(gate_up, width), "silu").view(*gate_up.shape[:-1], width // 2)
+
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU (Shazeer, 2020): ``F.gelu(gate, approximate=approximate) * up``, elementwise — transformers'
+    ``GemmaMLP`` computes ``act_fn(gate_proj(x)) * up_proj(x)`` with ``act_fn = gelu_pytorch_tanh``.
+
+    ``gelu(g) = g/2 · (1 + erf(g/√2))`` (approximate="none") or ``g/2 · (1 + tanh(√(2/π)·(g + 0.044715·g³)))``
+    (approximate="tanh", the default here because Gemma uses it; note ``F.gelu`` defaults to "none"). The kernel
+    evaluates the tanh form as ``g · σ(2z)`` (the same function; no cancellation for negative g).
+    Numerics as PyTorch eager: gelu in fp32, rounded to the input dtype, times up in fp32, rounded again; the
+    backward matches autograd of that expression. It saves only gate and up and recomputes gelu from gate.
+
+    Args:
+        gate: (..., intermediate) float32, bfloat16 or float16; any leading dims, any strides.
+        up: the same shape, dtype and device as gate.
+        approximate: "tanh" or "none", as in ``torch.nn.functional.gelu``.
+
+    Returns:
+        y of gate's shape and dtype, contiguous. Differentiable in gate and up.
+
+    CUDA tensors run the tuned Triton kernel; CPU tensors run plain PyTorch (bit-identical to transformers), or
+    the Triton kernel in Triton's interpreter when ``TRITON_INTERPRET=1``. float64 only on the plain path.
+
+    Raises:
+        TypeError: gate or up is not a tensor, is not floating point, their dtypes differ, or float64 on the
+            kernel path.
+        ValueError: approximate is not "none"/"tanh", gate is 0-dim, the shapes differ (no broadcasting), or the
+            tensors are on different devices.
+
+    Not checked: NaN/inf values (they propagate as in PyTorch).
+    """
+    op = "geglu"
+    gelu_activation(op, approximate)
+    if not check_glu_inputs(op, gate, up):
+        return geglu_torch(gate, up, approximate)
+    n_cols = gate.shape[-1]
+    return glu_2d(as_rows(gate, n_cols), as_rows(up, n_cols), gelu_activation(op, approximate)).view(gate.shape)
+
+
+def geglu_gate_up(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU of a packed projection: ``gate, up = gate_up.chunk(2, dim=-1); F.gelu(gate, approximate) * up``.
+
+    The kernel reads the two halves in place and writes the gradient of gate_up as one (..., 2·intermediate)
+    tensor (no split, no concatenation). Numerics as ``geglu``.
+
+    Args:
+        gate_up: (..., 2·intermediate) float32, bfloat16 or float16, any strides; first half gate, second up.
+        approximate: "tanh" (default) or "none".
+
+    Returns:
+        y (..., intermediate) in gate_up's dtype, contiguous. Differentiable in gate_up.
+
+    Raises:
+        TypeError: gate_up is not a floating tensor, or float64 on the kernel path.
+        ValueError: approximate is not "none"/"tanh", gate_up is 0-dim or its last dim is odd.
+    """
+    op = "geglu_gate_up"
+    activation = gelu_activation(op, approximate)
+    if not check_gate_up_input(op, gate_up):
+        return glu_gate_up_torch(gate_up, activation)
+    width = gate_up.shape[-1]
+    return glu_gate_up_2d(as_rows(gate_up, width), activation).view(*gate_up.shape[:-1], width // 2)
 
 
 # ------------------------------------------------------------------------------------------------ module

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from liger_gen.codegen.spaces import dtype_name
-from liger_gen.codegen.tuner import TuneJob, TuneResult, Tuner, op_problems, plan_units, tune_ops, write_entries
+from liger_gen.tuning.tuner import TuneJob, TuneResult, Tuner, plan_units, tune_ops, write_entries
 from liger_gen.runtime.tables import entry_sort_key
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
@@ -27,10 +27,10 @@ console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no w
 TARGET_MEDIAN_GAIN = 0.10
 
 
-def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
+def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
                polish: int | None = None, budget_s: float | None = None, devices: Sequence[Any] | None = None,
                compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None) -> TuneResult:
-    """Tune ``ops`` at the model's shapes, write one table per op as soon as the op is done, print the time each
+    """Tune the ops of ``specs`` (``OpSpec``s) at the model's shapes, write one table per op as soon as the op is done, print the time each
     op took and, at the end, the summary per op and shape with the median gain over the heuristic.
 
     ``devices``: ``CUDA_VISIBLE_DEVICES`` values, one worker process each (None or one: tune in this process).
@@ -44,10 +44,12 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
     device = torch.device(device)
     cc = compute_capability or (".".join(map(str, torch.cuda.get_device_capability(device)))
                                 if device.type == "cuda" else "?")
-    units = plan_units(ops, model, rows, [dtype_name(d) for d in dtypes], budget_s=budget_s)
+    by_name = {spec.name: spec for spec in specs}
+    ops = list(by_name)
+    units = plan_units(specs, model, rows, [dtype_name(d) for d in dtypes], budget_s=budget_s)
     tuner = tuner or Tuner(n_trials=trials, seed=seed, polish_trials=polish)
     several = devices is not None and len(devices) > 1
-    job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, make_problems=make_problems or op_problems,
+    job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, specs=by_name, make_problems=make_problems,
                   seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None)
     own_journal = None
     if several and storage is None:
@@ -82,7 +84,7 @@ def run_tuning(*, ops, model, rows, dtypes, trials, out_root, storage, seed, dev
                                                                  or "...") + f" on {device_name}")
 
         def on_op_done(op: str, entries: list[dict], seconds: dict[str, float]) -> None:
-            paths[op] = write_entries(op, entries, Path(out_root), gpu=gpu, device_name=device_name,
+            paths[op] = write_entries(by_name[op].space, entries, Path(out_root), gpu=gpu, device_name=device_name,
                                       compute_capability=cc)
             cut = sum(1 for e in entries for s in e.get("search", {}).values() if s.get("cut"))
             busy = f" ({seconds['busy']:.1f} s of worker time)" if several else ""
@@ -240,19 +242,23 @@ def summary_table(op: str, entries: list[dict]) -> Table:
     return table
 
 
-def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
-    """Print every table found for ``gpu`` in the lookup order; False if none was found.
+def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) -> bool:
+    """Print every table found for ``gpu`` in the lookup order, judged against the op ``specs`` of this
+    installation (a table of another op is listed as not used); False if none was found. ``show_trials``: also
+    list each entry's trials, read from the trial log beside the table.
 
     Everything read from a table is printed as plain text: rich markup in it is not interpreted and terminal
     control characters are replaced (``safe_text``), so a table can neither break the listing nor drive the
     terminal."""
     from liger_gen.runtime import tables
 
+    spaces = {spec.name: spec.space for spec in specs}
     found = False
     for source, root in tables.table_roots():
         folder = Path(root) / gpu
         try:
-            paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+            paths = sorted(p for p in folder.glob("*.json") if not p.name.endswith(".trials.json")) \
+                if folder.is_dir() else []
         except OSError as exc:
             console.print(Text(f"cannot list {safe_text(folder)}: {type(exc).__name__}: {safe_text(exc)}", style="red"))
             continue
@@ -263,7 +269,9 @@ def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
             except tables.TableError as exc:
                 console.print(Text(safe_text(exc), style="red"))
                 continue
-            reasons = tables.foreign_reasons(table, op=table["op"], gpu=gpu)
+            spec = spaces.get(table["op"])
+            reasons = (tables.foreign_reasons(table, space=spec, gpu=gpu) if spec is not None
+                       else [f"op {table['op']!r} is not one of this installation's ops"])
             line = Text()
             line.append(safe_text(path), style="bold")
             line.append(f" ({source}) — {safe_text(table.get('device_name', '?'))}, Triton "
@@ -282,7 +290,7 @@ def show_tables(gpu: str, *, show_trials: bool = False) -> bool:
                                     " ".join(f"{k}={v}" for k, v in sorted(e["config"].items()))))
             console.print(cfg)
             if show_trials:
-                for e in table["entries"]:
+                for e in tables.with_trials(path, table)["entries"]:
                     trials = e.get("trials")
                     for phase, records in (trials.items() if isinstance(trials, dict) else ()):
                         console.print(Text(safe_text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(

@@ -1,0 +1,35 @@
+"""The one atomic file writer: readers see the old file or the whole new one, never a part."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: str | os.PathLike, text: str, *, mode: int | None = 0o644, fsync: bool = False) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``.
+
+    The folder is created if needed. ``mode``: the file's permission bits (``mkstemp`` makes 0600; the default
+    0o644 suits shared data such as tables and results; None keeps 0600). ``fsync``: flush the file to disk before
+    the rename, for files other processes import (kernel modules). Returns the path. Concurrent writers of one
+    path each replace it whole: the last rename wins.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path

@@ -1,0 +1,109 @@
+"""Binding an op's kernels to PyTorch: custom ops, and one autograd definition used two ways.
+
+An op writes its autograd once — ``save(ctx, inputs, output)`` and ``backward(ctx, *grads)`` over its forward
+custom op — and ``Differentiable`` binds it twice:
+
+* to the custom op (``register_autograd``), which torch.compile traces without a graph break, torch.jit.trace
+  records and ``torch.library.opcheck`` checks;
+* to an ``autograd.Function`` generated from the same two functions, which eager mode calls: it skips the
+  dispatcher, which costs host time (``benchmarks/host_overhead.py``; figures in the README), and eager training
+  of small and medium models is host-bound.
+
+``Kernel`` is one custom op and the Python function it registers. Called, it takes the op while a graph is being
+recorded and the function otherwise, so a shared ``backward`` that calls ``Kernel``\\s traces into custom ops
+under torch.compile and launches directly in eager mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from liger_gen.runtime.ops import no_double_backward, use_custom_op
+
+
+class Kernel:
+    """The custom op ``liger_gen::<name>`` over ``impl``, with ``fake`` as its shape function.
+
+    ``impl`` must be annotated for ``torch.library.custom_op`` (tensors, optional tensors, ints, floats, bools,
+    strings, dtypes). ``mutates_args`` names the arguments it writes in place. Calling the kernel runs the op
+    where a graph is recorded (``use_custom_op()``) and ``impl`` otherwise.
+    """
+
+    def __init__(self, name: str, impl: Callable, fake: Callable, *, mutates_args: Iterable[str] = ()):
+        self.name = f"liger_gen::{name}"
+        self.impl = impl
+        self.op = torch.library.custom_op(self.name, impl, mutates_args=tuple(mutates_args))
+        self.op.register_fake(fake)
+
+    def __call__(self, *args: Any) -> Any:
+        if use_custom_op():
+            return self.op(*args)
+        return self.impl(*args)
+
+
+def kernel(name: str, *, fake: Callable, mutates_args: Iterable[str] = ()) -> Callable[[Callable], Kernel]:
+    """Decorator form of ``Kernel``: ``@kernel("rms_norm_bwd", fake=...)`` over the implementation."""
+    return lambda impl: Kernel(name, impl, fake, mutates_args=mutates_args)
+
+
+class Differentiable:
+    """One autograd definition of ``forward`` (a ``Kernel``), bound to its custom op and to an eager Function.
+
+    ``save(ctx, inputs, output)`` stores what the backward needs (the custom op's ``setup_context`` signature);
+    ``backward(ctx, *grads)`` gets one gradient per output of the custom op and returns one gradient (or None)
+    per input, calling its backward kernels through ``Kernel``\\s. Gradients of unused outputs reach
+    ``backward`` as None in both bindings (``save`` runs after ``ctx.set_materialize_grads(False)``). The eager
+    Function refuses double backward (``create_graph=True``), naming ``reference`` as the differentiable
+    alternative.
+
+    ``outputs``: how many leading outputs the callers use; the rest (saved statistics such as rstd or lse) are
+    not returned by the eager Function, which saves autograd their bookkeeping, and their gradients are None.
+    Calling the object returns a tuple whose first ``outputs`` items are those outputs: through the custom op
+    (the whole output tuple) while a graph is recorded, through the Function otherwise.
+    """
+
+    def __init__(self, forward: Kernel, save: Callable, backward: Callable, *, reference: str,
+                 outputs: int | None = None):
+        op_name = forward.name.removeprefix("liger_gen::").removesuffix("_fwd")
+
+        def setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(False)
+            save(ctx, inputs, output)
+
+        forward.op.register_autograd(backward, setup_context=setup_context)
+        impl = forward.impl
+
+        n_out = len(forward.op._opoverload._schema.returns)
+        kept = n_out if outputs is None else outputs
+        padding = (None,) * (n_out - kept)
+
+        def eager_forward(ctx, *args):
+            output = impl(*args)
+            ctx.set_materialize_grads(False)
+            save(ctx, args, output)
+            return output if kept == n_out else output[:kept]
+
+        def eager_backward(ctx, *grads):
+            no_double_backward(op_name, reference)
+            return backward(ctx, *grads, *padding)
+
+        self.forward = forward
+        self.function = type(f"{type(self).__name__}_{op_name}", (torch.autograd.Function,), {
+            "forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward),
+            "__doc__": f"Eager binding of {forward.name} (same save/backward as its registered autograd).",
+        })
+        self._op = forward.op
+        self._apply = self.function.apply
+
+    def __call__(self, *args: Any) -> Any:
+        if use_custom_op():
+            return self._op(*args)
+        return self._apply(*args)
+
+
+def saved(ctx, *tensors: torch.Tensor | None) -> None:
+    """``ctx.save_for_backward`` of ``tensors``, cloning inference-mode ones (x made under inference_mode with a
+    trained weight), which autograd cannot save."""
+    ctx.save_for_backward(*[t.clone() if t is not None and t.is_inference() else t for t in tensors])
