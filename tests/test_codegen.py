@@ -27,6 +27,30 @@ def test_render_is_deterministic_and_strict():
     assert len(render.template_hash("rms_norm")) == 16
 
 
+def test_a_template_hash_covers_the_macros_it_imports(monkeypatch):
+    """The three row norms import templates/row_norm.jinja: editing it changes all three hashes (retiring their
+    tuned entries) and no other; a template without imports keeps the hash of its own text."""
+    import hashlib
+
+    norms = ("rms_norm", "fused_add_rms_norm", "layer_norm")
+    others = ("rope", "glu", "cross_entropy", "fused_linear_cross_entropy", "kl_div", "jsd")
+    for op in norms:
+        assert render.template_files(op) == (f"{op}.py.jinja", "row_norm.jinja")
+    for op in others:
+        assert render.template_files(op) == (f"{op}.py.jinja",)
+        assert render.template_hash(op) == hashlib.sha256(render.template_source(op).encode()).hexdigest()[:16]
+    before = {op: render.template_hash(op) for op in norms + others}
+    real = render._file_text
+    monkeypatch.setattr(render, "_file_text", lambda name: real(name) + ("\n" if name == "row_norm.jinja" else ""))
+    render.template_hash.cache_clear()
+    try:
+        after = {op: render.template_hash(op) for op in norms + others}
+    finally:
+        monkeypatch.undo()
+        render.template_hash.cache_clear()
+    assert [op for op in before if before[op] != after[op]] == list(norms)
+
+
 @pytest.mark.parametrize("strategy", ["blocked", "persistent"])
 def test_variants_render_each_strategy(strategy):
     text = render.render("rms_norm", _params(dw_strategy=strategy))

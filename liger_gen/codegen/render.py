@@ -2,8 +2,8 @@
 
 Rendering is a pure function of (template source, params): the environment uses ``StrictUndefined`` so a
 missing variable is an error, the params are embedded as sorted JSON, and nothing time- or host-dependent is
-written. The template's source hash is part of every tuned-table key, so editing a template invalidates the
-entries tuned with the old text.
+written. The template's source hash (covering the shared macro files it imports) is part of every tuned-table
+key, so editing a template invalidates the entries tuned with the old text.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 import jinja2
+import jinja2.meta
 
 TEMPLATE_SUFFIX = ".py.jinja"
 
@@ -33,14 +34,36 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=None)
 def template_source(op: str) -> str:
     """Source text of the template family for ``op`` (e.g. ``"rms_norm"``); FileNotFoundError if absent."""
-    path = resources.files("liger_gen") / "templates" / f"{op}{TEMPLATE_SUFFIX}"
-    return path.read_text(encoding="utf-8")
+    return _file_text(f"{op}{TEMPLATE_SUFFIX}")
+
+
+def _file_text(name: str) -> str:
+    return (resources.files("liger_gen") / "templates" / name).read_text(encoding="utf-8")
+
+
+def template_files(op: str) -> tuple[str, ...]:
+    """The template file of ``op`` and every file it imports or includes, directly or not, in a fixed order."""
+    seen: list[str] = []
+    todo = [f"{op}{TEMPLATE_SUFFIX}"]
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.append(name)
+        referenced = jinja2.meta.find_referenced_templates(_environment().parse(_file_text(name)))
+        todo += sorted(r for r in referenced if r is not None)  # None: a name computed at render time (unused)
+    return tuple(seen)
 
 
 @functools.lru_cache(maxsize=None)
 def template_hash(op: str) -> str:
-    """sha256 (hex, 16 chars) of the template source; tuned tables record it."""
-    return hashlib.sha256(template_source(op).encode("utf-8")).hexdigest()[:16]
+    """sha256 (hex, 16 chars) of the template source and of every file it imports or includes (shared macros):
+    tuned tables record it, so editing a shared piece retires the entries of every op that uses it."""
+    own, *imported = template_files(op)
+    digest = hashlib.sha256(_file_text(own).encode("utf-8"))  # a template without imports: the hash of its text
+    for name in imported:
+        digest.update(b"\0" + name.encode("utf-8") + b"\0" + _file_text(name).encode("utf-8"))
+    return digest.hexdigest()[:16]
 
 
 def source_hash(source: str) -> str:

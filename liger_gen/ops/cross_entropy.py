@@ -641,13 +641,16 @@ def _backward(ctx, grad_loss, *_unused):
                                "and handed on. Run the forward again for each backward.")
         ctx.consumed = True
         (dlogits,) = ctx.saved_tensors
-        module, _, _ = kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])
         g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
+        if not ctx.eager:  # the custom op's node (a direct call of the op; its backward may be traced): new tensor
+            scaled = dlogits.float() * (g[:, None] if g.dim() else g).float()
+            return scaled.to(dlogits.dtype).view(ctx.logits_shape), None, None, None, None, None, None, None, None
+        module, _, _ = kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])
         module.scale_grad_(dlogits, g)
         torch.autograd.graph.increment_version(dlogits)
         return dlogits.view(ctx.logits_shape), None, None, None, None, None, None, None, None
     logits, target, weight, lse, q, scale = ctx.saved_tensors
-    dlogits = cross_entropy_bwd(grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
+    dlogits = cross_entropy_bwd.run(ctx, grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
     return dlogits, None, None, None, None, None, None, None, None
 
 

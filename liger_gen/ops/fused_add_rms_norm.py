@@ -277,8 +277,8 @@ def _backward(ctx, dy, ds, _drstd):
         if ds is None:
             return None, None, None, None, None, None
         return ds.to(x_dtype), ds.to(residual_dtype, copy=True), None, None, None, None
-    dx, dr, dw = fused_add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode, x_dtype,
-                                        residual_dtype)
+    dx, dr, dw = fused_add_rms_norm_bwd.run(ctx, dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode,
+                                            x_dtype, residual_dtype)
     return dx, dr, (dw if ctx.needs_input_grad[2] else None), None, None, None
 
 

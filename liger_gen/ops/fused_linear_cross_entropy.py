@@ -683,9 +683,9 @@ def _save(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_unused):
     if ctx.reduction == "none":
         x, w, target, bias, weight = ctx.saved_tensors
-        dx, dw, db = fused_linear_cross_entropy_bwd(grad_loss, x, w, target, bias, weight, *ctx.options)
-    elif use_custom_op():  # a graph is being recorded: new tensors, no mutation of saved ones
-        dx, dw, db = fused_linear_cross_entropy_scale_grads(grad_loss, *ctx.saved_tensors)
+        dx, dw, db = fused_linear_cross_entropy_bwd.run(ctx, grad_loss, x, w, target, bias, weight, *ctx.options)
+    elif not ctx.eager:  # the custom op's node, whose backward may be traced: new tensors, no mutation
+        dx, dw, db = fused_linear_cross_entropy_scale_grads.op(grad_loss, *ctx.saved_tensors)
     else:
         # the saved gradients are scaled in place (no second dW-sized buffer), so a second backward through
         # the same graph (retain_graph=True) raises instead of returning wrong values

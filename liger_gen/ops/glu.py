@@ -380,13 +380,13 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
-    dgate, dup = glu_bwd(dy, gate, up, ctx.activation)
+    dgate, dup = glu_bwd.run(ctx, dy, gate, up, ctx.activation)
     return dgate, dup, None
 
 
 def _gate_up_backward(ctx, dy):
     (gate_up,) = ctx.saved_tensors
-    return glu_gate_up_bwd(dy, gate_up, ctx.activation), None
+    return glu_gate_up_bwd.run(ctx, dy, gate_up, ctx.activation), None
 
 
 glu_2d = Differentiable(glu_fwd, _save, _backward, reference="liger_gen.reference.glu_torch")

@@ -250,7 +250,7 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, grad, _dn_valid):
     s, t, label, n_valid = ctx.saved_tensors
-    ds = jsd_bwd(grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index)
+    ds = jsd_bwd.run(ctx, grad, n_valid, s, t, label, ctx.beta, ctx.ignore_index)
     return ds, None, None, None, None
 
 

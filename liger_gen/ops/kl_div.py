@@ -365,7 +365,7 @@ def _save(ctx, inputs, output):
 def _backward(ctx, grad):
     input, target = ctx.saved_tensors
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dt = kl_div_bwd(grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target, need_x, need_t,
+    dx, dt = kl_div_bwd.run(ctx, grad, input, target, ctx.reduction, ctx.divisor, ctx.log_target, need_x, need_t,
                         ctx.input_dtype)
     return (dx if need_x else None), (dt if need_t else None), None, None, None
 

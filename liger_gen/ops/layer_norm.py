@@ -244,7 +244,7 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+    dx, dw, db = layer_norm_bwd.run(ctx, dy, x, weight, bias, mean, rstd)
     return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
             db if ctx.needs_input_grad[2] else None, None)
 

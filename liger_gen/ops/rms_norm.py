@@ -314,7 +314,7 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+    dx, dw = rms_norm_bwd.run(ctx, dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
     return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
 
 

@@ -382,7 +382,7 @@ def _backward(ctx, dq_out, dk_out):
     need_q, need_k, need_cos, need_sin = ctx.needs_input_grad[:4]
     dq = dk = d_cos = d_sin = None
     if need_q or need_k:
-        dq, dk = rope_bwd(dq_out, dk_out, cos, sin, position_ids, ctx.q_dtype)
+        dq, dk = rope_bwd.run(ctx, dq_out, dk_out, cos, sin, position_ids, ctx.q_dtype)
     if (need_cos or need_sin) and q is not None:
         d_cos, d_sin = _cos_sin_grads(dq_out, dk_out, q, k, cos, sin, position_ids)
     return (dq if need_q else None), (dk if need_k else None), (d_cos if need_cos else None), \

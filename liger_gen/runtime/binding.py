@@ -9,9 +9,11 @@ custom op — and ``Differentiable`` binds it twice:
   dispatcher, which costs host time (``benchmarks/host_overhead.py``; figures in the README), and eager training
   of small and medium models is host-bound.
 
-``Kernel`` is one custom op and the Python function it registers. Called, it takes the op while a graph is being
-recorded and the function otherwise, so a shared ``backward`` that calls ``Kernel``\\s traces into custom ops
-under torch.compile and launches directly in eager mode.
+``Kernel`` is one custom op and the Python function it registers. A shared ``backward`` calls its kernels as
+``kernel.run(ctx, ...)``: through the custom op when the autograd node is the custom op's (its backward may be
+traced by torch.compile, which must see the op, not a launch on fake tensors), through the function when it is
+the eager Function's (no dispatcher). The node says which it is (``ctx.eager``); whether torch.compile is tracing
+a backward is not something every torch version reports.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ class Kernel:
     """The custom op ``liger_gen::<name>`` over ``impl``, with ``fake`` as its shape function.
 
     ``impl`` must be annotated for ``torch.library.custom_op`` (tensors, optional tensors, ints, floats, bools,
-    strings, dtypes). ``mutates_args`` names the arguments it writes in place. Calling the kernel runs the op
-    where a graph is recorded (``use_custom_op()``) and ``impl`` otherwise.
+    strings, dtypes). ``mutates_args`` names the arguments it writes in place.
     """
 
     def __init__(self, name: str, impl: Callable, fake: Callable, *, mutates_args: Iterable[str] = ()):
@@ -37,10 +38,9 @@ class Kernel:
         self.op = torch.library.custom_op(self.name, impl, mutates_args=tuple(mutates_args))
         self.op.register_fake(fake)
 
-    def __call__(self, *args: Any) -> Any:
-        if use_custom_op():
-            return self.op(*args)
-        return self.impl(*args)
+    def run(self, ctx, *args: Any) -> Any:
+        """Call from a ``Differentiable``'s backward: ``impl`` under the eager Function, the op otherwise."""
+        return self.impl(*args) if ctx.eager else self.op(*args)
 
 
 def kernel(name: str, *, fake: Callable, mutates_args: Iterable[str] = ()) -> Callable[[Callable], Kernel]:
@@ -70,6 +70,7 @@ class Differentiable:
 
         def setup_context(ctx, inputs, output):
             ctx.set_materialize_grads(False)
+            ctx.eager = False
             save(ctx, inputs, output)
 
         forward.op.register_autograd(backward, setup_context=setup_context)
@@ -82,6 +83,7 @@ class Differentiable:
         def eager_forward(ctx, *args):
             output = impl(*args)
             ctx.set_materialize_grads(False)
+            ctx.eager = True
             save(ctx, args, output)
             return output if kept == n_out else output[:kept]
 
