@@ -16,6 +16,8 @@ from liger_gen.ops.rope import (RoPEConfig, RoPEProblem, RoPESpace, rope, rope_f
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+# tests that run the kernels in the interpreter on CPU tensors: it must be on before the kernels are defined
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="needs the interpreter (no GPU)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -318,6 +320,7 @@ def test_zero_kv_heads_matches_float64(device):
     _assert_matches_float64(q, k, cos, sin)
 
 
+@INTERPRETER_ONLY
 def test_custom_ops_called_directly_on_plain_cpu_path(monkeypatch):
     """Without the interpreter the custom ops' implementations compute the kernels' formulas in PyTorch."""
     gen = torch.Generator().manual_seed(24)
@@ -485,6 +488,7 @@ def test_both_launch_variants_gather_positions(qk_launches, device):
     assert rel_l2(dq, q64.grad) < 1e-6 and rel_l2(dk, k64.grad) < 1e-6
 
 
+@INTERPRETER_ONLY
 def test_tuner_produces_a_valid_entry():
     def cost_model(launch, params):
         """Deterministic 'time': favours two launches forward and BLOCK_M_FWD=2."""

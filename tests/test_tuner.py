@@ -496,3 +496,53 @@ def test_a_fifo_named_as_the_journal_is_refused_at_once(tmp_path):
             open_storage(tmp_path / "run.journal")
     finally:
         signal.alarm(0)
+
+
+def _favourite(space, **changes):
+    """A valid config that the cost model prices below the heuristic in both phases."""
+    import dataclasses
+
+    for bm in (2, 4, 8, 1):
+        for warps in (1, 2, 4, 8):
+            config = dataclasses.replace(space.heuristic(), BLOCK_M_FWD=bm, BLOCK_M_BWD=bm, num_warps_fwd=warps,
+                                         num_warps_bwd=warps, **changes)
+            if not space.violations(config) and config != space.heuristic():
+                return config
+    raise AssertionError("no alternative config")
+
+
+def test_a_prior_winner_is_measured_right_after_the_heuristic(fast):
+    prior = _favourite(fast.space)
+    def timer(launch, params):  # the prior's params of either phase are the fastest there are
+        return 1.0 if any(all(params[k] == v for k, v in fast.space.phase_params(prior, phase).items())
+                          for phase in ("fwd", "bwd")) else 2.0
+
+    entry = Tuner(n_trials=2, timer=timer, build=fake_build, seed=0, polish_trials=0).tune(fast, prior=prior.to_dict())
+    for phase in ("fwd", "bwd"):
+        numbers = {r["number"]: r["params"] for r in entry["trials"][phase]}
+        assert numbers[0] == fast.space.phase_params(fast.space.heuristic(), phase)
+        assert numbers[1] == fast.space.phase_params(prior, phase)
+    assert entry["config"] == prior.to_dict()  # the prior wins its re-timing here
+    # a prior that is not a valid config of the space (an older template's, a hand edit) is not measured
+    bad = {**prior.to_dict(), "BLOCK_N": 7}
+    entry = Tuner(n_trials=2, timer=cost_model, build=fake_build, seed=0, polish_trials=0).tune(fast, prior=bad)
+    assert all(r["params"].get("BLOCK_N") != 7 for phase in entry["trials"].values() for r in phase)
+    entry = Tuner(n_trials=2, timer=cost_model, build=fake_build, seed=0, polish_trials=0).tune(
+        fast, prior={"no": "such field"})
+    assert entry["config"]["BLOCK_N"] == fast.space.heuristic().BLOCK_N
+
+
+def test_prior_configs_come_from_the_tables_being_replaced_of_any_template(tmp_path):
+    from liger_gen.ops import get_spec
+    from liger_gen.tuning.tuner import prior_configs, problem_key
+
+    spec = get_spec("rms_norm")
+    config = _favourite(RMSNormSpace(96, torch.float32))
+    table = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
+    table["template_hashes"] = {"rms_norm": "0123456789abcdef"}  # an older template's table
+    problem = RMSNormProblem(torch.float32, 96, 20, "cpu")
+    table["entries"] = [{"dtype": "float32", "dims": {"n_cols": 96}, "rows": 20, "variant": problem.variant,
+                         "config": config.to_dict()}]
+    tables.write_table(tables.table_path(tmp_path / "a", "h200", "rms_norm"), table)
+    priors = prior_configs([spec, get_spec("layer_norm")], [tmp_path / "missing", tmp_path / "a"], "h200")
+    assert priors == {"rms_norm": {problem_key(problem): config.to_dict()}, "layer_norm": {}}

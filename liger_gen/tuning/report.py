@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from liger_gen.codegen.spaces import dtype_name
-from liger_gen.tuning.tuner import TuneJob, TuneResult, Tuner, plan_units, tune_ops, write_entries
+from liger_gen.tuning.tuner import TuneJob, TuneResult, Tuner, plan_units, prior_configs, tune_ops, write_entries
 from liger_gen.runtime.tables import entry_sort_key
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
@@ -49,8 +49,11 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     units = plan_units(specs, model, rows, [dtype_name(d) for d in dtypes], budget_s=budget_s)
     tuner = tuner or Tuner(n_trials=trials, seed=seed, polish_trials=polish)
     several = devices is not None and len(devices) > 1
+    from liger_gen.runtime.tables import packaged_root
+
+    priors = prior_configs(specs, dict.fromkeys([Path(out_root), packaged_root()]), gpu)
     job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, specs=by_name, make_problems=make_problems,
-                  seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None)
+                  priors=priors, seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None)
     own_journal = None
     if several and storage is None:
         own_journal = Path(out_root) / gpu / f".tune-{job.run_id}.journal"

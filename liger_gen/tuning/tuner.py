@@ -2,7 +2,9 @@
 over several GPUs through one shared Optuna storage.
 
 For each phase (forward and backward kernels are tuned separately):
-  1. the analytic heuristic is enqueued first, so it is always measured;
+  1. the analytic heuristic is enqueued first, then the config an earlier tuning chose for the same problem (a
+     ``prior``: ``prior_configs`` reads it from the tables being replaced, of any template version), so both
+     are always measured;
   2. TPE samples the space; a sample that violates a constraint is pruned before anything compiles;
   3. each sample is built, checked against the float64 reference on the device (a wrong variant is pruned,
      never kept), then timed (``timing.gpu_timer``: CUDA-graph replay, L2 flushed); compile, launch and timing
@@ -169,8 +171,9 @@ class Tuner:
             raise _TrialFailed("error", f"timer returned {ms!r} ms")
         return ms
 
-    def _tune_phase(self, problem, phase: str, heuristic, budget_s: float | None = None):
-        """Search, polish and record one phase; returns (study, trial records, search summary)."""
+    def _tune_phase(self, problem, phase: str, heuristic, budget_s: float | None = None, prior=None):
+        """Search, polish and record one phase; returns (study, trial records, search summary). ``prior``: a
+        config measured right after the heuristic (an earlier winner), or None."""
         space = problem.space
         study = optuna.create_study(study_name=self.study_name(problem, phase), storage=self.storage,
                                     direction="minimize", load_if_exists=True, sampler=self._sampler(0))
@@ -183,8 +186,11 @@ class Tuner:
             return study.get_trials(deepcopy=False, states=FINISHED)
 
         heuristic_key = _key(space.phase_params(heuristic, phase))
-        if not any(_key(t.params) == heuristic_key for t in finished()):
-            study.enqueue_trial(space.phase_params(heuristic, phase))
+        done = {_key(t.params) for t in finished()}
+        for start in (heuristic, prior):
+            if start is not None and _key(space.phase_params(start, phase)) not in done:
+                study.enqueue_trial(space.phase_params(start, phase))
+                done.add(_key(space.phase_params(start, phase)))
 
         # TPE re-proposes points of small categorical spaces; a repeat reuses the recorded outcome instead of
         # re-measuring, and does not count against the budget of ``n_trials`` measured variants.
@@ -326,24 +332,33 @@ class Tuner:
             raise RuntimeError(f"{problem.op} {phase}: no candidate (the heuristic included) could be re-timed")
         return medians, times, methods
 
-    def tune(self, problem, budget_s: float | None = None) -> dict[str, Any]:
+    def tune(self, problem, budget_s: float | None = None, prior: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Tune every phase of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``).
 
         ``budget_s``: seconds of search and polish for the whole problem, split evenly over its phases (None:
-        no cap; the re-timing is not counted)."""
+        no cap; the re-timing is not counted). ``prior``: the config an earlier tuning chose for this problem
+        (a table entry's ``config``), measured right after the heuristic; ignored unless it is a valid config of
+        the problem's space (a table from an older template may hold one that no longer is)."""
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"budget_s must be > 0 seconds or None, got {budget_s}")
         space = problem.space
         heuristic = space.heuristic()
         best = heuristic
         share = None if budget_s is None else budget_s / len(problem.phases)
+        if prior is not None:
+            try:
+                prior = space.config_cls.from_dict(prior)
+            except ValueError:
+                prior = None
+            if prior is not None and space.violations(prior):
+                prior = None
         timing: dict[str, dict[str, float]] = {}
         methods: dict[str, str] = {}
         trials: dict[str, list] = {}
         retimes: dict[str, list] = {}
         searches: dict[str, dict] = {}
         for phase in problem.phases:
-            study, records, searches[phase] = self._tune_phase(problem, phase, heuristic, share)
+            study, records, searches[phase] = self._tune_phase(problem, phase, heuristic, share, prior)
             trials[phase] = records
             ok = sorted((r for r in records if r["status"] == "ok" and r["ms"] is not None),
                         key=lambda r: (r["ms"], r["number"]))
@@ -391,6 +406,36 @@ def _neighbours(params: tuple, point: dict[str, Any]) -> list[dict[str, Any]]:
         for j in (i - 1, i + 1):
             if 0 <= j < len(param.choices):
                 out.append({**point, param.name: param.choices[j]})
+    return out
+
+
+def problem_key(problem) -> tuple:
+    """The table key of the entry ``problem`` gives (``tables.entry_sort_key`` of it)."""
+    from liger_gen.runtime.tables import entry_sort_key
+
+    return entry_sort_key({"dtype": dtype_name(problem.dtype), "dims": dict(problem.dims), "rows": problem.rows,
+                           "variant": dict(problem.variant)})
+
+
+def prior_configs(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> dict[str, dict[tuple, dict]]:
+    """op → entry key → config of the tables for ``gpu`` found under ``roots`` (the first root holding an entry
+    wins), whatever template or Triton version they were tuned with: a re-tune starts from what won before, and
+    every prior is re-validated and re-measured like any other trial. Unreadable tables are skipped."""
+    from liger_gen.runtime import tables
+
+    out: dict[str, dict[tuple, dict]] = {}
+    for spec in specs:
+        found: dict[tuple, dict] = {}
+        for root in roots:
+            try:
+                table = tables.load_table(tables.table_path(root, gpu, spec.name))
+            except tables.TableError:
+                continue
+            if table["op"] != spec.name:
+                continue
+            for entry in table["entries"]:
+                found.setdefault(tables.entry_sort_key(entry), entry["config"])
+        out[spec.name] = found
     return out
 
 
@@ -623,6 +668,7 @@ class TuneJob:
     storage: Any = None
     specs: Mapping[str, OpSpec] = dataclasses.field(default_factory=dict)
     make_problems: Callable | None = None
+    priors: Mapping[str, Mapping[tuple, Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
     seed: int = 0
     device: str = "cuda"
     gpu: str | None = None
@@ -671,7 +717,7 @@ def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: 
                 continue
             report({"kind": "problem", "unit": unit.index, "op": unit.op, "phases": len(problem.phases),
                     "worker": worker})
-            entry = tuner.tune(problem, budget_s=share)
+            entry = tuner.tune(problem, budget_s=share, prior=job.priors.get(unit.op, {}).get(problem_key(problem)))
             storage.set_study_user_attr(problem_id, "unit", unit.index)
             storage.set_study_user_attr(problem_id, "pos", pos)
             storage.set_study_user_attr(problem_id, "entry", entry)
