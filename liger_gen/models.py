@@ -1,10 +1,12 @@
-"""Model shape presets and Hugging Face config reading: which shapes to tune for a model."""
+"""The one registry of models: whole architectures to build with transformers, the kernel shapes of every
+model (what to tune and benchmark), and Hugging Face config reading."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,17 +23,82 @@ class ModelShape:
     rms_norm_eps: float
 
 
-# From the models' published config.json files.
+@dataclass(frozen=True)
+class Architecture:
+    """A whole model to build with transformers: its family and the config fields that set it.
+
+    ``family`` is ``config.model_type`` ("llama", "qwen2"); ``fields`` are the config's keyword arguments;
+    ``rope`` holds transformers v5's ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling fields),
+    which ``liger_gen.bench.step.build_config`` turns into ``rope_theta`` + ``rope_scaling`` on transformers 4.x.
+    The training-step benchmark and the training example build their models from these; ``shape`` gives the
+    kernel dims the tuner and the op benchmark use.
+    """
+
+    name: str
+    family: str
+    fields: dict[str, Any]
+    rope: dict[str, Any]
+    description: str = ""
+
+    def shape(self) -> ModelShape:
+        f = self.fields
+        heads = f["num_attention_heads"]
+        return ModelShape(self.name, f["hidden_size"], f["intermediate_size"], heads,
+                          f.get("num_key_value_heads", heads), f.get("head_dim") or f["hidden_size"] // heads,
+                          f["vocab_size"], f["rms_norm_eps"])
+
+
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+
+#: The models built whole (the training-step benchmark, the training example, CPU tests).
+ARCHITECTURES: dict[str, Architecture] = {
+    m.name: m
+    for m in (
+        # meta-llama/Llama-3.2-1B's config.json: 1.24 B parameters with the tied embedding counted once.
+        Architecture(
+            "llama3.2-1b", "llama",
+            dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
+                 max_position_embeddings=131072, tie_word_embeddings=True, hidden_act="silu",
+                 attention_bias=False, mlp_bias=False),
+            dict(_LLAMA3_ROPE, original_max_position_embeddings=8192), description="Llama-3.2-1B"),
+        # Qwen/Qwen2.5-0.5B's config.json: 494 M parameters; q/k/v projections carry a bias (Qwen2Attention
+        # hard-codes it, there is no config field), head_dim = 896 / 14 = 64.
+        Architecture(
+            "qwen2.5-0.5b", "qwen2",
+            dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                 tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False, sliding_window=32768,
+                 max_window_layers=24),
+            dict(rope_type="default", rope_theta=1000000.0), description="Qwen2.5-0.5B"),
+        # CPU-sized models: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's q/k/v bias)
+        # at a few kB of weights; vocab 256 covers byte tokens exactly.
+        Architecture(
+            "tiny", "llama",
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, rms_norm_eps=1e-5,
+                 max_position_embeddings=2048, tie_word_embeddings=True, hidden_act="silu"),
+            dict(_LLAMA3_ROPE, original_max_position_embeddings=256), description="tiny Llama (CPU runs)"),
+        Architecture(
+            "tiny-qwen2", "qwen2",
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                 tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False),
+            dict(rope_type="default", rope_theta=1000000.0), description="tiny Qwen2 (CPU runs)"),
+    )
+}
+
+#: Every model's kernel shapes, by name: the shapes of the larger published models (from their config.json
+#: files), and those of every architecture above. The one registry of model shapes.
 PRESETS: dict[str, ModelShape] = {
     m.name: m
     for m in (
         ModelShape("llama3-8b", 4096, 14336, 32, 8, 128, 128256, 1e-5),
         ModelShape("llama3-70b", 8192, 28672, 64, 8, 128, 128256, 1e-5),
-        ModelShape("llama3.2-1b", 2048, 8192, 32, 8, 64, 128256, 1e-5),
         ModelShape("llama3.2-3b", 3072, 8192, 24, 8, 128, 128256, 1e-5),
-        ModelShape("qwen2.5-0.5b", 896, 4864, 14, 2, 64, 151936, 1e-6),
         ModelShape("qwen2.5-7b", 3584, 18944, 28, 4, 128, 152064, 1e-6),
         ModelShape("mistral-7b", 4096, 14336, 32, 8, 128, 32768, 1e-5),
+        *(a.shape() for a in ARCHITECTURES.values()),
     )
 }
 

@@ -239,7 +239,7 @@ PUBLISHED = {"llama3.2-1b": (1_235_814_400, 16), "qwen2.5-0.5b": (494_032_768, 2
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_configs_have_the_published_dims(name):
     spec = step.STEP_MODELS[name]
-    preset = PRESETS[spec.shape_preset]
+    preset = PRESETS[spec.name]
     config = step.build_config(name)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,

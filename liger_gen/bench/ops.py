@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_gen import functional as lg
-from liger_gen.models import ModelShape
+from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.reference import (cross_entropy_float64, cross_entropy_torch, fused_add_rms_norm_float64,
                                  fused_add_rms_norm_torch, fused_linear_cross_entropy_float64_chunked,
                                  geglu_float64, geglu_torch, jsd_float64, jsd_torch, kl_div_float64, kl_div_torch,
@@ -44,9 +44,8 @@ STAT_BYTES = 4  # fp32 per-row statistics (rstd, mean)
 ROPE_THETA = 500000.0  # Llama 3's rope_theta
 REF_CHUNK_ELEMENTS = 1 << 25  # float64 reference chunk of the (rows, vocab) ops: 256 MB per temporary
 
-# A model small enough for Triton's interpreter on the CPU (``--model tiny``); only the benchmark knows it.
-TINY = ModelShape("tiny", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, vocab_size=256, rms_norm_eps=1e-6)
+# A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
+TINY = PRESETS["tiny"]
 
 Tensors = dict[str, torch.Tensor]
 Options = dict[str, Any]
@@ -618,11 +617,7 @@ CASES: dict[str, Case] = {c.op: c for c in (
 
 
 def bench_model(name_or_path: str) -> ModelShape:
-    """``"tiny"`` (the benchmark's CPU model) or anything ``liger_gen.models.resolve_model`` takes."""
-    from liger_gen.models import resolve_model
-
-    if name_or_path == TINY.name:
-        return TINY
+    """Anything ``liger_gen.models.resolve_model`` takes (``"tiny"`` is the CPU-sized model)."""
     return resolve_model(name_or_path)
 
 

@@ -2,9 +2,9 @@
 
 What it measures
 ----------------
-For each model shape (``STEP_MODELS``: the published Llama-3.2-1B and Qwen2.5-0.5B architectures, built from
-transformers configs written out by hand, plus ``tiny`` / ``tiny-qwen2`` for CPU runs) and each provider, in the
-order given, in one process:
+For each model (``STEP_MODELS``, i.e. ``liger_gen.models.ARCHITECTURES``: the published Llama-3.2-1B and
+Qwen2.5-0.5B architectures, built from transformers configs written out by hand, plus ``tiny`` / ``tiny-qwen2``
+for CPU runs) and each provider, in the order given, in one process:
 
 - ``transformers``  plain transformers (``attn_implementation="sdpa"``);
 - ``liger-kernel``  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(model=model)`` with its defaults
@@ -114,6 +114,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from liger_gen.files import write_atomic
+from liger_gen.models import ARCHITECTURES, Architecture
 
 SCHEMA = "liger-gen/bench-step/1"
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -135,65 +136,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepModel:
-    """One benchmark model: its transformers family and the config fields that set its shapes.
-
-    ``rope`` holds transformers v5's ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling fields);
-    :func:`build_config` turns it into ``rope_theta`` + ``rope_scaling`` on transformers 4.x.
-    ``shape_preset`` names the matching ``liger_gen.models.PRESETS`` entry (None for the tiny models).
-    """
-
-    name: str
-    family: str  # "llama" or "qwen2": config.model_type
-    fields: dict[str, Any]
-    rope: dict[str, Any]
-    shape_preset: str | None = None
-    description: str = ""
-
-
-STEP_MODELS: dict[str, StepModel] = {
-    m.name: m
-    for m in (
-        # meta-llama/Llama-3.2-1B's config.json: 1.24 B parameters with the tied embedding counted once.
-        StepModel(
-            "llama3.2-1b", "llama",
-            dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
-                 max_position_embeddings=131072, tie_word_embeddings=True, hidden_act="silu",
-                 attention_bias=False, mlp_bias=False),
-            dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                 original_max_position_embeddings=8192),
-            shape_preset="llama3.2-1b", description="Llama-3.2-1B"),
-        # Qwen/Qwen2.5-0.5B's config.json: 494 M parameters; q/k/v projections carry a bias (Qwen2Attention
-        # hard-codes it, there is no config field), head_dim = 896 / 14 = 64.
-        StepModel(
-            "qwen2.5-0.5b", "qwen2",
-            dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=32768,
-                 tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False, sliding_window=32768,
-                 max_window_layers=24),
-            dict(rope_type="default", rope_theta=1000000.0),
-            shape_preset="qwen2.5-0.5b", description="Qwen2.5-0.5B"),
-        # CPU-sized models for tests: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's
-        # q/k/v bias) at a few kB of weights; vocab 256 covers the byte tokens exactly.
-        StepModel(
-            "tiny", "llama",
-            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, rms_norm_eps=1e-5,
-                 max_position_embeddings=2048, tie_word_embeddings=True, hidden_act="silu"),
-            dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                 original_max_position_embeddings=256),
-            description="tiny Llama (CPU tests)"),
-        StepModel(
-            "tiny-qwen2", "qwen2",
-            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=2048,
-                 tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False),
-            dict(rope_type="default", rope_theta=1000000.0),
-            description="tiny Qwen2 (CPU tests)"),
-    )
-}
+#: The models this benchmark builds: ``liger_gen.models.ARCHITECTURES``, the one registry of models.
+STEP_MODELS: dict[str, Architecture] = ARCHITECTURES
 
 _FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 _MODELING_MODULES = {"llama": "transformers.models.llama.modeling_llama",
@@ -226,7 +170,7 @@ def build_config(name: str, attn_implementation: str = "sdpa"):
     return config_cls(**kwargs, use_cache=False, attn_implementation=attn_implementation)
 
 
-def _step_model(name: str) -> StepModel:
+def _step_model(name: str) -> Architecture:
     if name not in STEP_MODELS:
         raise ValueError(f"models: unknown model {name!r}; known: {', '.join(STEP_MODELS)}")
     return STEP_MODELS[name]
@@ -287,12 +231,21 @@ def byte_tokens(path: str | Path = DEFAULT_TEXT) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
 
 
-def make_step_batches(tokens: torch.Tensor, n_steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """``[n_steps, batch_size, seq_len]`` int64 windows of ``tokens`` at seeded random offsets (the same for every
-    provider); reuses ``liger_gen.examples.train_llama.make_batches``."""
-    from liger_gen.examples.train_llama import make_batches
+def make_batches(tokens: torch.Tensor, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``[steps, batch_size, seq_len]`` int64 windows of ``tokens`` at uniformly random offsets.
 
-    return make_batches(tokens, n_steps, batch_size, seq_len, seed)
+    Offsets come from a ``torch.Generator`` seeded with ``seed``, so every run (and every provider) sees the same
+    batches in the same order. Raises ValueError if the stream is shorter than one window.
+    """
+    n = tokens.numel()
+    if n < seq_len:
+        raise ValueError(
+            f"token stream has {n} tokens, fewer than --seq-len {seq_len}; use more text (--max-chars) "
+            "or a shorter --seq-len"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, n - seq_len + 1, (steps, batch_size), generator=gen)
+    return tokens[starts.unsqueeze(-1) + torch.arange(seq_len)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -854,7 +807,7 @@ def run_step_benchmark(
         raise ValueError(f"loss_rel_tol must be > 0, got {loss_rel_tol!r}")
     n_total = warmup_steps + steps + profile_steps
     tokens = byte_tokens(text)
-    batches_cpu = make_step_batches(tokens, n_total, batch_size, seq_len, seed)
+    batches_cpu = make_batches(tokens, n_total, batch_size, seq_len, seed)
 
     result: dict[str, Any] = {
         "schema": SCHEMA,

@@ -63,46 +63,17 @@ from typing import Any
 import torch
 
 from liger_gen.files import write_atomic
+from liger_gen.bench.step import build_config, make_batches
+from liger_gen.models import ARCHITECTURES
 
 #: The default corpus, shipped inside the package (public domain, 1,115,394 bytes).
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 
-#: LlamaConfig keyword arguments per preset. ``vocab_size=None`` means "the tokenizer's vocab size".
-PRESETS: dict[str, dict[str, Any]] = {
-    # Small enough to train on a laptop CPU in seconds; head_dim = 64 / 4 = 16.
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=None,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    # The published Llama-3.2-1B architecture (1.24 B parameters with tied embeddings). The tokenizer only
-    # produces ids below --vocab-size, i.e. the low part of the 128256-entry embedding.
-    "llama3.2-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-}
+#: The Llama models of the one model registry (``liger_gen.models.ARCHITECTURES``): ``tiny`` trains on a laptop
+#: CPU in seconds, ``llama3.2-1b`` is the published Llama-3.2-1B architecture. The tokenizer's ids must fit the
+#: embedding; ``tiny``'s embedding is sized to the tokenizer (its vocab in the registry is for byte tokens).
+PRESETS = {name: arch for name, arch in ARCHITECTURES.items() if arch.family == "llama"}
+_VOCAB_FROM_TOKENIZER = {"tiny"}
 
 #: Default AdamW peak learning rate per preset: the tiny model learns visibly within a few dozen steps at 3e-3;
 #: the 1B model uses a usual pre-training peak rate, reached after a linear warm-up (--lr-warmup-steps).
@@ -267,23 +238,6 @@ def tokenize(text: str, tokenizer) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(text).ids, dtype=torch.long)
 
 
-def make_batches(tokens: torch.Tensor, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """``[steps, batch_size, seq_len]`` int64 windows of ``tokens`` at uniformly random offsets.
-
-    Offsets come from a ``torch.Generator`` seeded with ``seed``, so every run sees the same batches in the
-    same order. Raises ValueError if the stream is shorter than one window.
-    """
-    n = tokens.numel()
-    if n < seq_len:
-        raise ValueError(
-            f"token stream has {n} tokens, fewer than --seq-len {seq_len}; use more text (--max-chars) "
-            "or a shorter --seq-len"
-        )
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, n - seq_len + 1, (steps, batch_size), generator=gen)
-    return tokens[starts.unsqueeze(-1) + torch.arange(seq_len)]
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------------------------
@@ -303,19 +257,15 @@ def build_model(
     Raises ValueError if the tokenizer's ids do not fit the preset's embedding or ``seq_len`` exceeds the
     preset's ``max_position_embeddings``.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    kwargs = dict(PRESETS[preset])
-    if kwargs["vocab_size"] is None:
-        kwargs["vocab_size"] = tokenizer_vocab
-    elif tokenizer_vocab > kwargs["vocab_size"]:
-        raise ValueError(
-            f"tokenizer vocab {tokenizer_vocab} exceeds the {preset} embedding ({kwargs['vocab_size']} rows)"
-        )
-    kwargs.setdefault("max_position_embeddings", max(seq_len, 2048))
-    if seq_len > kwargs["max_position_embeddings"]:
-        raise ValueError(f"--seq-len {seq_len} exceeds max_position_embeddings {kwargs['max_position_embeddings']}")
-    config = LlamaConfig(**kwargs, use_cache=False, attn_implementation=attn_implementation)
+    config = build_config(preset, attn_implementation)
+    if preset in _VOCAB_FROM_TOKENIZER:
+        config.vocab_size = tokenizer_vocab
+    elif tokenizer_vocab > config.vocab_size:
+        raise ValueError(f"tokenizer vocab {tokenizer_vocab} exceeds the {preset} embedding ({config.vocab_size} rows)")
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds max_position_embeddings {config.max_position_embeddings}")
 
     torch.manual_seed(seed)
     # Initialise directly on the device: a 1B model initialises in a fraction of a second on a GPU but takes
