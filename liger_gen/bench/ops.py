@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_gen import functional as lg
+from liger_gen.codegen.problems import float64_grads
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.reference import (cross_entropy_float64, cross_entropy_torch, fused_add_rms_norm_float64,
                                  fused_add_rms_norm_torch, fused_linear_cross_entropy_float64_chunked,
@@ -145,19 +146,14 @@ def llama_cos_sin(seq: int, dim: int, dtype: torch.dtype, device: torch.device) 
 
 def reference_by_autograd(inputs: Inputs, fn64: Callable[[Tensors, Options], tuple],
                           output_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Float64 outputs and gradients of ``fn64`` (a float64 reference taking ``(tensors, options)``).
-
-    The inputs in ``grad_of`` become float64 leaves, the upstream gradients float64 (1 for scalar losses); the
-    result maps each output name and each ``"d" + input`` name to a float64 tensor.
-    """
-    t64 = {name: (t.detach().double().requires_grad_() if name in inputs.grad_of else t)
-           for name, t in inputs.tensors.items()}
-    with torch.enable_grad():
-        outs = fn64(t64, inputs.options)
-        ups = [torch.ones_like(o) if inputs.upstream[n] is None else inputs.upstream[n].double()
-               for n, o in zip(output_names, outs)]
-        grads = torch.autograd.grad(outs, [t64[n] for n in inputs.grad_of], ups)
-    ref = {n: o.detach() for n, o in zip(output_names, outs)}
+    """Float64 outputs and gradients of ``fn64`` (a float64 reference taking ``(tensors, options)``), by
+    ``liger_gen.codegen.problems.float64_grads``: each output name and each ``"d" + input`` name maps to a
+    float64 tensor (upstream gradients as given, 1 for scalar losses)."""
+    names = list(inputs.tensors)
+    outs, grads = float64_grads(lambda *ts: fn64(dict(zip(names, ts)), inputs.options),
+                                [inputs.tensors[n] for n in names], [names.index(n) for n in inputs.grad_of],
+                                [inputs.upstream[n] for n in output_names])
+    ref = dict(zip(output_names, outs))
     ref.update({"d" + n: g for n, g in zip(inputs.grad_of, grads)})
     return ref
 

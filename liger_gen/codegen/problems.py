@@ -8,7 +8,7 @@ problem class lives in its module under ``liger_gen/ops``; this module holds the
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,27 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor, chunk: int = 1 << 24) -
         den += e64.square().sum()
     denom = den.sqrt().item()
     return num.sqrt().item() / (denom if denom > 0 else 1.0)
+
+
+def float64_grads(fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], wrt: Sequence[int],
+                  upstream: Sequence[torch.Tensor | None]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Float64 truth by autograd: ``fn``'s outputs at the float64 copies of ``inputs`` and the gradients of the
+    inputs at positions ``wrt``, for the upstream gradients ``upstream`` (one per output; None: ones). Floating
+    inputs are taken in float64; others (class indices) as they are.
+
+    Every reference gradient in the tuner's problems and the bench's cases comes from here, by autograd of the
+    op's float64 reference, so no formula for a gradient is written twice. Returns (outputs, gradients), all
+    float64 and detached; None inputs stay None.
+    """
+    with torch.enable_grad():
+        xs = [t if t is None or not t.is_floating_point() else t.detach().double().requires_grad_(i in wrt)
+              for i, t in enumerate(inputs)]
+        outs = fn(*xs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        ups = [torch.ones_like(o) if u is None else u.double() for o, u in zip(outs, upstream)]
+        pairs = [(o, u) for o, u in zip(outs, ups) if o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wrt], [u for _, u in pairs]) if wrt else ()
+    return tuple(o.detach() for o in outs), tuple(grads)
 
 
 class Problem:

@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
-from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_out_dtype,
-                                    rms_norm_torch)
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, float64_grads, rel_l2
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_float64, rms_norm_out_dtype,
+                                    rms_norm_torch)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    uses_triton)
@@ -124,22 +124,17 @@ class FusedAddRMSNormProblem(Problem):
             "dw": torch.empty(n, dtype=dtype, device=self.device),
             "dw_partial": torch.empty((m, n), dtype=torch.float32, device=self.device),
         }
-        # float64 truth. Forward from the exact sum; backward from the rounded sum it is given:
-        # n = s·rstd, dsum = rstd·(g − n·mean(g·n)) + ds with g = dy·w, dW = Σ dy·n
-        x64, r64, w64 = x.double(), r.double(), w.double()
-        s64 = x64 + r64
-        rstd64 = torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps)
-        sb64, dy64 = s_in.double(), dy.double()
-        rstdb64 = torch.rsqrt(sb64.pow(2).mean(-1, keepdim=True) + eps)
-        nb64, g64 = sb64 * rstdb64, dy64 * w64
-        dsum64 = (g64 - nb64 * (g64 * nb64).mean(-1, keepdim=True)) * rstdb64 + ds.double()
+        # float64 truth by autograd of the reference. Forward from the exact sum; backward from the rounded sum
+        # the kernel is given, as the gradient reaching that sum (through the norm, plus ds)
+        (y64, s64), _ = float64_grads(lambda x, r, w: fused_add_rms_norm_float64(x, r, w, eps), (x, r, w), (), ())
+        _, (dsum64, dw64) = float64_grads(lambda s, w: (rms_norm_float64(s, w, eps), s), (s_in, w), (0, 1), (dy, ds))
         self.ref = {
-            "y": s64 * rstd64 * w64,
+            "y": y64,
             "s": s64,
-            "rstd": rstd64.squeeze(-1),
+            "rstd": torch.rsqrt(s64.pow(2).mean(-1) + eps),
             "dx": dsum64,
             "dr": dsum64,
-            "dw": (dy64 * nb64).sum(0),
+            "dw": dw64,
         }
         tol = REL_TOL[dtype]
         # rstd against the exact sum: the rounding of s moves it by ~ the dtype's roundoff, hence the dtype's

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, float64_grads
 from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormSpace
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -105,27 +105,26 @@ class LayerNormProblem(Problem):
             "rstd": torch.empty(m, dtype=torch.float32, device=self.device),
             "dx": torch.empty((m, n), dtype=dtype, device=self.device),
         }
-        # float64 truth: xhat = (x − mean)·rstd, y = xhat·w + b, g = dy·w,
-        # dx = rstd·(g − mean(g) − xhat·mean(g·xhat)), dW = Σ dy·xhat, dB = Σ dy
-        xhat = (x64 - mean64) * rstd64
-        w64 = w.double() if has_weight else torch.ones(n, dtype=torch.float64, device=self.device)
-        g = dy64 * w64
+        # float64 truth: the reference and its gradients (x, and w, b where present) by autograd
+        wrt = (0,) + ((1,) if has_weight else ()) + ((2,) if has_bias else ())
+        (y64,), grads = float64_grads(lambda x, w, b: layer_norm_float64(x, w, b, eps), (x, w, b), wrt, (dy,))
+        grad = dict(zip(["dx"] + (["dw"] if has_weight else []) + (["db"] if has_bias else []), grads))
         self.ref = {
-            "y": layer_norm_float64(x, w, b, eps),
+            "y": y64,
             "mean": mean64.squeeze(-1),
             "rstd": rstd64.squeeze(-1),
-            "dx": (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd64,
+            "dx": grad["dx"],
         }
         tol = REL_TOL[dtype]
         self.tol = {"y": tol, "mean": FP32_OUT_TOL, "rstd": FP32_OUT_TOL, "dx": tol}
         bwd = ["dx"]
         if has_weight:
             self.buffers.update(w=w, dw=torch.empty(n, dtype=dtype, device=self.device))
-            self.ref["dw"], self.tol["dw"] = (dy64 * xhat).sum(0), tol
+            self.ref["dw"], self.tol["dw"] = grad["dw"], tol
             bwd.append("dw")
         if has_bias:
             self.buffers.update(b=b, db=torch.empty(n, dtype=dtype, device=self.device))
-            self.ref["db"], self.tol["db"] = dy64.sum(0), tol
+            self.ref["db"], self.tol["db"] = grad["db"], tol
             bwd.append("db")
         self.outputs = {"fwd": ("y", "mean", "rstd"), "bwd": tuple(bwd)}
 

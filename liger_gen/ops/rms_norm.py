@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, float64_grads
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -202,16 +202,13 @@ class RMSNormProblem(Problem):
             "dw": torch.empty(n, dtype=dtype, device=self.device),
             "dw_partial": torch.empty((m, n), dtype=torch.float32, device=self.device),
         }
-        # float64 truth: n = x·rstd, y = n·w, dx = rstd·(g − n·mean(g·n)) with g = dy·w, dW = Σ dy·n
-        x64, w64, dy64 = x.double(), w.double(), dy.double()
-        rstd64 = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
-        n64 = x64 * rstd64
-        g64 = dy64 * w64
+        # float64 truth: the reference and its gradients by autograd
+        (y64,), (dx64, dw64) = float64_grads(lambda x, w: rms_norm_float64(x, w, eps), (x, w), (0, 1), (dy,))
         self.ref = {
-            "y": n64 * w64,
-            "rstd": rstd64.squeeze(-1),
-            "dx": (g64 - n64 * (g64 * n64).mean(-1, keepdim=True)) * rstd64,
-            "dw": (dy64 * n64).sum(0),
+            "y": y64,
+            "rstd": torch.rsqrt(x.double().pow(2).mean(-1) + eps),
+            "dx": dx64,
+            "dw": dw64,
         }
         tol = REL_TOL[dtype]
         self.tol = {"y": tol, "rstd": FP32_OUT_TOL, "dx": tol, "dw": tol}
