@@ -219,3 +219,14 @@ def test_bench_step_without_a_gpu_refuses_and_names_the_cpu_command(runner, monk
     assert result.exit_code == 1
     assert "no CUDA GPU is visible" in result.output
     assert "liger-gen bench-step --device cpu --models tiny" in result.output
+
+
+def test_show_survives_a_subnormal_time_and_marks_a_misnamed_copy_unused(runner, tmp_path, monkeypatch):
+    result = _show(runner, tmp_path, monkeypatch, entry={"timing_ms": {"fwd": {"tuned": 5e-324, "heuristic": 0.06},
+                                                                       "bwd": {"tuned": 0.1, "heuristic": 0.1}}})
+    assert result.exit_code == 0 and not isinstance(result.exception, ZeroDivisionError), result.output
+    folder = tmp_path / "h200"
+    (folder / "rms_norm.backup.json").write_text((folder / "rms_norm.json").read_text())
+    result = runner.invoke(main, ["show", "--gpu", "h200"], terminal_width=300)
+    lines = [line for line in result.output.splitlines() if "rms_norm.backup.json" in line]
+    assert lines and "reads only rms_norm.json" in result.output, result.output

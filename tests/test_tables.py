@@ -170,6 +170,45 @@ def test_trial_logs_are_written_beside_the_table_and_read_back(tmp_path):
     assert tables.with_trials(path, shipped) == shipped
 
 
+def test_a_table_of_the_previous_format_is_read_when_its_op_is_known(user_dir):
+    """Format 2 (one template_hash, trial logs in the entries): the runtime uses it, a writer extends it and
+    keeps its logs, priors come from it; with no space to say whose hash it is, it is not read."""
+    from liger_gen.tuning.tuner import prior_configs, write_entries
+    from liger_gen.ops import get_spec
+
+    old = _table([{**_entry(4096, _tuned_config(BLOCK_M_FWD=8)), "trials": {"fwd": [{"number": 0}]}}])
+    old["format_version"] = 2
+    old["template_hash"] = old.pop("template_hashes")["rms_norm"]
+    path = tables.table_path(user_dir, GPU, OP)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(old))
+    assert tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)["config"].BLOCK_M_FWD == 8
+    with pytest.raises(tables.TableError, match="template_hashes"):
+        tables.load_table(path)
+    assert prior_configs([get_spec(OP)], [user_dir], GPU)[OP]
+    write_entries(SPACE, [_entry(1024, _tuned_config())], user_dir, gpu=GPU, device_name="NVIDIA H200",
+                  compute_capability="9.0")
+    table = tables.with_trials(path, tables.load_table(path))
+    assert table["format_version"] == 3 and [e["rows"] for e in table["entries"]] == [1024, 4096]
+    assert table["entries"][1]["trials"] == {"fwd": [{"number": 0}]}
+
+
+def test_a_stale_trial_log_does_not_outlive_its_entries(tmp_path):
+    path = tables.table_path(tmp_path, GPU, OP)
+    tables.write_table(path, _table([{**_entry(1024, _tuned_config()), "trials": {"fwd": ["old"]}}]))
+    tables.write_table(path, _table([_entry(1024, _tuned_config(BLOCK_M_FWD=2))]))  # replaced, no log
+    assert not tables.trials_path(path).exists()
+    assert "trials" not in tables.with_trials(path, tables.load_table(path))["entries"][0]
+
+
+def test_a_trial_log_that_cannot_be_written_warns_and_the_table_is_written(tmp_path):
+    path = tables.table_path(tmp_path, GPU, OP)
+    tables.trials_path(path).mkdir(parents=True)  # a folder where the log goes
+    with pytest.warns(tables.TunedTableWarning, match="cannot write the trial log"):
+        tables.write_table(path, _table([{**_entry(1024, _tuned_config()), "trials": {"fwd": []}}]))
+    assert [e["rows"] for e in tables.load_table(path)["entries"]] == [1024]
+
+
 @pytest.mark.parametrize("hashes", [{}, {"rms_norm": "zz"}, {"rms_norm": 7}, {"rms_norm": ""}])
 def test_template_hashes_of_the_wrong_form_make_the_table_unused(user_dir, hashes):
     _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))], template_hashes=hashes))

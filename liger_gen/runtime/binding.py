@@ -54,9 +54,9 @@ class Differentiable:
     ``save(ctx, inputs, output)`` stores what the backward needs (the custom op's ``setup_context`` signature);
     ``backward(ctx, *grads)`` gets one gradient per output of the custom op and returns one gradient (or None)
     per input, calling its backward kernels through ``Kernel``\\s. Gradients of unused outputs reach
-    ``backward`` as None in both bindings (``save`` runs after ``ctx.set_materialize_grads(False)``). The eager
-    Function refuses double backward (``create_graph=True``), naming ``reference`` as the differentiable
-    alternative.
+    ``backward`` as None in both bindings (``save`` runs after ``ctx.set_materialize_grads(False)``). Both
+    bindings refuse double backward (``create_graph=True``: the kernels have no second derivative), naming
+    ``reference`` as the differentiable alternative.
 
     ``outputs``: how many leading outputs the callers use; the rest (saved statistics such as rstd or lse) are
     not returned by the eager Function, which saves autograd their bookkeeping, and their gradients are None.
@@ -73,7 +73,12 @@ class Differentiable:
             ctx.eager = False
             save(ctx, inputs, output)
 
-        forward.op.register_autograd(backward, setup_context=setup_context)
+        def op_backward(ctx, *grads):
+            if torch.is_grad_enabled():  # create_graph=True; a traced backward (torch.compile) runs without grad
+                no_double_backward(op_name, reference)
+            return backward(ctx, *grads)
+
+        forward.op.register_autograd(op_backward, setup_context=setup_context)
         impl = forward.impl
 
         n_out = len(forward.op._opoverload._schema.returns)

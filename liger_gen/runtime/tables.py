@@ -155,9 +155,12 @@ def read_table_text(path: Path) -> str:
         raise TableError(f"cannot read tuned table {path}: not UTF-8 ({exc})") from exc
 
 
-def load_table(path: Path) -> dict[str, Any]:
+def load_table(path: Path, space: type[Space] | None = None) -> dict[str, Any]:
     """Read and structurally check a table; TableError (with the path) if it cannot be read or is not valid JSON
-    of our format, or if a key field does not have its form (e.g. an empty ``triton_version``)."""
+    of our format, or if a key field does not have its form (e.g. an empty ``triton_version``).
+
+    A table of the previous format (2: one ``template_hash``, trial logs inside the entries) is read as format 3
+    when ``space`` says which template that hash was of (its ``template``); without it, it is a TableError."""
     try:
         data = json.loads(read_table_text(Path(path)))
     except TableError:
@@ -166,6 +169,10 @@ def load_table(path: Path) -> dict[str, Any]:
         raise TableError(f"cannot read tuned table {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise TableError(f"tuned table {path}: top level is {type(data).__name__}, expected an object")
+    if (space is not None and data.get("format_version") == 2 and isinstance(data.get("template_hash"), str)
+            and "template_hashes" not in data):
+        data["template_hashes"] = {space.template: data.pop("template_hash")}
+        data["format_version"] = FORMAT_VERSION
     for field, kind in (("format_version", int), ("op", str), ("gpu", str), ("template_hashes", dict),
                         ("triton_version", str), ("entries", list)):
         if field not in data:
@@ -261,15 +268,23 @@ def locked(path: Path) -> Iterator[None]:
 
 def write_table(path: Path, table: dict[str, Any]) -> None:
     """Write a table and its trial log atomically (each: temp file in the same folder + rename), keys sorted,
-    entries in key order. Entry fields in ``TRIAL_FIELDS`` go to ``trials_path(path)``, the rest to ``path``;
-    the trial log is written first, so a table never names trials that are not on disk."""
+    entries in key order. Entry fields in ``TRIAL_FIELDS`` go to ``trials_path(path)``, the rest to ``path``.
+    The trial log is written first (and removed when no entry has one, so no stale log outlives its entries); a
+    log that cannot be written warns, and the table is written all the same."""
     path = Path(path)
     entries = sorted(table["entries"], key=entry_sort_key)
     shipped = [{k: v for k, v in e.items() if k not in TRIAL_FIELDS} for e in entries]
     logs = [{**_entry_key_fields(e), **{k: e[k] for k in TRIAL_FIELDS if k in e}} for e in entries]
     header = {k: v for k, v in table.items() if k != "entries"}
-    if any(len(log) > len(_entry_key_fields(log)) for log in logs):
-        write_atomic(trials_path(path), json.dumps({**header, "entries": logs}, indent=1, sort_keys=True) + "\n")
+    log_path = trials_path(path)
+    try:
+        if any(len(log) > len(_entry_key_fields(log)) for log in logs):
+            write_atomic(log_path, json.dumps({**header, "entries": logs}, indent=1, sort_keys=True) + "\n")
+        elif log_path.is_file():  # no entry has a log now: an old one would be read back as theirs
+            log_path.unlink()
+    except OSError as exc:  # e.g. a folder in its place: the log is lost, the table is not
+        warnings.warn(f"liger-gen: cannot write the trial log {log_path}: {type(exc).__name__}: {exc}; the table "
+                      f"is written without it", TunedTableWarning, stacklevel=2)
     write_atomic(path, json.dumps({**header, "entries": shipped}, indent=1, sort_keys=True) + "\n")
 
 
@@ -358,7 +373,7 @@ def _load_for(path: str, space: type[Space], gpu: str) -> dict[str, Any] | None:
     triton); else None."""
     p = Path(path)
     try:
-        table = load_table(p)
+        table = load_table(p, space)
     except TableError as exc:
         cause = exc.__cause__
         if isinstance(cause, (FileNotFoundError, NotADirectoryError)):

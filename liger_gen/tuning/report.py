@@ -185,7 +185,10 @@ def _gbps(entry: Mapping[str, Any], tuned_ms: float | None) -> float | None:
     values = [_number(v) for v in moved.values()]
     if any(v is None for v in values):
         return None
-    return sum(values) / (tuned_ms * 1e-3) / 1e9
+    seconds = tuned_ms * 1e-3
+    if not seconds > 0:  # a subnormal time underflows to 0
+        return None
+    return sum(values) / seconds / 1e9
 
 
 def _ms(value: float | None) -> str:
@@ -268,13 +271,15 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) ->
         for path in paths:
             found = True
             try:
-                table = tables.load_table(path)
+                table = tables.load_table(path, spaces.get(path.stem))
             except tables.TableError as exc:
                 console.print(Text(safe_text(exc), style="red"))
                 continue
             spec = spaces.get(table["op"])
             reasons = (tables.foreign_reasons(table, space=spec, gpu=gpu) if spec is not None
                        else [f"op {table['op']!r} is not one of this installation's ops"])
+            if path.name != f"{table['op']}.json":
+                reasons.append(f"the runtime reads only {table['op']}.json")
             line = Text()
             line.append(safe_text(path), style="bold")
             line.append(f" ({source}) — {safe_text(table.get('device_name', '?'))}, Triton "

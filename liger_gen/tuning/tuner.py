@@ -428,7 +428,7 @@ def prior_configs(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> di
         found: dict[tuple, dict] = {}
         for root in roots:
             try:
-                table = tables.load_table(tables.table_path(root, gpu, spec.name))
+                table = tables.load_table(tables.table_path(root, gpu, spec.name), spec.space)
             except tables.TableError:
                 continue
             if table["op"] != spec.name:
@@ -461,7 +461,7 @@ def write_entries(space, entries: list[dict[str, Any]], out_root, *, gpu: str, d
     table = tables.new_table(space, gpu, device_name, compute_capability)
     with tables.locked(path):
         try:
-            old = tables.load_table(path)
+            old = tables.load_table(path, space)
             if not tables.foreign_reasons(old, space=space, gpu=gpu):
                 table["entries"] = tables.with_trials(path, old)["entries"]
         except tables.TableError:  # missing, corrupt or foreign: replaced
