@@ -72,9 +72,9 @@ def test_every_op_has_a_spec_and_a_case():
 @pytest.mark.parametrize("op", OPS)
 def test_matches_float64(op, dtype, rows, device):
     inputs = _inputs(op, rows, dtype, device)
-    labels = [t for t in inputs.tensors.values() if not t.is_floating_point()]
-    if rows == 41 and labels:  # enough rows that the seed sets some class indices to ignore_index
-        assert bool((labels[0] == -100).any())
+    for t in inputs.tensors.values():
+        if not t.is_floating_point() and rows > 1:  # class indices: some rows ignored, whatever the seed drew
+            t[::5] = -100
     outs, grads = _run(op, inputs)
     _assert_matches(op, inputs, outs, grads, dtype)
 

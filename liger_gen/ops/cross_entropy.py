@@ -636,16 +636,17 @@ def _backward(ctx, grad_loss, *_unused):
     the same graph (retain_graph=True) then raises a RuntimeError rather than returning a twice-scaled
     gradient. Otherwise dlogits is recomputed from the logits, lse and q."""
     if ctx.grad_in_fwd:
+        if ctx.eager:  # the eager node scales the saved gradient in place: it can be used once
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("liger_gen cross_entropy: backward ran twice through one forward "
+                                   "(retain_graph=True); the gradient written by the forward was already scaled "
+                                   "and handed on. Run the forward again for each backward.")
+            ctx.consumed = True
         (dlogits,) = ctx.saved_tensors
         g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
         if not ctx.eager:  # the custom op's node (a direct call of the op; its backward may be traced): new tensor
             scaled = dlogits.float() * (g[:, None] if g.dim() else g).float()
             return scaled.to(dlogits.dtype).view(ctx.logits_shape), None, None, None, None, None, None, None, None
-        if getattr(ctx, "consumed", False):
-            raise RuntimeError("liger_gen cross_entropy: backward ran twice through one forward "
-                               "(retain_graph=True); the gradient written by the forward was already scaled "
-                               "and handed on. Run the forward again for each backward.")
-        ctx.consumed = True
         module, _, _ = kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])
         module.scale_grad_(dlogits, g)
         torch.autograd.graph.increment_version(dlogits)
