@@ -8,7 +8,6 @@ from click.testing import CliRunner
 
 from liger_gen.cli import main
 from liger_gen.models import PRESETS, resolve_model
-from liger_gen.ops.rms_norm import RMSNormSpace
 from liger_gen.runtime import tables
 
 

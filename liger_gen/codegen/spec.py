@@ -50,7 +50,3 @@ class OpSpec:
             if r not in out:
                 out.append(r)
         return out
-
-    def problems(self, model: Any, rows: Sequence[int], dtype, device, seed: int = 0) -> list[Problem]:
-        """The tuning problems of ``model`` at the planned token counts of ``rows``."""
-        return list(self.tuning_problems(model, self.tuning_rows(model, rows), dtype, device, seed))

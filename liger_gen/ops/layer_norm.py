@@ -94,7 +94,7 @@ class LayerNormProblem(Problem):
         x, dy = self.randn(m, n, shift=0.5), self.randn(m, n)
         w = self.randn(n, scale=0.1, shift=1.0) if has_weight else None
         b = self.randn(n, scale=0.1) if has_bias else None
-        x64, dy64 = x.double(), dy.double()
+        x64 = x.double()
         mean64 = x64.mean(-1, keepdim=True)
         rstd64 = torch.rsqrt((x64 - mean64).pow(2).mean(-1, keepdim=True) + eps)
         self.buffers = {

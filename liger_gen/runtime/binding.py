@@ -43,11 +43,6 @@ class Kernel:
         return self.impl(*args) if ctx.eager else self.op(*args)
 
 
-def kernel(name: str, *, fake: Callable, mutates_args: Iterable[str] = ()) -> Callable[[Callable], Kernel]:
-    """Decorator form of ``Kernel``: ``@kernel("rms_norm_bwd", fake=...)`` over the implementation."""
-    return lambda impl: Kernel(name, impl, fake, mutates_args=mutates_args)
-
-
 class Differentiable:
     """One autograd definition of ``forward`` (a ``Kernel``), bound to its custom op and to an eager Function.
 
@@ -96,7 +91,6 @@ class Differentiable:
             no_double_backward(op_name, reference)
             return backward(ctx, *grads, *padding)
 
-        self.forward = forward
         self.function = type(f"{type(self).__name__}_{op_name}", (torch.autograd.Function,), {
             "forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward),
             "__doc__": f"Eager binding of {forward.name} (same save/backward as its registered autograd).",
