@@ -188,6 +188,13 @@ class Space:
             return problems
         return self.shape_violations(config)
 
+    def fit_warps(self, warps: int, tile: int, min_elems_per_thread: int = 1) -> int:
+        """Fewest of ``warps`` and what a ``tile`` of elements can feed with at least ``min_elems_per_thread``
+        per thread, within the device's thread limit: the heuristics' warp rule."""
+        while warps > 1 and tile < warps * 32 * min_elems_per_thread:
+            warps //= 2
+        return max(1, min(warps, self.limits.max_threads_per_block // 32))
+
     def threads_violations(self, phase: str, num_warps: int, tile: int, max_elems_per_thread: int) -> list[str]:
         """The common register/thread checks of a kernel holding a ``tile`` of fp32 values per program."""
         problems = []

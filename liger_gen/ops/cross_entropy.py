@@ -272,19 +272,13 @@ class CrossEntropySpace(Space):
         config = CrossEntropyConfig(
             GRAD_IN_FWD=0 if self.dtype == torch.float16 else 1,
             BLOCK_V_FWD=fwd_v, BLOCK_M_FWD=fwd_m, num_stages_fwd=1,
-            num_warps_fwd=self._fit_warps(warps_for(fwd_m * fwd_v, max_warps=16, per_thread=16), fwd_m * fwd_v),
+            num_warps_fwd=self.fit_warps(warps_for(fwd_m * fwd_v, max_warps=16, per_thread=16), fwd_m * fwd_v),
             BLOCK_V_BWD=bwd_v, BLOCK_M_BWD=bwd_m, num_stages_bwd=1,
-            num_warps_bwd=self._fit_warps(warps_for(bwd_m * bwd_v, max_warps=32, per_thread=16), bwd_m * bwd_v),
+            num_warps_bwd=self.fit_warps(warps_for(bwd_m * bwd_v, max_warps=32, per_thread=16), bwd_m * bwd_v),
         )
         problems = self.violations(config)
         assert not problems, f"heuristic is invalid for vocab={self.vocab}: {problems}"
         return config
-
-    def _fit_warps(self, warps: int, tile: int) -> int:
-        """Fewest of ``warps`` and what the tile can feed, within the device's thread limit."""
-        while warps > 1 and tile < warps * 32:
-            warps //= 2
-        return max(1, min(warps, self.limits.max_threads_per_block // 32))
 
     def shape_violations(self, config: CrossEntropyConfig) -> list[str]:
         """Tile bounds, threads, registers and shared memory of the loss kernel and the gradient kernel."""

@@ -156,7 +156,7 @@ class GLUSpace(Space):
         """Analytic default, valid for every n_cols >= 1: tiles of ~2K elements, up to 1024 columns wide, 4 warps."""
         block_n = min(self.max_block_n, 1024)
         block_m = max(1, min(16, self.TILE_TARGET // block_n))
-        warps = self._fit_warps(4, block_m * block_n)
+        warps = self.fit_warps(4, block_m * block_n)
         config = GLUConfig(
             BLOCK_N_FWD=block_n, BLOCK_M_FWD=block_m, TILES_FWD=1, num_warps_fwd=warps, num_stages_fwd=1,
             BLOCK_N_BWD=block_n, BLOCK_M_BWD=block_m, TILES_BWD=1, num_warps_bwd=warps, num_stages_bwd=1,
@@ -164,12 +164,6 @@ class GLUSpace(Space):
         problems = self.violations(config)
         assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
         return config
-
-    def _fit_warps(self, warps: int, tile: int) -> int:
-        """Fewest of ``warps`` and what the tile can feed (one element per thread at least)."""
-        while warps > 1 and tile < warps * 32:
-            warps //= 2
-        return max(1, min(warps, self.limits.max_threads_per_block // 32))
 
     def shape_violations(self, config: GLUConfig) -> list[str]:
         """Block width, threads, registers and shared memory of both kernels."""

@@ -114,7 +114,7 @@ class DivergenceSpace(Space):
         resident programs per SM already keep enough loads in flight for a streaming kernel)."""
         block_v = min(self.TARGET_TILE, self.max_block_v)
         block_m = max(1, min(16, self.TARGET_TILE // block_v))
-        warps = self._fit_warps(8, block_m * block_v)
+        warps = self.fit_warps(8, block_m * block_v, 4)
         config = DivergenceConfig(
             BLOCK_V_FWD=block_v, BLOCK_M_FWD=block_m, num_warps_fwd=warps, num_stages_fwd=1,
             BLOCK_V_BWD=block_v, BLOCK_M_BWD=block_m, num_warps_bwd=warps, num_stages_bwd=1,
@@ -122,12 +122,6 @@ class DivergenceSpace(Space):
         problems = self.violations(config)
         assert not problems, f"heuristic is invalid for vocab={self.vocab}: {problems}"
         return config
-
-    def _fit_warps(self, warps: int, tile: int) -> int:
-        """Fewest of ``warps`` and what the tile can feed with at least 4 elements per thread."""
-        while warps > 1 and tile < warps * 32 * 4:
-            warps //= 2
-        return max(1, min(warps, self.limits.max_threads_per_block // 32))
 
     def shape_violations(self, config: DivergenceConfig) -> list[str]:
         """Chunk width against the vocab, threads, registers and shared memory of both kernels."""

@@ -132,25 +132,18 @@ class RMSNormSpace(Space):
         config = self.config_cls(
             BLOCK_N=block_n,
             BLOCK_M_FWD=block_m_fwd,
-            num_warps_fwd=self._fit_warps(warps, block_m_fwd),
+            num_warps_fwd=self.fit_warps(warps, block_m_fwd * block_n),
             num_stages_fwd=1,
             BLOCK_M_BWD=block_m_bwd,
             dw_strategy="persistent",
             TILES_PER_PROGRAM=1,
             PROGRAMS_PER_SM=2,
-            num_warps_bwd=self._fit_warps(warps, block_m_bwd),
+            num_warps_bwd=self.fit_warps(warps, block_m_bwd * block_n),
             num_stages_bwd=1,
         )
         problems = self.violations(config)
         assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
         return config
-
-    def _fit_warps(self, warps: int, block_m: int) -> int:
-        """Fewest of ``warps`` and what the tile can feed (one element per thread at least)."""
-        tile = block_m * self.block_n
-        while warps > 1 and tile < warps * 32:
-            warps //= 2
-        return max(1, min(warps, self.limits.max_threads_per_block // 32))
 
     def shape_violations(self, config) -> list[str]:
         """Row width, threads, registers and shared memory of both kernels."""
