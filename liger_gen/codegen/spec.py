@@ -44,9 +44,14 @@ class OpSpec:
         if self.rows_cap is not None:
             shape_cap = int(self.rows_cap(model))
             cap = shape_cap if cap is None else min(cap, shape_cap)
-        out: list[int] = []
-        for r in rows:
-            r = max(1, int(r) if cap is None else min(int(r), cap))
-            if r not in out:
-                out.append(r)
-        return out
+        return capped_rows(rows, cap)
+
+
+def capped_rows(rows: Sequence[int], cap: int | None) -> list[int]:
+    """The distinct values of ``rows`` capped at ``cap`` (None: no cap) and at least 1, in their order."""
+    out: list[int] = []
+    for r in rows:
+        r = max(1, int(r) if cap is None else min(int(r), cap))
+        if r not in out:
+            out.append(r)
+    return out

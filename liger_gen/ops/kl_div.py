@@ -18,7 +18,7 @@ import torch
 
 from liger_gen.codegen.problems import REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
-from liger_gen.codegen.spec import OpSpec
+from liger_gen.codegen.spec import OpSpec, capped_rows
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
@@ -170,13 +170,7 @@ def tuning_row_cap(vocab: int) -> int:
 
 def tuning_rows(vocab: int, rows: list[int]) -> list[int]:
     """``rows`` capped at ``tuning_row_cap(vocab)``, deduplicated."""
-    cap = tuning_row_cap(vocab)
-    out: list[int] = []
-    for r in rows:
-        r = max(1, min(int(r), cap))
-        if r not in out:
-            out.append(r)
-    return out
+    return capped_rows(rows, tuning_row_cap(vocab))
 
 
 def random_log_probs(generator: torch.Generator, rows: int, vocab: int, device, dtype: torch.dtype,
