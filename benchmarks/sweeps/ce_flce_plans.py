@@ -13,7 +13,7 @@ import triton
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.cross_entropy import CrossEntropyProblem, CrossEntropyConfig
+from liger_gen.ops.cross_entropy import CrossEntropyConfig, CrossEntropyOptions, CrossEntropyProblem
 from liger_gen.ops import fused_linear_cross_entropy as F
 dev = "cuda"
 def bench(fn, rep=60):
@@ -44,7 +44,7 @@ hh = sp.heuristic(); print("FLCE heuristic", hh)
 for chunk in (512, 768, 1024):
     for bv, bm, wp in ((2048, 1, 4), (1024, 2, 4), (4096, 1, 8)):
         plan = dataclasses.replace(hh, CHUNK_ROWS=chunk, CE_BLOCK_V=bv, CE_BLOCK_M=bm, CE_WARPS=wp)
-        go = lambda: F._fwd_impl(x, w, t, None, None, -100, "mean", 0.0, 0.0, None, True, True, False, plan)
+        go = lambda: F._fwd_impl(x, w, t, None, None, CrossEntropyOptions(), True, True, False, plan)
         go(); torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
         out = go(); torch.cuda.synchronize()

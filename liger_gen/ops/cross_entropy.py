@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +33,68 @@ from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
 
+
+class CrossEntropyOptions(NamedTuple):
+    """The loss options of ``cross_entropy`` and ``fused_linear_cross_entropy``, as one value.
+
+    The public functions validate them once (``CrossEntropyOptions.checked``) and hand the value down to the
+    launches, the reference rows and the chunk loop. ``*options`` gives the custom ops' scalar arguments in their
+    schema order; ``options.row`` gives the kernels' (everything but the reduction, which only the callers of the
+    row kernel apply).
+
+    ignore_index: target value whose rows contribute neither loss nor gradient.
+    reduction: "mean", "sum" or "none".
+    label_smoothing: ε in [0, 1], as in torch.
+    lse_square_scale: λ >= 0, the z-loss coefficient (PaLM).
+    softcap: None, or s > 0 for tanh soft-capping of the logits (Gemma 2).
+    """
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+
+    @property
+    def row(self) -> tuple[int, float, float, float | None]:
+        """(ignore_index, label_smoothing, lse_square_scale, softcap): the row kernel's scalar arguments."""
+        return self.ignore_index, self.label_smoothing, self.lse_square_scale, self.softcap
+
+    @classmethod
+    def checked(cls, op: str, ignore_index, reduction, label_smoothing, lse_square_scale,
+                softcap) -> "CrossEntropyOptions":
+        """The options after validation, floats as Python floats.
+
+        Raises:
+            TypeError: ignore_index not an int, a float option not a real number.
+            ValueError: reduction unknown, label_smoothing outside [0, 1], lse_square_scale < 0 or not finite,
+                softcap <= 0 or not finite.
+        """
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        label_smoothing = check_float_arg(op, "label_smoothing", label_smoothing)
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+        lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
+        if not 0.0 <= lse_square_scale < math.inf:  # comparisons, not math.isfinite: torch.compile(dynamic=True)
+            raise ValueError(f"{op}: lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
+        if softcap is not None:
+            softcap = check_float_arg(op, "softcap", softcap)
+            if not 0.0 < softcap < math.inf:
+                raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap}")
+        return cls(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+
 # ------------------------------------------------------------------------------------------------ references
 
 
-def _ce_rows(x: torch.Tensor, t: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
-             label_smoothing: float, lse_square_scale: float, softcap: float | None):
+def _ce_rows(x: torch.Tensor, t: torch.Tensor, weight: torch.Tensor | None, options: CrossEntropyOptions):
     """(ce_rows, zl_rows, lse, w_y, valid) of 2-D logits x (rows, V) in x's dtype, differentiable in x.
 
     Ignored rows have ce = zl = w_y = 0. Targets out of range raise (index errors), as in torch.
     """
+    ignore_index, label_smoothing, lse_square_scale, softcap = options.row
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
     n_cols = x.shape[-1]
@@ -60,10 +113,9 @@ def _ce_rows(x: torch.Tensor, t: torch.Tensor, weight: torch.Tensor | None, igno
     return ce, zl, lse, w_y, valid
 
 
-def _ce_rows_closed_form_(z: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
-                          label_smoothing: float, lse_square_scale: float, softcap: float | None,
-                          scale: torch.Tensor | None = None, grad_output: torch.Tensor | None = None,
-                          want_grad: bool = False):
+def _ce_rows_closed_form_(z: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                          options: CrossEntropyOptions, scale: torch.Tensor | None = None,
+                          grad_output: torch.Tensor | None = None, want_grad: bool = False):
     """(ce_rows, zl_rows, lse) of fp32 logits ``z`` (rows, V) by the closed form, overwriting ``z``; with
     ``want_grad`` z ends up holding d/dz of ``Σ_i g_i · (s_ce · ce_i + s_z · zl_i)`` (``[s_ce, s_z] = scale``,
     ``g = grad_output``; ones when None) — what the kernels compute, for the CPU paths.
@@ -76,6 +128,7 @@ def _ce_rows_closed_form_(z: torch.Tensor, target: torch.Tensor, weight: torch.T
         d zl_i / d z_ij = 2λ · lse_i · p_ij
         d z_ij / d x_ij = 1 − tanh²(x_ij / softcap)        (soft-capping)
     """
+    ignore_index, label_smoothing, lse_square_scale, softcap = options.row
     rows, n_cols = z.shape
     target = target.long()
     valid = target != ignore_index
@@ -131,7 +184,8 @@ def cross_entropy_float64(logits: torch.Tensor, target: torch.Tensor, weight: to
     """
     n_cols = logits.shape[-1]
     ce, zl, _, w_y, valid = _ce_rows(logits.reshape(-1, n_cols).double(), target.reshape(-1), weight,
-                                     ignore_index, label_smoothing, lse_square_scale, softcap)
+                                     CrossEntropyOptions(ignore_index, reduction, label_smoothing,
+                                                         lse_square_scale, softcap))
     if reduction == "mean":
         ce, zl = ce.sum() / w_y.sum(), zl.sum() / valid.sum()
     elif reduction == "sum":
@@ -306,24 +360,24 @@ class CrossEntropySpace(Space):
 # ------------------------------------------------------------------------------------------------ launches
 
 
-def _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                    softcap, *, loss_rows, zl_rows, lse, q, scale, dlogits, loss, zl):
+def _launch_forward(module, logits, target, weight, options: CrossEntropyOptions, *, loss_rows, zl_rows, lse, q,
+                    scale, dlogits, loss, zl):
     """The forward as training runs it: mean denominators, the row kernel (writing dlogits when given), the
     reduction. ``loss``/``zl`` are 0-dim outputs (ignored for reduction="none")."""
-    if reduction == "mean":
-        module.mean_scale(target, weight, scale, logits.shape[-1], ignore_index)
-    module.forward(logits, target, weight, loss_rows, zl_rows, lse, q, dlogits,
-                   scale if reduction == "mean" else None, None,
-                   ignore_index, label_smoothing, lse_square_scale, softcap)
-    if reduction != "none":
-        module.reduce(loss_rows, zl_rows, scale if reduction == "mean" else None, loss, zl)
+    mean = options.reduction == "mean"
+    if mean:
+        module.mean_scale(target, weight, scale, logits.shape[-1], options.ignore_index)
+    module.forward(logits, target, weight, loss_rows, zl_rows, lse, q, dlogits, scale if mean else None, None,
+                   *options.row)
+    if options.reduction != "none":
+        module.reduce(loss_rows, zl_rows, scale if mean else None, loss, zl)
 
 
-def _launch_backward(module, grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction,
-                     label_smoothing, lse_square_scale, softcap, dlogits):
+def _launch_backward(module, grad_loss, logits, target, weight, lse, q, scale, options: CrossEntropyOptions,
+                     dlogits):
     """The recompute backward: dlogits (rows, V) from logits, lse and q."""
-    module.backward(logits, target, weight, lse, q, scale if reduction == "mean" else None, grad_loss, dlogits,
-                    ignore_index, label_smoothing, lse_square_scale, softcap)
+    module.backward(logits, target, weight, lse, q, scale if options.reduction == "mean" else None, grad_loss,
+                    dlogits, *options.row)
 
 
 # ------------------------------------------------------------------------------------------------ tuning
@@ -349,8 +403,8 @@ class CrossEntropyProblem(Problem):
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
         self.vocab = v = self.dims["vocab"]
         m = self.rows
-        self.reduction, self.ignore_index = reduction, ignore_index
-        self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
+        self.reduction = reduction
+        self.options = CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
         logits = torch.empty((m, v), dtype=dtype, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         step = max(1, self.CHUNK_ELEMENTS // v)
@@ -381,10 +435,6 @@ class CrossEntropyProblem(Problem):
         out_names = ("loss_rows", "zl_rows") if reduction == "none" else ("loss", "zl")
         self.outputs = {"fwd": (*out_names, "lse", "dlogits")}
 
-    def _options(self):
-        return dict(weight=self.weight, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-                    lse_square_scale=self.lse_square_scale, softcap=self.softcap)
-
     def _reference_small(self):
         """float64 loss, z-loss and lse (computed in row chunks), and the float64 mean denominators."""
         b, v = self.buffers, self.vocab
@@ -392,8 +442,7 @@ class CrossEntropyProblem(Problem):
         ce_parts, zl_parts, lse_parts, wy_sum, n_valid = [], [], [], 0.0, 0.0
         for start in range(0, self.rows, step):
             x = b["logits"][start:start + step].double()
-            ce, zl, lse, w_y, valid = _ce_rows(x, b["target"][start:start + step], self.weight, self.ignore_index,
-                                               self.label_smoothing, self.lse_square_scale, self.softcap)
+            ce, zl, lse, w_y, valid = _ce_rows(x, b["target"][start:start + step], self.weight, self.options)
             ce_parts.append(ce)
             zl_parts.append(zl)
             lse_parts.append(lse)
@@ -415,8 +464,7 @@ class CrossEntropyProblem(Problem):
         num, den = 0.0, 0.0
         for start in range(0, self.rows, step):
             x = b["logits"][start:start + step].double().requires_grad_()
-            ce, zl, _, _, _ = _ce_rows(x, b["target"][start:start + step], self.weight, self.ignore_index,
-                                       self.label_smoothing, self.lse_square_scale, self.softcap)
+            ce, zl, _, _, _ = _ce_rows(x, b["target"][start:start + step], self.weight, self.options)
             g = b["grad_loss"][start:start + step].double() if self.reduction == "none" else b["grad_loss"].double()
             (ref,) = torch.autograd.grad((g * (ce * s_ce + zl * s_z)).sum(), x)
             actual = b["dlogits"][start:start + step].double()
@@ -442,9 +490,8 @@ class CrossEntropyProblem(Problem):
         """The training step: forward (writing dlogits when GRAD_IN_FWD=1), then the backward."""
         if phase != "fwd":
             raise ValueError(f"cross_entropy tunes one phase, 'fwd' (the training step); got {phase!r}")
-        b, opts = self.buffers, self._options()
-        args = (b["logits"], b["target"], opts["weight"], self.ignore_index, self.reduction, self.label_smoothing,
-                self.lse_square_scale, self.softcap)
+        b = self.buffers
+        args = (b["logits"], b["target"], self.weight, self.options)
         grad_loss = b["grad_loss"]
 
         def step():
@@ -455,9 +502,8 @@ class CrossEntropyProblem(Problem):
             if grad_in_fwd:
                 module.scale_grad_(b["dlogits"], grad_loss)
             else:
-                _launch_backward(module, grad_loss, b["logits"], b["target"], opts["weight"], b["lse"], b["q"],
-                                 b["scale"], self.ignore_index, self.reduction, self.label_smoothing,
-                                 self.lse_square_scale, self.softcap, b["dlogits"])
+                _launch_backward(module, grad_loss, b["logits"], b["target"], self.weight, b["lse"], b["q"],
+                                 b["scale"], self.options, b["dlogits"])
         return step
 
     def bytes_moved(self, phase: str) -> int:
@@ -501,13 +547,13 @@ def _alloc_outputs(logits: torch.Tensor, rows: int, reduction: str):
     return out
 
 
-def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
-              reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: CrossEntropyOptions,
               grad_in_fwd: bool):
     """(loss, zl, lse, q, scale, dlogits or None) for logits (rows, V) or (B, T, V) with unit last stride and
     target (rows,). loss/zl are 0-dim fp32 (mean, sum) or (rows,) fp32 (none); lse and q = 1 − p_y are (rows,)
     fp32; scale (2,) fp32 holds the mean denominators' reciprocals (ones otherwise). With ``grad_in_fwd`` the
     forward also writes dlogits (rows, V) in logits' dtype for a unit upstream gradient."""
+    ignore_index, reduction, _, _, softcap = options
     rows, n_cols = target.shape[0], logits.shape[-1]
     out = _alloc_outputs(logits, rows, reduction)
     dlogits = torch.empty((rows, n_cols), dtype=logits.dtype, device=logits.device) if grad_in_fwd else None
@@ -518,8 +564,7 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
         check_targets("cross_entropy", target, n_cols, ignore_index)
         module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
-        _launch_forward(module, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                        softcap, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
+        _launch_forward(module, logits, target, weight, options, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
                         q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
                         loss=out["loss"], zl=out["zl"])
     else:  # CPU without the interpreter: the kernel's formulas in PyTorch (only reached when the op is called
@@ -529,8 +574,7 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         scale = (cross_entropy_mean_scale(target, n_cols, weight, ignore_index) if reduction == "mean"
                  else torch.ones(2, dtype=torch.float32))
         z = logits.reshape(rows, n_cols).to(torch.float32, copy=True)
-        ce, zl, lse = _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale,
-                                            softcap, scale, None, want_grad=grad_in_fwd)
+        ce, zl, lse = _ce_rows_closed_form_(z, target, weight, options, scale, None, want_grad=grad_in_fwd)
         if grad_in_fwd:
             dlogits.copy_(z)
         del z
@@ -550,22 +594,19 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
 
 
 def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-              lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ignore_index: int, reduction: str,
-              label_smoothing: float, lse_square_scale: float, softcap: float | None) -> torch.Tensor:
+              lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
     """dlogits of logits' shape (contiguous, logits' dtype), recomputed from lse and q."""
     rows, n_cols = target.shape[0], logits.shape[-1]
     dlogits = torch.empty((rows, n_cols), dtype=logits.dtype, device=logits.device)
-    g = grad_loss.reshape(-1) if reduction == "none" else grad_loss.reshape(())
+    g = grad_loss.reshape(-1) if options.reduction == "none" else grad_loss.reshape(())
     if rows == 0:
         pass
     elif uses_triton(logits):
         module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
-        _launch_backward(module, g, logits, target, weight, lse, q, scale, ignore_index, reduction,
-                         label_smoothing, lse_square_scale, softcap, dlogits)
+        _launch_backward(module, g, logits, target, weight, lse, q, scale, options, dlogits)
     else:  # the closed form (only reached when the op is called directly on the CPU, e.g. under torch.compile)
         z = logits.reshape(rows, n_cols).to(torch.float32, copy=True)
-        _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale, softcap, scale,
-                              g, want_grad=True)
+        _ce_rows_closed_form_(z, target, weight, options, scale, g, want_grad=True)
         dlogits.copy_(z)
     return dlogits.view(logits.shape)
 
@@ -577,9 +618,18 @@ def _fwd_op_impl(logits: torch.Tensor, target: torch.Tensor, weight: Optional[to
     """(loss, z_loss, lse, q, scale, dlogits) — see _fwd_impl; dlogits is an empty (0,) tensor unless
     ``grad_in_fwd``, and with ``grad_in_fwd`` q is not computed (its values are undefined; the backward does not
     read it)."""
-    out = _fwd_impl(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+    out = _fwd_impl(logits, target, weight,
+                    CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap),
                     grad_in_fwd)
     return out if grad_in_fwd else (*out[:5], logits.new_empty((0,)))
+
+
+def _bwd_op_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                 lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ignore_index: int, reduction: str,
+                 label_smoothing: float, lse_square_scale: float, softcap: Optional[float]) -> torch.Tensor:
+    """dlogits recomputed from lse and q — see _bwd_impl."""
+    return _bwd_impl(grad_loss, logits, target, weight, lse, q, scale,
+                     CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap))
 
 
 def _fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
@@ -598,7 +648,7 @@ def _bwd_fake(grad_loss, logits, target, weight, lse, q, scale, ignore_index, re
 
 
 cross_entropy_fwd = Kernel("cross_entropy_fwd", _fwd_op_impl, _fwd_fake)
-cross_entropy_bwd = Kernel("cross_entropy_bwd", _bwd_impl, _bwd_fake)
+cross_entropy_bwd = Kernel("cross_entropy_bwd", _bwd_op_impl, _bwd_fake)
 
 
 def _grad_in_fwd(logits: torch.Tensor, target: torch.Tensor) -> bool:
@@ -612,11 +662,11 @@ def _grad_in_fwd(logits: torch.Tensor, target: torch.Tensor) -> bool:
 
 
 def _save(ctx, inputs, output):
-    logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, grad_in_fwd = inputs
+    logits, target, weight, *options, grad_in_fwd = inputs
     _, zl, lse, q, scale, dlogits = output
     ctx.mark_non_differentiable(zl, lse, q, scale, dlogits)
     ctx.grad_in_fwd = grad_in_fwd
-    ctx.options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    ctx.options = CrossEntropyOptions(*options)
     ctx.logits_shape = logits.shape
     if grad_in_fwd:
         saved(ctx, dlogits)
@@ -637,7 +687,7 @@ def _backward(ctx, grad_loss, *_unused):
                                    "and handed on. Run the forward again for each backward.")
             ctx.consumed = True
         (dlogits,) = ctx.saved_tensors
-        g = grad_loss.reshape(-1) if ctx.options[1] == "none" else grad_loss.reshape(())
+        g = grad_loss.reshape(-1) if ctx.options.reduction == "none" else grad_loss.reshape(())
         if not ctx.eager:  # the custom op's node (a direct call of the op; its backward may be traced): new tensor
             scaled = dlogits.float() * (g[:, None] if g.dim() else g).float()
             return scaled.to(dlogits.dtype).view(ctx.logits_shape), None, None, None, None, None, None, None, None
@@ -671,8 +721,8 @@ def _rows_layout(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_inputs(op: str, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                  softcap):
-    """Validate the public arguments; returns the float options (label_smoothing, lse_square_scale, softcap)."""
+                  softcap) -> CrossEntropyOptions:
+    """Validate the public arguments; returns the options (``CrossEntropyOptions.checked``)."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{op}: logits must be a tensor, got {type(logits).__name__}")
     if not isinstance(target, torch.Tensor):
@@ -700,21 +750,7 @@ def _check_inputs(op: str, logits, target, weight, ignore_index, reduction, labe
             raise ValueError(f"{op}: the loss is not differentiable in weight (torch raises at backward); pass "
                              f"weight.detach(); got {describe('weight', weight)} with requires_grad=True")
     check_same_device(op, logits=logits, target=target, weight=weight)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    label_smoothing = check_float_arg(op, "label_smoothing", label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
-    if not 0.0 <= lse_square_scale < math.inf:  # comparisons, not math.isfinite: torch.compile(dynamic=True)
-        raise ValueError(f"{op}: lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
-    if softcap is not None:
-        softcap = check_float_arg(op, "softcap", softcap)
-        if not 0.0 < softcap < math.inf:
-            raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap}")
-    return label_smoothing, lse_square_scale, softcap
+    return CrossEntropyOptions.checked(op, ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -777,21 +813,19 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
             again, or use the plain path.
     """
     op = "cross_entropy"
-    label_smoothing, lse_square_scale, softcap = _check_inputs(
-        op, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    options = _check_inputs(op, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                            softcap)
     if not isinstance(return_z_loss, bool):
         raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
     if not uses_triton(logits):
-        return cross_entropy_torch(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                   lse_square_scale, softcap, return_z_loss)
+        return cross_entropy_torch(logits, target, weight, *options, return_z_loss)
     check_kernel_dtypes(op, logits=logits)
     x = _rows_layout(logits)
     t = target.reshape(-1)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     grad_in_fwd = torch.is_grad_enabled() and logits.requires_grad and _grad_in_fwd(x, t)
-    loss, zl, *_ = cross_entropy_2d(x, t, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                                    softcap, grad_in_fwd)
+    loss, zl, *_ = cross_entropy_2d(x, t, weight, *options, grad_in_fwd)
     if reduction == "none":
         loss, zl = loss.view(target.shape), zl.view(target.shape)
     return (loss, zl) if return_z_loss else loss
@@ -896,8 +930,8 @@ def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlog
         stride, or dlogits/scale/grad_output of the wrong shape, dtype or device.
     """
     op = "cross_entropy_loss_and_grad"
-    label_smoothing, lse_square_scale, softcap = _check_inputs(
-        op, logits, target, weight, ignore_index, "none", label_smoothing, lse_square_scale, softcap)
+    options = _check_inputs(op, logits, target, weight, ignore_index, "none", label_smoothing, lse_square_scale,
+                            softcap)
     if logits.dim() != 2 or (logits.stride(1) != 1 and logits.shape[1] > 1):
         raise ValueError(f"{op}: logits must be 2-D (rows, V) with unit column stride; got "
                          f"{describe('logits', logits)} and strides {tuple(logits.stride())}")
@@ -923,15 +957,15 @@ def cross_entropy_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, dlog
     if uses_triton(logits) and logits.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the Triton kernel supports float32, bfloat16 and float16; got "
                         f"{describe('logits', logits)}")
-    return loss_and_grad_unchecked(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale,
-                                   softcap, scale, grad_output, config)
+    return loss_and_grad_unchecked(logits, target, dlogits, weight, options, scale, grad_output, config)
 
 
-def loss_and_grad_unchecked(logits, target, dlogits, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                            scale, grad_output, config, scratch: bool = False):
+def loss_and_grad_unchecked(logits, target, dlogits, weight, options: CrossEntropyOptions, scale, grad_output, config,
+                            scratch: bool = False):
     """``cross_entropy_loss_and_grad`` without its argument checks (for callers that validated them once, such
-    as FLCE's chunk loop, which calls it once per chunk). ``scratch``: the caller no longer needs ``logits``,
-    so the plain CPU path may overwrite fp32 logits instead of working on a copy."""
+    as FLCE's chunk loop, which calls it once per chunk); ``options.reduction`` is not read. ``scratch``: the
+    caller no longer needs ``logits``, so the plain CPU path may overwrite fp32 logits instead of working on a
+    copy."""
     rows, n_cols = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     loss_rows, zl_rows, lse = torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32)
@@ -945,14 +979,14 @@ def loss_and_grad_unchecked(logits, target, dlogits, weight, ignore_index, label
         else:
             module = module_for("cross_entropy", config, ())
         module.forward(logits, target, weight, loss_rows, zl_rows, lse, None, dlogits, scale, grad_output,
-                       ignore_index, label_smoothing, lse_square_scale, softcap)
+                       *options.row)
         return loss_rows, zl_rows, lse
     # CPU without the interpreter: the closed form on an fp32 working copy (the logits themselves when they are
     # fp32 and ``scratch`` says the caller no longer needs them, as FLCE's chunk buffer)
     in_place = logits.dtype == torch.float32 and (scratch or dlogits is logits)
     z = logits if in_place else logits.to(torch.float32, copy=True)
-    ce, zl, row_lse = _ce_rows_closed_form_(z, target, weight, ignore_index, label_smoothing, lse_square_scale,
-                                            softcap, scale, grad_output, want_grad=dlogits is not None)
+    ce, zl, row_lse = _ce_rows_closed_form_(z, target, weight, options, scale, grad_output,
+                                            want_grad=dlogits is not None)
     torch.add(ce, zl, out=loss_rows)
     zl_rows.copy_(zl)
     lse.copy_(row_lse)

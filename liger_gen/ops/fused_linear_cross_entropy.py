@@ -31,12 +31,12 @@ import torch
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, REDUCTIONS, TARGET_DTYPES, CrossEntropyConfig,
+from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEntropyConfig, CrossEntropyOptions,
                                          CrossEntropySpace, aux_module, cross_entropy_float64,
                                          cross_entropy_mean_scale, cross_entropy_reduce, cross_entropy_torch,
                                          loss_and_grad_unchecked)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_same_device, check_targets, describe,
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
                                    kernel_module, use_custom_op, uses_triton)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -359,20 +359,19 @@ def cpu_chunk_rows(plan: FusedLinearCrossEntropyConfig, dtype: torch.dtype, hidd
 class _Chunked:
     """One call's chunk loop: inputs, launch plan, and the per-chunk GEMMs around the cross-entropy kernel."""
 
-    def __init__(self, x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                 plan=None):
+    def __init__(self, x, w, target, bias, weight, options: CrossEntropyOptions, plan=None):
         self.x, self.w, self.target = x, w, target
         self.rows, self.hidden = x.shape
         self.vocab = w.shape[0]
-        self.options = dict(weight=None if weight is None else weight.detach(), ignore_index=ignore_index,
-                            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
+        self.weight = None if weight is None else weight.detach()
+        self.options = options
         self.bias = bias
         low = x.dtype in _LOW_PRECISION
         config = _plan(x, self.hidden, self.vocab, self.rows, plan)
         self.chunk_rows = config.CHUNK_ROWS
         if not x.is_cuda:
             self.chunk_rows = cpu_chunk_rows(config, x.dtype, self.hidden, self.vocab,
-                                             interpreter=uses_triton(x), softcap=softcap is not None)
+                                             interpreter=uses_triton(x), softcap=options.softcap is not None)
         self.ce_config = _ce_config(self.hidden, self.vocab, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32,
                                     config)
         self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
@@ -424,10 +423,8 @@ class _Chunked:
             self._logits(xc, logits)
             grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
             # the arguments were validated once by the public function: the unchecked entry point, per chunk
-            o = self.options
             loss_c, zl_c, _ = loss_and_grad_unchecked(
-                logits, self.target[start:end], grad, o["weight"], o["ignore_index"], o["label_smoothing"],
-                o["lse_square_scale"], o["softcap"], scale,
+                logits, self.target[start:end], grad, self.weight, self.options, scale,
                 None if grad_output is None else grad_output[start:end], self.ce_config, scratch=True)
             loss_rows[start:end] = loss_c
             zl_rows[start:end] = zl_c
@@ -451,8 +448,7 @@ class _Chunked:
         return loss_rows, zl_rows, dx, dw, db
 
 
-def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-              need_dx, need_dw, need_db, plan=None):
+def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db, plan=None):
     """(loss, z_loss, dx_unscaled, grad_scale, dW, db) of a 2-D x; losses and grad_scale fp32.
 
     For reduction "none", loss/z_loss are per row and no gradient is computed (the backward recomputes).
@@ -462,8 +458,9 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
     gradients are empty tensors. ``plan``: a FusedLinearCrossEntropyConfig (or dict); None: table or heuristic.
     """
     # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
-    check_targets("fused_linear_cross_entropy", target, w.shape[0], ignore_index)
-    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, plan)
+    reduction = options.reduction
+    check_targets("fused_linear_cross_entropy", target, w.shape[0], options.ignore_index)
+    run = _Chunked(x, w, target, bias, weight, options, plan)
     one = torch.ones((), dtype=torch.float32, device=x.device)
 
     def empty():  # distinct tensors: a custom op's outputs may not alias each other
@@ -472,7 +469,7 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
     if reduction == "none":
         loss_rows, zl_rows, _, _, _ = run.run(None, None, False, False, False)
         return loss_rows, zl_rows, empty(), one, empty(), empty()
-    scale = cross_entropy_mean_scale(target, run.vocab, run.options["weight"], ignore_index) \
+    scale = cross_entropy_mean_scale(target, run.vocab, run.weight, options.ignore_index) \
         if reduction == "mean" else None
     chunk_scale, grad_scale = scale, one
     if scale is not None and run.prescale:
@@ -484,7 +481,7 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_scale = torch.where(torch.isfinite(scale[0]), scale[0], zero)
         chunk_scale = None
-        if lse_square_scale:
+        if options.lse_square_scale:
             ratio = scale[1] / scale[0]
             chunk_scale = torch.stack([one, torch.where(torch.isfinite(ratio), ratio, zero)])
     loss_rows, zl_rows, dx, dw, db = run.run(chunk_scale, None, need_dx, need_dw, need_db)
@@ -503,10 +500,10 @@ def _fwd_impl(x, w, target, bias, weight, ignore_index, reduction, label_smoothi
             empty() if db is None else db)
 
 
-def _bwd_none_impl(grad_rows, x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-                   need_dx, need_dw, need_db, plan=None):
+def _bwd_none_impl(grad_rows, x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db,
+                   plan=None):
     """(dx, dW, db) of reduction "none" for a per-row upstream gradient: recomputes each chunk's logits."""
-    run = _Chunked(x, w, target, bias, weight, ignore_index, label_smoothing, lse_square_scale, softcap, plan)
+    run = _Chunked(x, w, target, bias, weight, options, plan)
     _, _, dx, dw, db = run.run(None, grad_rows, need_dx, need_dw, need_db)
     del run
     return (x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw.to(w.dtype),
@@ -578,8 +575,8 @@ class FusedLinearCrossEntropyProblem(Problem):
         plan = module.plan()
 
         def launch():
-            loss, _, dx_u, scale, dw, _ = _fwd_impl(b["x"], b["w"], b["target"], None, None, -100, "mean", 0.0, 0.0,
-                                                    None, True, True, False, plan)
+            loss, _, dx_u, scale, dw, _ = _fwd_impl(b["x"], b["w"], b["target"], None, None, CrossEntropyOptions(),
+                                                    True, True, False, plan)
             b["loss"].copy_(loss)
             torch.mul(dx_u, scale, out=b["dx"])
             b["dw"].copy_(dw)
@@ -646,8 +643,9 @@ def _fwd_op_impl(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Te
                  lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool, need_db: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, z_loss, dx_unscaled, grad_scale, dW, db) for a 2-D x with the tuned plan; see ``_fwd_impl``."""
-    return _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
-                     lse_square_scale, softcap, need_dx, need_dw, need_db)
+    return _fwd_impl(x, lm_head_weight, target, bias, weight,
+                     CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap),
+                     need_dx, need_dw, need_db)
 
 
 def _bwd_op_impl(grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
@@ -655,8 +653,9 @@ def _bwd_op_impl(grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch
                  lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
                  need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db) of reduction "none" for per-row upstream gradients (recomputes the logits per chunk)."""
-    return _bwd_none_impl(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing,
-                          lse_square_scale, softcap, need_dx, need_dw, need_db)
+    return _bwd_none_impl(grad_rows, x, lm_head_weight, target, bias, weight,
+                          CrossEntropyOptions(ignore_index, "none", label_smoothing, lse_square_scale, softcap),
+                          need_dx, need_dw, need_db)
 
 
 fused_linear_cross_entropy_fwd = Kernel("fused_linear_cross_entropy_fwd", _fwd_op_impl, _fwd_fake)
@@ -704,8 +703,7 @@ _fused_linear_cross_entropy_2d = Differentiable(
     reference="liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch", outputs=2)
 
 
-def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
-                                  lse_square_scale, softcap):
+def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, options: CrossEntropyOptions):
     """(loss, z_loss) of a 2-D x, differentiable in x, lm_head_weight and bias."""
     if torch.jit.is_tracing():
         # a trace records these flags as constants: compute every gradient, whatever the tensors need now, so
@@ -720,11 +718,10 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignor
         if not (need_dx or need_dw or need_db) and not use_custom_op():
             # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd
             # node)
-            out = _fwd_impl(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
-                            lse_square_scale, softcap, False, False, False)
+            out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False)
             return out[0], out[1]
-    out = _fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignore_index, reduction,
-                                         label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
+    out = _fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, *options, need_dx, need_dw,
+                                         need_db)
     return out[0], out[1]
 
 
@@ -733,29 +730,16 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, ignor
 
 def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
                   lse_square_scale, softcap, return_z_loss):
-    """Validate every argument; returns (label_smoothing, lse_square_scale, softcap) as floats."""
+    """Validate every argument; returns the loss options (``CrossEntropyOptions.checked``)."""
     for name, t in (("x", x), ("lm_head_weight", lm_head_weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     for name, t in (("bias", bias), ("weight", weight)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    options = CrossEntropyOptions.checked(op, ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     if not isinstance(return_z_loss, bool):
         raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
-    label_smoothing = check_float_arg(op, "label_smoothing", label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    lse_square_scale = check_float_arg(op, "lse_square_scale", lse_square_scale)
-    if not 0.0 <= lse_square_scale < math.inf:  # comparisons, not math.isfinite: torch.compile(dynamic=True)
-        raise ValueError(f"{op}: lse_square_scale must be a finite float >= 0, got {lse_square_scale}")
-    if softcap is not None:
-        softcap = check_float_arg(op, "softcap", softcap)
-        if not 0.0 < softcap < math.inf:
-            raise ValueError(f"{op}: softcap must be None or a finite float > 0, got {softcap}")
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
     hidden = x.shape[-1]
@@ -793,7 +777,7 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     if uses_triton(x) and x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the kernel path supports float32, bfloat16 and float16; got {describe('x', x)} "
                         f"(float64 runs only on the plain-PyTorch CPU path)")
-    return label_smoothing, lse_square_scale, softcap
+    return options
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
@@ -861,19 +845,16 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     PyTorch's CUDA cross-entropy does.
     """
     op = "fused_linear_cross_entropy"
-    label_smoothing, lse_square_scale, softcap = _check_inputs(
-        op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-        softcap, return_z_loss)
+    options = _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
+                            lse_square_scale, softcap, return_z_loss)
     if x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused float64 reference
-        return fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, ignore_index, reduction,
-                                                label_smoothing, lse_square_scale, softcap, return_z_loss)
+        return fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, *options, return_z_loss)
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)
     if x2d.stride(0) != 1 and x2d.stride(1) != 1:  # GEMMs take row- or column-major operands without a copy
         x2d = x2d.contiguous()
     target1d = target.reshape(-1).contiguous()
-    loss, z = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, ignore_index, reduction,
-                                            label_smoothing, lse_square_scale, softcap)
+    loss, z = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, options)
     if reduction == "none":
         loss, z = loss.view(x.shape[:-1]), z.view(x.shape[:-1])
     return (loss, z) if return_z_loss else loss
