@@ -223,7 +223,7 @@ def test_cpu_run_measures_every_provider(cpu_run):
     assert set(got["rms_norm", "liger-gen"]["rel_err"]) == {"y", "dx", "dw"}
     assert set(got["cross_entropy", "torch-eager"]["rel_err"]) == {"loss", "dlogits"}
     assert got["rms_norm", "liger-gen"]["lookup"]["source"] == "heuristic"
-    assert cpu_run["ops"]["rms_norm"]["dims"] == {"rows": 16, "hidden": TINY.hidden_size}
+    assert cpu_run["ops"]["rms_norm"]["dims"] == {"rows": 16, "n_cols": TINY.hidden_size}
     assert cpu_run["meta"]["command"] == "test" and cpu_run["meta"]["gpu"] == "cpu"
 
 

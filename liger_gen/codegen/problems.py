@@ -1,13 +1,20 @@
-"""Tuning problems: the inputs, float64 truth and launch closures the tuner needs for one op and shape.
+"""Problems: an op at one shape — its seeded inputs, float64 truth, minimal bytes — and, for the tuner, checks and
+launch closures.
 
-A problem allocates its inputs once on the target device, computes the float64 reference once, and then for
-any variant module can (a) check it — outputs poisoned with NaN before the launch, relative L2 error against
-float64 under the dtype's tolerance — and (b) hand the timer a closure that launches one phase. Each op's
-problem class lives in its module under ``liger_gen/ops``; this module holds the base class and tolerances.
+A problem class is the one description of "the op at a shape". Its class methods describe the op at a model's
+shape for every consumer: ``shape(model)`` (the space dims), ``bench_dims``, ``make_inputs`` (seeded inputs and
+upstream gradients as an ``Inputs``), ``reference`` (float64 outputs and gradients, by autograd of the op's float64
+reference through ``float64_grads``), ``phase_bytes``/``step_bytes`` and ``step_flops``. ``liger-gen bench`` and
+the contract tests call them directly; a problem instance (what the tuner gets) builds its buffers and truth from
+the same methods, then can (a) check a variant module — outputs poisoned with NaN before the launch, relative L2
+error against float64 under the dtype's tolerance — and (b) hand the timer a closure that launches one phase.
+Each op's problem class lives in its module under ``liger_gen/ops``; this module holds the base class, the
+tolerances and the seeded-input helpers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -61,17 +68,156 @@ def float64_grads(fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None],
     return tuple(o.detach() for o in outs), tuple(grads)
 
 
+
+REF_CHUNK_ELEMENTS = 1 << 25  # elements of one float64 temporary in the chunked helpers: 256 MB
+IGNORE_INDEX = -100
+IGNORE_FRACTION = 0.05  # share of targets / labels set to ignore_index in the loss ops' inputs
+TARGET_BYTES = 8  # int64 targets and labels
+STAT_BYTES = 4  # fp32 per-row statistics (rstd, mean)
+
+
+@dataclass
+class Inputs:
+    """One op's inputs on the device.
+
+    tensors: every input tensor by name, as the op takes them (none requires grad; callers take copies). An
+        absent optional input (LayerNorm without bias) is None.
+    grad_of: the names of the inputs to differentiate; their gradients are named ``"d" + name``.
+    upstream: output name -> upstream gradient of that output, or None for a scalar loss (gradient 1).
+    options: non-tensor arguments (eps, beta, ...).
+    """
+
+    tensors: dict[str, torch.Tensor | None]
+    grad_of: tuple[str, ...]
+    upstream: dict[str, torch.Tensor | None]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def chunk_rows(width: int, budget: int = REF_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk so that one (rows, width) temporary stays around ``budget`` elements."""
+    return max(1, budget // max(1, width))
+
+
+def randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+          scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """Seeded N(shift, scale²) samples drawn with ``gen`` (on its device) in fp32, in chunks (bounded
+    temporaries), stored on ``device`` in ``dtype``."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    flat = out.view(-1)
+    for lo in range(0, flat.numel(), REF_CHUNK_ELEMENTS):
+        n = min(REF_CHUNK_ELEMENTS, flat.numel() - lo)
+        chunk = torch.randn(n, generator=gen, device=gen.device, dtype=torch.float32)
+        flat[lo:lo + n] = (chunk * scale + shift).to(device, dtype)
+    return out
+
+
+def log_probs(gen: torch.Generator, rows: int, vocab: int, dtype: torch.dtype, device: torch.device | str,
+              scale: float = 2.0) -> torch.Tensor:
+    """Seeded log_softmax of N(0, scale²) logits, normalised in fp32 row chunk by row chunk, in ``dtype``."""
+    out = torch.empty((rows, vocab), dtype=dtype, device=device)
+    step = chunk_rows(vocab)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        z = torch.randn((hi - lo, vocab), generator=gen, device=gen.device, dtype=torch.float32).to(device)
+        out[lo:hi] = torch.log_softmax(z * scale, dim=-1).to(dtype)
+    return out
+
+
+def targets(gen: torch.Generator, rows: int, vocab: int, device: torch.device | str,
+            ignore_fraction: float = IGNORE_FRACTION, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """int64 class indices in [0, vocab) with ``ignore_fraction`` of them set to ``ignore_index``."""
+    t = torch.randint(0, vocab, (rows,), generator=gen, device=gen.device)
+    ignore = torch.rand(rows, generator=gen, device=gen.device) < ignore_fraction
+    return t.masked_fill(ignore, ignore_index).to(device)
+
+
+def reference_by_autograd(inputs: Inputs, fn64: Callable[[dict, dict], tuple],
+                          output_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Float64 outputs and gradients of ``fn64`` (a float64 reference taking ``(tensors, options)``) by
+    ``float64_grads``: each output name and each ``"d" + input`` name maps to a float64 tensor (upstream
+    gradients as ``inputs.upstream`` gives them, 1 for scalar losses)."""
+    names = list(inputs.tensors)
+    outs, grads = float64_grads(lambda *ts: fn64(dict(zip(names, ts)), inputs.options),
+                                [inputs.tensors[n] for n in names], [names.index(n) for n in inputs.grad_of],
+                                [inputs.upstream[n] for n in output_names])
+    ref = dict(zip(output_names, outs))
+    ref.update({"d" + n: g for n, g in zip(inputs.grad_of, grads)})
+    return ref
+
+
 class Problem:
     """One op at (rows, dims) in ``dtype`` on ``device``: buffers, float64 truth, checks and launchers.
 
-    Subclasses set ``op`` and ``SPACE``, fill ``self.buffers`` (name → tensor, inputs and outputs),
-    ``self.ref`` (output name → float64 truth), ``self.tol`` (output name → relative L2 tolerance) and
-    ``self.outputs`` (phase → output names), and implement ``launcher`` and ``bytes_moved``. ``variant``
-    holds render-time options that are not tuned (e.g. ``casting_mode``); they are part of the table entry.
+    The class methods describe the op at a model's shape, for the bench and the tests as for the instances:
+
+    - ``shape(model)``: the space dims (``{"n_cols": hidden_size}``); ``bench_dims(model, rows)`` adds the rows
+      (and anything else the inputs need, e.g. RoPE's sequence length);
+    - ``options(model)``: the non-tensor arguments a model's call passes (eps, ...);
+    - ``make_inputs(dims, dtype, device, gen, options)``: seeded inputs and upstream gradients (``Inputs``);
+    - ``reference(inputs)``: float64 outputs (``OUTPUTS``) and gradients (``"d" + input``), by autograd of the
+      op's float64 reference;
+    - ``phase_bytes(dims, element_size)``: minimal bytes of each tuned phase (each input read once, each output
+      written once); ``step_bytes`` those of a training step (forward + backward; by default the phases' sum)
+      with ``BYTES_FORMULA`` its formula; ``step_flops`` for matmul ops.
+
+    Subclasses set ``op`` and ``SPACE`` and, in ``__init__``, fill ``self.buffers`` (name → tensor, inputs and
+    outputs), ``self.ref`` (output name → float64 truth), ``self.tol`` (output name → relative L2 tolerance) and
+    ``self.outputs`` (phase → output names), and implement ``launcher``. ``variant`` holds render-time options
+    that are not tuned (e.g. ``casting_mode``); they are part of the table entry.
     """
 
     op: ClassVar[str]
     SPACE: ClassVar[type]
+    OUTPUTS: ClassVar[tuple[str, ...]] = ()  # the op's differentiable outputs, in its return order
+    DEFAULT_ROWS: ClassVar[int] = 16384  # token count of the bench's default shape
+    BYTES_FORMULA: ClassVar[str] = ""  # ``step_bytes`` as a formula (R rows, H hidden, ..., s element size)
+    FLOPS_FORMULA: ClassVar[str] = ""
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        """The space dims of ``model`` (a ``liger_gen.models.ModelShape`` or a transformers config)."""
+        raise NotImplementedError
+
+    @classmethod
+    def bench_dims(cls, model, rows: int) -> dict[str, int]:
+        """The dims ``make_inputs`` and ``step_bytes`` take: ``{"rows": rows, **shape(model)}``."""
+        return {"rows": int(rows), **cls.shape(model)}
+
+    @classmethod
+    def space_dims(cls, dims: Mapping[str, int]) -> dict[str, int]:
+        """The space dims within ``bench_dims`` (what a table is keyed by)."""
+        return {name: dims[name] for name in cls.SPACE.DIMS}
+
+    @classmethod
+    def options(cls, model) -> dict[str, Any]:
+        """The non-tensor arguments of the op as ``model`` calls it."""
+        return {}
+
+    @classmethod
+    def make_inputs(cls, dims: Mapping[str, int], dtype: torch.dtype, device, gen: torch.Generator,
+                    options: Mapping[str, Any]) -> Inputs:
+        """Seeded inputs at ``dims`` (``bench_dims``) drawn with ``gen``."""
+        raise NotImplementedError
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """Float64 truth of every output in ``OUTPUTS`` and every gradient ``"d" + name`` of ``inputs.grad_of``."""
+        raise NotImplementedError
+
+    @classmethod
+    def phase_bytes(cls, dims: Mapping[str, int], s: int) -> dict[str, int]:
+        """Minimal bytes of each tuned phase at ``dims`` for element size ``s``."""
+        raise NotImplementedError
+
+    @classmethod
+    def step_bytes(cls, dims: Mapping[str, int], s: int) -> int:
+        """Minimal bytes of one training step (forward + backward): the phases' sum unless a subclass says less."""
+        return sum(cls.phase_bytes(dims, s).values())
+
+    @classmethod
+    def step_flops(cls, dims: Mapping[str, int]) -> int:
+        """Floating-point operations of one training step (0 for memory-bound ops)."""
+        return 0
 
     def __init__(self, dtype: torch.dtype, dims: Mapping[str, int] | int, rows: int, device: torch.device | str,
                  *, seed: int = 0, limits: DeviceLimits | None = None, variant: Mapping[str, Any] | None = None):
@@ -83,6 +229,8 @@ class Problem:
         self.dims = self.space.dims
         self.variant = dict(variant or {})
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # ``make_inputs`` draws on the problem's device (a CPU draw of a (16384, 128256) input takes minutes)
+        self.device_generator = torch.Generator(device=self.device).manual_seed(seed)
         self.buffers: dict[str, torch.Tensor] = {}
         self.ref: dict[str, torch.Tensor] = {}
         self.tol: dict[str, float] = {}
@@ -115,9 +263,19 @@ class Problem:
         """A closure that launches ``phase`` of ``module`` once on the problem's buffers."""
         raise NotImplementedError
 
+    @property
+    def problem_dims(self) -> dict[str, int]:
+        """This problem's dims in ``bench_dims``' form (rows and the space dims)."""
+        return {"rows": self.rows, **self.dims}
+
     def bytes_moved(self, phase: str) -> int:
-        """Minimal bytes of a phase: each input read once, each output written once."""
-        raise NotImplementedError
+        """Minimal bytes of a phase (``phase_bytes`` at this problem's dims and input element size)."""
+        return self.phase_bytes(self.problem_dims, self.element_size)[phase]
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element of the inputs."""
+        return torch.empty((), dtype=self.dtype).element_size()
 
     def flops(self, phase: str) -> int:
         """Floating-point operations of a phase, for matmul-bound ops (0 for memory-bound ones)."""

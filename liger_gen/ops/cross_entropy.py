@@ -23,7 +23,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, rel_l2
+from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, REL_TOL, TARGET_BYTES, Inputs, Problem,
+                                        chunk_rows, randn, rel_l2, targets)
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -387,14 +388,77 @@ class CrossEntropyProblem(Problem):
     """Cross-entropy at (rows, vocab) in ``dtype`` on ``device``: the training step (forward, then backward with
     a unit upstream gradient) checked against float64 and timed as one phase, "fwd" (see CrossEntropySpace).
 
-    Inputs are drawn on the problem's device (seeded): the base class's CPU float64 draw would take minutes and
-    tens of GB at 16384 x 128256. The float64 gradient is computed in row chunks inside ``check`` rather than
-    stored, so a problem holds only its logits and dlogits.
+    The float64 gradient is computed in row chunks inside ``check`` rather than stored, so a problem holds only
+    its logits and dlogits (a stored one would be 17 GB at 16384 x 128256).
     """
 
     op = "cross_entropy"
     SPACE = CrossEntropySpace
-    CHUNK_ELEMENTS = 1 << 25  # float64 reference chunk: 32M elements (256 MB per float64 temporary)
+    OUTPUTS = ("loss",)
+    DEFAULT_ROWS = 8192
+    # the logits read once, dlogits written once, the targets read
+    BYTES_FORMULA = "2·R·V·s + 8·R"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"vocab": model.vocab_size}
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        """Logits N(0, logit_scale²) (2 by default), targets with ``ignore_fraction`` ignored, class weights in
+        [0.5, 1.5) with ``weighted``; the loss options (``CrossEntropyOptions``' fields) as given. For reduction
+        "none" the upstream gradient is N(0, 1) per row, else the loss's own (1)."""
+        r, v = dims["rows"], dims["vocab"]
+        ce = CrossEntropyOptions(**{k: options[k] for k in CrossEntropyOptions._fields if k in options})
+        tensors = {"logits": randn(gen, (r, v), dtype, device, options.get("logit_scale", 2.0)),
+                   "target": targets(gen, r, v, device, options.get("ignore_fraction", IGNORE_FRACTION),
+                                     ce.ignore_index)}
+        if options.get("weighted", False):
+            tensors["weight"] = (0.5 + torch.rand(v, generator=gen, device=gen.device)).to(device)
+        upstream = randn(gen, (r,), torch.float32, device) if ce.reduction == "none" else None
+        return Inputs(tensors, grad_of=("logits",), upstream={"loss": upstream}, options=ce._asdict())
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        dlogits = torch.empty(inputs.tensors["logits"].shape, dtype=torch.float64,
+                              device=inputs.tensors["logits"].device)
+
+        def keep(rows: slice, grad: torch.Tensor) -> None:
+            dlogits[rows] = grad
+
+        truth = cls.float64_truth(inputs, keep)
+        return {"loss": truth["loss"], "dlogits": dlogits}
+
+    @classmethod
+    def float64_truth(cls, inputs: Inputs, on_grad=None) -> dict[str, torch.Tensor]:
+        """float64 loss, z-loss and lse of ``inputs`` (row chunks of ~256 MB) and, when ``on_grad(rows, dlogits)``
+        is given, each chunk's float64 gradient for the upstream gradient, handed over chunk by chunk."""
+        logits, target = inputs.tensors["logits"], inputs.tensors["target"]
+        weight, opts = inputs.tensors.get("weight"), CrossEntropyOptions(**inputs.options)
+        step = chunk_rows(logits.shape[-1])
+        parts, wy_sum, n_valid = [], 0.0, 0.0
+        for lo in range(0, logits.shape[0], step):
+            ce, zl, lse, w_y, valid = _ce_rows(logits[lo:lo + step].double(), target[lo:lo + step], weight, opts)
+            parts.append((ce, zl, lse))
+            wy_sum, n_valid = wy_sum + w_y.sum(), n_valid + valid.sum().double()
+        ce, zl, lse = (torch.cat(p) for p in zip(*parts))  # rows >= 1: a problem has at least one row
+        s_ce, s_z = (1.0 / wy_sum, 1.0 / n_valid) if opts.reduction == "mean" else (1.0, 1.0)
+        if opts.reduction == "none":
+            loss, z_loss = ce + zl, zl
+        else:
+            loss, z_loss = ce.sum() * s_ce + zl.sum() * s_z, zl.sum() * s_z
+        if on_grad is not None:
+            upstream = inputs.upstream["loss"]
+            for lo in range(0, logits.shape[0], step):
+                rows = slice(lo, lo + step)
+                x64 = logits[rows].double().requires_grad_()
+                with torch.enable_grad():
+                    c, z, _, _, _ = _ce_rows(x64, target[rows], weight, opts)
+                    g = 1.0 if upstream is None else upstream.reshape(-1)[rows].double() if upstream.dim() else \
+                        upstream.double()
+                    (grad,) = torch.autograd.grad((g * (c * s_ce + z * s_z)).sum(), x64)
+                on_grad(rows, grad)
+        return {"loss": loss, "z_loss": z_loss, "lse": lse}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, reduction: str = "mean",
                  ignore_fraction: float = 0.05, label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
@@ -404,73 +468,40 @@ class CrossEntropyProblem(Problem):
         self.vocab = v = self.dims["vocab"]
         m = self.rows
         self.reduction = reduction
-        self.options = CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-        logits = torch.empty((m, v), dtype=dtype, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        step = max(1, self.CHUNK_ELEMENTS // v)
-        for start in range(0, m, step):
-            chunk = torch.randn((min(step, m - start), v), generator=gen, device=self.device, dtype=torch.float32)
-            logits[start:start + step] = (chunk * logit_scale).to(dtype)
-        target = torch.randint(0, v, (m,), generator=self.generator)
-        target[torch.rand(m, generator=self.generator) < ignore_fraction] = ignore_index
-        weight = (0.5 + torch.rand(v, generator=self.generator)).to(self.device) if weighted else None
-        grad_loss = (torch.randn(m, generator=self.generator) if reduction == "none" else torch.tensor(1.0))
+        self.inputs = self.make_inputs(
+            self.problem_dims, dtype, self.device, self.device_generator,
+            dict(reduction=reduction, ignore_fraction=ignore_fraction, label_smoothing=label_smoothing,
+                 lse_square_scale=lse_square_scale, softcap=softcap, weighted=weighted, ignore_index=ignore_index,
+                 logit_scale=logit_scale))
+        self.options = CrossEntropyOptions(**self.inputs.options)
+        self.weight = self.inputs.tensors.get("weight")
+        upstream = self.inputs.upstream["loss"]
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.weight = weight
         self.buffers = {
-            "logits": logits, "target": target.to(self.device), "grad_loss": grad_loss.to(**f32),
+            "logits": self.inputs.tensors["logits"], "target": self.inputs.tensors["target"],
+            "grad_loss": torch.ones((), **f32) if upstream is None else upstream,
             "loss_rows": torch.empty(m, **f32), "zl_rows": torch.empty(m, **f32), "lse": torch.empty(m, **f32),
             "q": torch.empty(m, **f32), "scale": torch.empty(2, **f32),
             "loss": torch.empty((), **f32), "zl": torch.empty((), **f32),
             "dlogits": torch.empty((m, v), dtype=dtype, device=self.device),
         }
-        loss_ref, zl_ref, lse_ref, scales = self._reference_small()
-        self.ref = {"loss": loss_ref, "zl": zl_ref, "lse": lse_ref}
-        self._scales = scales
-        if reduction == "none":
-            self.ref["loss_rows"] = self.ref.pop("loss")
-            self.ref["zl_rows"] = self.ref.pop("zl")
+        truth = self.float64_truth(self.inputs)
+        out_names = ("loss_rows", "zl_rows") if reduction == "none" else ("loss", "zl")
+        self.ref = {out_names[0]: truth["loss"], out_names[1]: truth["z_loss"], "lse": truth["lse"]}
         self.tol = {name: FP32_OUT_TOL for name in self.ref}
         self.tol["dlogits"] = REL_TOL[dtype]
-        out_names = ("loss_rows", "zl_rows") if reduction == "none" else ("loss", "zl")
         self.outputs = {"fwd": (*out_names, "lse", "dlogits")}
-
-    def _reference_small(self):
-        """float64 loss, z-loss and lse (computed in row chunks), and the float64 mean denominators."""
-        b, v = self.buffers, self.vocab
-        step = max(1, self.CHUNK_ELEMENTS // v)
-        ce_parts, zl_parts, lse_parts, wy_sum, n_valid = [], [], [], 0.0, 0.0
-        for start in range(0, self.rows, step):
-            x = b["logits"][start:start + step].double()
-            ce, zl, lse, w_y, valid = _ce_rows(x, b["target"][start:start + step], self.weight, self.options)
-            ce_parts.append(ce)
-            zl_parts.append(zl)
-            lse_parts.append(lse)
-            wy_sum = wy_sum + w_y.sum()
-            n_valid = n_valid + valid.sum().double()
-        ce, zl, lse = torch.cat(ce_parts), torch.cat(zl_parts), torch.cat(lse_parts)
-        if self.reduction == "mean":
-            s_ce, s_z = 1.0 / wy_sum, 1.0 / n_valid
-            return ce.sum() * s_ce + zl.sum() * s_z, zl.sum() * s_z, lse, (s_ce, s_z)
-        if self.reduction == "sum":
-            return ce.sum() + zl.sum(), zl.sum(), lse, (1.0, 1.0)
-        return ce + zl, zl, lse, (1.0, 1.0)
 
     def dlogits_error(self) -> float:
         """Relative L2 error of buffers["dlogits"] against the float64 gradient, computed in row chunks."""
-        b, v = self.buffers, self.vocab
-        s_ce, s_z = self._scales
-        step = max(1, self.CHUNK_ELEMENTS // v)
-        num, den = 0.0, 0.0
-        for start in range(0, self.rows, step):
-            x = b["logits"][start:start + step].double().requires_grad_()
-            ce, zl, _, _, _ = _ce_rows(x, b["target"][start:start + step], self.weight, self.options)
-            g = b["grad_loss"][start:start + step].double() if self.reduction == "none" else b["grad_loss"].double()
-            (ref,) = torch.autograd.grad((g * (ce * s_ce + zl * s_z)).sum(), x)
-            actual = b["dlogits"][start:start + step].double()
-            num += (actual - ref).square().sum().item()
-            den += ref.square().sum().item()
-        return math.sqrt(num) / (math.sqrt(den) if den > 0 else 1.0)
+        sums = [0.0, 0.0]
+
+        def compare(rows: slice, ref: torch.Tensor) -> None:
+            sums[0] += (self.buffers["dlogits"][rows].double() - ref).square().sum().item()
+            sums[1] += ref.square().sum().item()
+
+        self.float64_truth(self.inputs, compare)
+        return math.sqrt(sums[0]) / (math.sqrt(sums[1]) if sums[1] > 0 else 1.0)
 
     def check(self, module, phase: str) -> str | None:
         """Run the step once on NaN-poisoned outputs; None if every output is within tolerance, else why not."""
@@ -506,10 +537,9 @@ class CrossEntropyProblem(Problem):
                                  b["scale"], self.options, b["dlogits"])
         return step
 
-    def bytes_moved(self, phase: str) -> int:
-        """Minimal bytes of the training step: read the logits once, write dlogits once, plus the row vectors."""
-        e = self.buffers["logits"].element_size()
-        return 2 * self.rows * self.vocab * e + self.rows * (self.buffers["target"].element_size() + 4 * 3)
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        return {"fwd": 2 * dims["rows"] * dims["vocab"] * s + dims["rows"] * TARGET_BYTES}
 
 
 MAX_TUNING_ROWS = 16384

@@ -21,10 +21,11 @@ from typing import Optional
 
 import torch
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, float64_grads, rel_l2
+from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, float64_grads, randn,
+                                        reference_by_autograd, rel_l2)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.rms_norm import (CASTING_MODES, RMSNormConfig, RMSNormSpace, rms_norm_float64, rms_norm_out_dtype,
-                                    rms_norm_torch)
+from liger_gen.ops.rms_norm import (CASTING_MODES, DecoderNormProblem, RMSNormConfig, RMSNormSpace, rms_norm_float64,
+                                    rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    uses_triton)
@@ -92,7 +93,7 @@ class FusedAddRMSNormSpace(RMSNormSpace):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class FusedAddRMSNormProblem(Problem):
+class FusedAddRMSNormProblem(DecoderNormProblem):
     """Fused add + RMSNorm at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks, launchers.
 
     The backward is tuned with the sum's upstream gradient present (the residual stream continues in every
@@ -101,16 +102,38 @@ class FusedAddRMSNormProblem(Problem):
 
     op = OP
     SPACE = FusedAddRMSNormSpace
+    OUTPUTS = ("y", "s")
+    # fwd: x, r, w in; y, s, rstd out.  bwd: dy, ds, s, w, rstd in; dx, dr, dw out.
+    BYTES_FORMULA = "9·R·H·s + 3·H·s + 2·R·4"
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        r, h = dims["rows"], dims["n_cols"]
+        return Inputs({"x": randn(gen, (r, h), dtype, device), "residual": randn(gen, (r, h), dtype, device),
+                       "w": randn(gen, (h,), dtype, device, 0.1, 1.0)},
+                      grad_of=("x", "residual", "w"),
+                      upstream={"y": randn(gen, (r, h), dtype, device), "s": randn(gen, (r, h), dtype, device)},
+                      options={"eps": options.get("eps", 1e-6)})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return reference_by_autograd(
+            inputs, lambda t, o: fused_add_rms_norm_float64(t["x"], t["residual"], t["w"], o["eps"]), cls.OUTPUTS)
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        mn, m, n = dims["rows"] * dims["n_cols"], dims["rows"], dims["n_cols"]
+        return {"fwd": 4 * mn * s + n * s + m * STAT_BYTES, "bwd": 5 * mn * s + 2 * n * s + m * STAT_BYTES}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
                  eps: float = 1e-6, seed: int = 0, limits=None):
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
                          variant={"casting_mode": casting_mode})
         self.casting_mode, self.eps = casting_mode, eps
-        self.n_cols = self.dims["n_cols"]
-        m, n = self.rows, self.n_cols
-        x, r, w = self.randn(m, n), self.randn(m, n), self.randn(n, scale=0.1, shift=1.0)
-        dy, ds = self.randn(m, n), self.randn(m, n)
+        m, n = self.rows, self.dims["n_cols"]
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {"eps": eps})
+        x, r, w = inputs.tensors["x"], inputs.tensors["residual"], inputs.tensors["w"]
+        dy, ds = inputs.upstream["y"], inputs.upstream["s"]
         out_dtype = rms_norm_out_dtype(dtype, dtype, casting_mode)
         s_in = x + r  # the backward's input: the sum as PyTorch rounds it
         self.buffers = {
@@ -124,18 +147,12 @@ class FusedAddRMSNormProblem(Problem):
             "dw": torch.empty(n, dtype=dtype, device=self.device),
             "dw_partial": torch.empty((m, n), dtype=torch.float32, device=self.device),
         }
-        # float64 truth by autograd of the reference. Forward from the exact sum; backward from the rounded sum
-        # the kernel is given, as the gradient reaching that sum (through the norm, plus ds)
-        (y64, s64), _ = float64_grads(lambda x, r, w: fused_add_rms_norm_float64(x, r, w, eps), (x, r, w), (), ())
+        # float64 truth: the forward from the exact sum (``reference``); the backward from the rounded sum the
+        # kernel is given, as the gradient reaching that sum (through the norm, plus ds)
+        ref = self.reference(Inputs(inputs.tensors, (), inputs.upstream, inputs.options))
         _, (dsum64, dw64) = float64_grads(lambda s, w: (rms_norm_float64(s, w, eps), s), (s_in, w), (0, 1), (dy, ds))
-        self.ref = {
-            "y": y64,
-            "s": s64,
-            "rstd": torch.rsqrt(s64.pow(2).mean(-1) + eps),
-            "dx": dsum64,
-            "dr": dsum64,
-            "dw": dw64,
-        }
+        self.ref = {"y": ref["y"], "s": ref["s"], "rstd": torch.rsqrt(ref["s"].pow(2).mean(-1) + eps),
+                    "dx": dsum64, "dr": dsum64, "dw": dw64}
         tol = REL_TOL[dtype]
         # rstd against the exact sum: the rounding of s moves it by ~ the dtype's roundoff, hence the dtype's
         # tolerance here; ``check`` also holds rstd to FP32_OUT_TOL against the kernel's own rounded s
@@ -161,19 +178,11 @@ class FusedAddRMSNormProblem(Problem):
                                            b["dw"], b["dw_partial"], 0.0, self.limits.num_sms)
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
-    def bytes_moved(self, phase: str) -> int:
-        e, ey = self.buffers["x"].element_size(), self.buffers["y"].element_size()
-        mn, m, n = self.rows * self.n_cols, self.rows, self.n_cols
-        if phase == "fwd":  # read x, r, w; write y, s, rstd
-            return 2 * mn * e + n * e + mn * ey + mn * e + m * 4
-        # read dy, ds, s, w, rstd; write dx, dr, dW
-        return mn * ey + 2 * mn * e + n * e + m * 4 + 2 * mn * e + n * e
-
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's residual adds before each decoder norm: one problem per token count at ``hidden_size``."""
-    return [FusedAddRMSNormProblem(dtype, model.hidden_size, r, device, seed=seed, eps=model.rms_norm_eps)
-            for r in rows]
+    return [FusedAddRMSNormProblem(dtype, FusedAddRMSNormProblem.shape(model), r, device, seed=seed,
+                                   **FusedAddRMSNormProblem.options(model)) for r in rows]
 
 
 SPEC = OpSpec(OP, FusedAddRMSNormSpace, FusedAddRMSNormProblem, tuning_problems,

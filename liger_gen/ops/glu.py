@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_gen.codegen.problems import REL_TOL, Problem
+from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -191,14 +191,48 @@ class GLUSpace(Space):
 class GLUProblem(Problem):
     """SwiGLU at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
 
-    The truth is computed in float64 (row chunks, to bound the temporaries) and kept as float32: that rounding
-    (2^-24 relative) is far below every tolerance, and halves the memory of the 65536-row problems.
+    The truth is computed in float64 row chunk by row chunk (bounded temporaries); a problem keeps it as float32:
+    that rounding (2^-24 relative) is far below every tolerance, and halves the memory of the 65536-row problems.
     """
 
     op = "swiglu"
     SPACE = GLUSpace
     ACTIVATION_CHOICES: tuple[str, ...] = ("silu",)
-    REF_CHUNK_ELEMENTS = 1 << 26
+    REF_CHUNK_ELEMENTS = 2 * REF_CHUNK_ELEMENTS  # elements per float64 reference chunk
+    OUTPUTS = ("y",)
+    # fwd: gate, up in; y out.  bwd: dy, gate, up in; dgate, dup out.
+    BYTES_FORMULA = "8·R·I·s"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"n_cols": model.intermediate_size}
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        shape = (dims["rows"], dims["n_cols"])
+        return Inputs({"gate": randn(gen, shape, dtype, device, 2.0), "up": randn(gen, shape, dtype, device)},
+                      grad_of=("gate", "up"), upstream={"y": randn(gen, shape, dtype, device)},
+                      options={"activation": options.get("activation", cls.ACTIVATION_CHOICES[0])})
+
+    @classmethod
+    def reference(cls, inputs: Inputs, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+        """y, dgate and dup in ``dtype`` (float64 unless a caller stores them smaller), from float64 autograd of
+        ``glu_float64`` over row chunks."""
+        gate, up, dy = inputs.tensors["gate"], inputs.tensors["up"], inputs.upstream["y"]
+        ref = {name: torch.empty(gate.shape, dtype=dtype, device=gate.device) for name in ("y", "dgate", "dup")}
+        act = inputs.options["activation"]
+        step = chunk_rows(gate.shape[-1], cls.REF_CHUNK_ELEMENTS)
+        for start in range(0, gate.shape[0], step):
+            rows = slice(start, start + step)
+            (y,), (dg, du) = float64_grads(lambda g, u: glu_float64(g, u, act), (gate[rows], up[rows]), (0, 1),
+                                           (dy[rows],))
+            ref["y"][rows], ref["dgate"][rows], ref["dup"][rows] = y, dg, du
+        return ref
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        mn_bytes = dims["rows"] * dims["n_cols"] * s
+        return {"fwd": 3 * mn_bytes, "bwd": 5 * mn_bytes}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, activation: str | None = None,
                  seed: int = 0, limits=None):
@@ -207,28 +241,16 @@ class GLUProblem(Problem):
             raise ValueError(f"{self.op}: activation must be one of {self.ACTIVATION_CHOICES}, got {activation!r}")
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits, variant={"activation": activation})
         self.activation = activation
-        self.n_cols = self.dims["n_cols"]
-        m, n = self.rows, self.n_cols
-        gate, up, dy = self.randn(m, n, scale=2.0), self.randn(m, n), self.randn(m, n)
+        m, n = self.rows, self.dims["n_cols"]
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator,
+                                  {"activation": activation})
         self.buffers = {
-            "gate": gate, "up": up, "dy": dy,
+            **inputs.tensors, "dy": inputs.upstream["y"],
             "y": torch.empty((m, n), dtype=dtype, device=self.device),
             "dgate": torch.empty((m, n), dtype=dtype, device=self.device),
             "dup": torch.empty((m, n), dtype=dtype, device=self.device),
         }
-        self.ref = {name: torch.empty((m, n), dtype=torch.float32, device=self.device)
-                    for name in ("y", "dgate", "dup")}
-        step = max(1, self.REF_CHUNK_ELEMENTS // max(n, 1))
-        for start in range(0, m, step):
-            rows = slice(start, start + step)
-            g64 = gate[rows].double().requires_grad_()
-            u64 = up[rows].double().requires_grad_()
-            with torch.enable_grad():
-                y64 = glu_float64(g64, u64, activation)
-                dg64, du64 = torch.autograd.grad(y64, (g64, u64), dy[rows].double())
-            self.ref["y"][rows] = y64.detach()
-            self.ref["dgate"][rows] = dg64
-            self.ref["dup"][rows] = du64
+        self.ref = self.reference(inputs, torch.float32)
         tol = REL_TOL[dtype]
         self.tol = {"y": tol, "dgate": tol, "dup": tol}
         self.outputs = {"fwd": ("y",), "bwd": ("dgate", "dup")}
@@ -240,10 +262,6 @@ class GLUProblem(Problem):
         if phase == "bwd":
             return lambda: module.backward(b["dy"], b["gate"], b["up"], b["dgate"], b["dup"])
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-
-    def bytes_moved(self, phase: str) -> int:
-        mn_bytes = self.rows * self.n_cols * self.buffers["gate"].element_size()
-        return 3 * mn_bytes if phase == "fwd" else 5 * mn_bytes
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:

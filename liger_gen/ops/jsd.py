@@ -19,9 +19,10 @@ import math
 
 import torch
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem
+from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, IGNORE_INDEX, REL_TOL, TARGET_BYTES, Inputs,
+                                        Problem, chunk_rows, log_probs, randn, targets)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.kl_div import DivergenceSpace, chunk_rows, random_log_probs, tuning_row_cap, tuning_rows
+from liger_gen.ops.kl_div import DivergenceSpace, tuning_row_cap, tuning_rows
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    uses_triton)
@@ -106,6 +107,63 @@ class JSDProblem(Problem):
 
     op = "jsd"
     SPACE = JSDSpace
+    OUTPUTS = ("loss",)
+    DEFAULT_ROWS = 8192
+    # the step's floor: student and teacher read, d student written, labels read; the tuned phases are two
+    # kernels, the backward reading both inputs again
+    BYTES_FORMULA = "3·R·V·s + 8·R"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"vocab": model.vocab_size}
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        """Student and teacher log-probabilities of N(0, 4) logits (the teacher in ``teacher_dtype``, default
+        ``dtype``), labels with ``ignore_fraction`` (0.05) ignored unless ``with_label`` is False; options
+        ``beta`` (0.5) and ``ignore_index`` (-100). The upstream gradient is the loss's own (None)."""
+        r, v = dims["rows"], dims["vocab"]
+        ignore_index = int(options.get("ignore_index", IGNORE_INDEX))
+        tensors = {"student": log_probs(gen, r, v, dtype, device),
+                   "teacher": log_probs(gen, r, v, options.get("teacher_dtype") or dtype, device),
+                   "label": None}
+        if options.get("with_label", True):
+            tensors["label"] = targets(gen, r, v, device, options.get("ignore_fraction", IGNORE_FRACTION),
+                                       ignore_index)
+        return Inputs(tensors, grad_of=("student",), upstream={"loss": None},
+                      options={"beta": float(options.get("beta", 0.5)), "ignore_index": ignore_index})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """float64 loss and d student by autograd of the per-row divergence, row chunk by row chunk (rows are
+        independent, so each chunk's autograd gives its rows)."""
+        s, t, label = inputs.tensors["student"], inputs.tensors["teacher"], inputs.tensors["label"]
+        beta, ignore_index = inputs.options["beta"], inputs.options["ignore_index"]
+        g = inputs.upstream["loss"]
+        valid = torch.ones(s.shape[0], dtype=torch.bool, device=s.device) if label is None else label != ignore_index
+        n_valid = valid.sum().double().clamp_min(1)
+        scale = (1.0 if g is None else g.double()) / n_valid
+        total = torch.zeros((), dtype=torch.float64, device=s.device)
+        ds = torch.empty(s.shape, dtype=torch.float64, device=s.device)
+        step = chunk_rows(s.shape[-1])
+        for lo in range(0, s.shape[0], step):
+            rows = slice(lo, lo + step)
+            s64 = s[rows].double().requires_grad_()
+            with torch.enable_grad():
+                part = torch.where(valid[rows], _jsd_rows(s64, t[rows].double(), beta), 0.0).sum()
+                (ds[rows],) = torch.autograd.grad(part * scale, s64)
+            total += part.detach()
+        return {"loss": total / n_valid, "dstudent": ds}
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int, teacher_size: int | None = None, label: bool = True) -> dict[str, int]:
+        mv = dims["rows"] * dims["vocab"]
+        inputs = mv * (s + (teacher_size or s)) + (dims["rows"] * TARGET_BYTES if label else 0)
+        return {"fwd": inputs, "bwd": inputs + mv * s}
+
+    @classmethod
+    def step_bytes(cls, dims, s: int) -> int:
+        return 3 * dims["rows"] * dims["vocab"] * s + dims["rows"] * TARGET_BYTES
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, beta: float = 0.5,
                  ignore_index: int = -100, with_label: bool = True, ignore_fraction: float = 0.1,
@@ -114,43 +172,34 @@ class JSDProblem(Problem):
         self.beta, self.ignore_index, self.with_label = float(beta), int(ignore_index), bool(with_label)
         self.mode = jsd_mode(self.beta)
         m, v = self.rows, self.dims["vocab"]
-        s = random_log_probs(self.generator, m, v, self.device, dtype)
-        t = random_log_probs(self.generator, m, v, self.device, teacher_dtype or dtype)
-        label = None
-        if with_label:
-            label = torch.randint(0, v, (m,), generator=self.generator)
-            label[torch.rand(m, generator=self.generator) < ignore_fraction] = ignore_index
-            label = label.to(self.device)
-        g = self.randn(scale=1.0, shift=0.5)
-        self.buffers = {
-            "s": s, "t": t, "g": g,
-            "loss": torch.empty((), dtype=dtype, device=self.device),
-            "n_valid": torch.empty((), dtype=torch.float32, device=self.device),
-            "ds": torch.empty((m, v), dtype=dtype, device=self.device),
-        }
-        if label is not None:
-            self.buffers["label"] = label
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator,
+                                  dict(beta=beta, ignore_index=ignore_index, with_label=with_label,
+                                       ignore_fraction=ignore_fraction, teacher_dtype=teacher_dtype))
+        label = inputs.tensors["label"]
         valid = torch.ones(m, dtype=torch.bool, device=self.device) if label is None else label != ignore_index
         n_valid = valid.sum().double()
         # grad_output scaled as a loss scaler would: fp16's Q·(s − log M)/n_valid would otherwise be subnormal
-        self.buffers["g"] = g = g * n_valid.clamp_min(1).to(g.dtype)
-        # float64 truth, row chunk by row chunk: rows are independent, so each chunk's autograd gives its rows
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        ds = torch.empty((m, v), dtype=torch.float64, device=self.device)
-        step = chunk_rows(v)
-        for lo in range(0, m, step):
-            hi = min(m, lo + step)
-            s64 = s[lo:hi].double().requires_grad_()
-            part = torch.where(valid[lo:hi], _jsd_rows(s64, t[lo:hi].double(), self.beta), 0.0).sum()
-            total += part.detach()
-            (part * (g.double() / n_valid.clamp_min(1))).backward()
-            ds[lo:hi] = s64.grad
-        self.ref = {"loss": total / n_valid.clamp_min(1), "n_valid": n_valid, "ds": ds}
-        # the backward's n_valid input: the exact count, not what a forward check left in "n_valid"
-        self.buffers["n_valid_in"] = n_valid.float()
+        g = randn(self.device_generator, (), dtype, self.device, 1.0, 0.5) * n_valid.clamp_min(1).to(dtype)
+        inputs.upstream["loss"] = g
+        self.buffers = {
+            "s": inputs.tensors["student"], "t": inputs.tensors["teacher"], "g": g,
+            "loss": torch.empty((), dtype=dtype, device=self.device),
+            "n_valid": torch.empty((), dtype=torch.float32, device=self.device),
+            "ds": torch.empty((m, v), dtype=dtype, device=self.device),
+            # the backward's n_valid input: the exact count, not what a forward check left in "n_valid"
+            "n_valid_in": n_valid.float(),
+        }
+        if label is not None:
+            self.buffers["label"] = label
+        ref = self.reference(inputs)
+        self.ref = {"loss": ref["loss"], "n_valid": n_valid, "ds": ref["dstudent"]}
         tol = REL_TOL[dtype]
         self.tol = {"loss": tol, "n_valid": FP32_OUT_TOL, "ds": tol}
         self.outputs = {"fwd": ("loss", "n_valid"), "bwd": ("ds",)}
+
+    def bytes_moved(self, phase: str) -> int:
+        return self.phase_bytes(self.problem_dims, self.element_size, self.buffers["t"].element_size(),
+                                self.with_label)[phase]
 
     def key(self) -> str:
         return f"{super().key()}:beta={self.beta},label={self.with_label}"
@@ -163,12 +212,6 @@ class JSDProblem(Problem):
         if phase == "bwd":
             return lambda: module.backward(b["g"], b["n_valid_in"], b["s"], b["t"], b.get("label"), b["ds"], *args)
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-
-    def bytes_moved(self, phase: str) -> int:
-        e_s, e_t = self.buffers["s"].element_size(), self.buffers["t"].element_size()
-        mv = self.rows * self.dims["vocab"]
-        label = self.rows * self.buffers["label"].element_size() if "label" in self.buffers else 0
-        return mv * (e_s + e_t) + label + (mv * e_s if phase == "bwd" else 0)
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_gen.codegen.problems import REL_TOL, Problem
+from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, chunk_rows, log_probs, randn
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec, capped_rows
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -173,19 +173,6 @@ def tuning_rows(vocab: int, rows: list[int]) -> list[int]:
     return capped_rows(rows, tuning_row_cap(vocab))
 
 
-def random_log_probs(generator: torch.Generator, rows: int, vocab: int, device, dtype: torch.dtype,
-                     scale: float = 2.0) -> torch.Tensor:
-    """Seeded log_softmax of N(0, scale²) logits: drawn in fp32 on the CPU (every device sees the same values),
-    normalised on ``device`` in fp32, rounded to ``dtype``."""
-    logits = torch.randn((rows, vocab), generator=generator, dtype=torch.float32).to(device)
-    return torch.log_softmax(logits.mul_(scale), dim=-1).to(dtype)
-
-
-def chunk_rows(vocab: int, budget: int = 2**25) -> int:
-    """Rows per chunk so one float64 chunk of (rows, vocab) stays around ``budget`` elements (256 MB)."""
-    return max(1, budget // max(1, vocab))
-
-
 class KLDivProblem(Problem):
     """KL divergence at (rows, vocab) in ``dtype`` on ``device``: inputs, float64 truth, checks, launchers.
 
@@ -194,6 +181,73 @@ class KLDivProblem(Problem):
 
     op = "kl_div"
     SPACE = KLDivSpace
+    OUTPUTS = ("loss",)
+    DEFAULT_ROWS = 8192
+    # the step's floor: input and target read, d input written (the target is not differentiated); the tuned
+    # phases are two kernels, the backward reading the input and target again
+    BYTES_FORMULA = "3·R·V·s"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"vocab": model.vocab_size}
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        """Student log-probabilities and the teacher's probabilities (log-probabilities with ``log_target``) of
+        N(0, 4) logits; options ``reduction`` ("batchmean"), ``log_target`` and ``target_grad`` (False). The
+        upstream gradient is the loss's own (None); a caller may set another."""
+        r, v = dims["rows"], dims["vocab"]
+        log_target = bool(options.get("log_target", False))
+        x = log_probs(gen, r, v, dtype, device)
+        t = log_probs(gen, r, v, torch.float32, device)
+        t = (t if log_target else t.exp_()).to(dtype)
+        grad_of = ("input", "target") if options.get("target_grad", False) else ("input",)
+        return Inputs({"input": x, "target": t}, grad_of=grad_of, upstream={"loss": None},
+                      options={"reduction": options.get("reduction", "batchmean"), "log_target": log_target})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """float64 loss and gradients by autograd of ATen's formula, row chunk by row chunk (~256 MB each)."""
+        x, t = inputs.tensors["input"], inputs.tensors["target"]
+        reduction, log_target = inputs.options["reduction"], inputs.options["log_target"]
+        target_grad = "target" in inputs.grad_of
+        reduce = reduction != "none"
+        divisor = kl_div_divisor(x.shape, reduction)
+        g = inputs.upstream["loss"]
+        f64 = dict(dtype=torch.float64, device=x.device)
+        loss = torch.zeros((), **f64) if reduce else torch.empty(x.shape, **f64)
+        ref = {"dinput": torch.empty(x.shape, **f64)}
+        if target_grad:
+            ref["dtarget"] = torch.empty(x.shape, **f64)
+        for lo in range(0, x.shape[0], chunk_rows(x.shape[-1])):
+            rows = slice(lo, lo + chunk_rows(x.shape[-1]))
+            x64 = x[rows].double().requires_grad_()
+            t64 = t[rows].double().requires_grad_(target_grad)
+            with torch.enable_grad():
+                part = kl_div_torch(x64, t64, "sum" if reduce else "none", log_target)
+                if reduce:
+                    up = (1.0 if g is None else g.double()) / divisor
+                    grads = torch.autograd.grad(part * up, (x64, t64) if target_grad else (x64,))
+                else:
+                    up = torch.ones_like(part) if g is None else g[rows].double()
+                    grads = torch.autograd.grad(part, (x64, t64) if target_grad else (x64,), up)
+            if reduce:
+                loss += part.detach()
+            else:
+                loss[rows] = part.detach()
+            for name, grad in zip(ref, grads):
+                ref[name][rows] = grad
+        return {"loss": loss / divisor if reduce else loss, **ref}
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int, reduce: bool = True, target_grad: bool = False) -> dict[str, int]:
+        mv = dims["rows"] * dims["vocab"]
+        reads = mv * s * (1 + (0 if reduce else 1) + (1 if target_grad else 0))
+        return {"fwd": 2 * mv * s + (0 if reduce else mv * s), "bwd": reads + mv * s * (2 if target_grad else 1)}
+
+    @classmethod
+    def step_bytes(cls, dims, s: int) -> int:
+        return 3 * dims["rows"] * dims["vocab"] * s
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, reduction: str = "batchmean",
                  log_target: bool = False, target_grad: bool = False, seed: int = 0, limits=None):
@@ -204,46 +258,29 @@ class KLDivProblem(Problem):
         self.reduce = reduction != "none"
         m, v = self.rows, self.dims["vocab"]
         self.divisor = kl_div_divisor((m, v), reduction)
-        x = random_log_probs(self.generator, m, v, self.device, dtype)
-        t_log = random_log_probs(self.generator, m, v, self.device, torch.float32)
-        t = (t_log if self.log_target else t_log.exp()).to(dtype)
-        del t_log
-        g = self.randn(*(() if self.reduce else (m, v)), scale=1.0, shift=0.5)
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator,
+                                  dict(reduction=reduction, log_target=log_target, target_grad=target_grad))
+        g = randn(self.device_generator, () if self.reduce else (m, v), dtype, self.device, 1.0, 0.5)
         if reduction == "batchmean":  # scaled as a loss scaler would: fp16's −t·g/rows would be subnormal
             g = g * self.divisor
+        inputs.upstream["loss"] = g
         self.buffers = {
-            "x": x, "t": t, "g": g,
+            "x": inputs.tensors["input"], "t": inputs.tensors["target"], "g": g,
             "out": torch.empty(() if self.reduce else (m, v), dtype=dtype, device=self.device),
             "dx": torch.empty((m, v), dtype=dtype, device=self.device),
         }
         if self.target_grad:
             self.buffers["dt"] = torch.empty((m, v), dtype=dtype, device=self.device)
-        # float64 truth, row chunk by row chunk (autograd of ATen's formula on each chunk)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        ref_out = None if self.reduce else torch.empty((m, v), dtype=torch.float64, device=self.device)
-        dx = torch.empty((m, v), dtype=torch.float64, device=self.device)
-        dt = torch.empty((m, v), dtype=torch.float64, device=self.device) if self.target_grad else None
-        step = chunk_rows(v)
-        for lo in range(0, m, step):
-            hi = min(m, lo + step)
-            x64 = x[lo:hi].double().requires_grad_()
-            t64 = t[lo:hi].double().requires_grad_(self.target_grad)
-            part = kl_div_torch(x64, t64, "sum" if self.reduce else "none", self.log_target)
-            if self.reduce:
-                loss += part.detach()
-                (part * (g.double() / self.divisor)).backward()
-            else:
-                ref_out[lo:hi] = part.detach()
-                part.backward(g[lo:hi].double())
-            dx[lo:hi] = x64.grad
-            if dt is not None:
-                dt[lo:hi] = t64.grad
-        self.ref = {"out": loss / self.divisor if self.reduce else ref_out, "dx": dx}
+        ref = self.reference(inputs)
+        self.ref = {"out": ref["loss"], "dx": ref["dinput"]}
+        if self.target_grad:
+            self.ref["dt"] = ref["dtarget"]
         tol = REL_TOL[dtype]
         self.tol = {"out": tol, "dx": tol, "dt": tol}
         self.outputs = {"fwd": ("out",), "bwd": ("dx", "dt") if self.target_grad else ("dx",)}
-        if dt is not None:
-            self.ref["dt"] = dt
+
+    def bytes_moved(self, phase: str) -> int:
+        return self.phase_bytes(self.problem_dims, self.element_size, self.reduce, self.target_grad)[phase]
 
     def key(self) -> str:
         return f"{super().key()}:reduction={self.reduction},log_target={self.log_target},dt={self.target_grad}"
@@ -257,13 +294,6 @@ class KLDivProblem(Problem):
             return lambda: module.backward(b["g"], b["x"], b["t"], b["dx"], dt, self.log_target, self.reduce,
                                            self.divisor)
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-
-    def bytes_moved(self, phase: str) -> int:
-        e, mv = self.buffers["x"].element_size(), self.rows * self.dims["vocab"]
-        if phase == "fwd":
-            return 2 * mv * e + (0 if self.reduce else mv * e)
-        reads = mv * e * (1 + (0 if self.reduce else 1) + (1 if self.target_grad else 0))
-        return reads + mv * e * (2 if self.target_grad else 1)
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, float64_grads
-from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormSpace
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, randn, reference_by_autograd
+from liger_gen.ops.rms_norm import DecoderNormProblem, RMSNormConfig, RMSNormSpace
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
@@ -74,7 +74,7 @@ class LayerNormSpace(RMSNormSpace):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class LayerNormProblem(Problem):
+class LayerNormProblem(DecoderNormProblem):
     """LayerNorm at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
 
     ``has_weight`` / ``has_bias`` pick which of the kernels' constexpr branches run (both by default, as
@@ -83,6 +83,37 @@ class LayerNormProblem(Problem):
 
     op = "layer_norm"
     SPACE = LayerNormSpace
+    OUTPUTS = ("y",)
+    # fwd: x, w, b in; y, mean, rstd out.  bwd: dy, x, w, mean, rstd in; dx, dw, db out.
+    BYTES_FORMULA = "5·R·H·s + 5·H·s + 4·R·4"
+
+    @classmethod
+    def options(cls, model) -> dict:
+        return {"eps": 1e-5}  # torch.nn.LayerNorm's default: models with LayerNorm do not share rms_norm_eps
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        """x with a nonzero mean, as activations have (the centring is part of what is checked); options
+        ``has_weight`` / ``has_bias`` (default True) leave w / b out (None)."""
+        r, h = dims["rows"], dims["n_cols"]
+        x = randn(gen, (r, h), dtype, device, 1.0, 0.5)
+        w = randn(gen, (h,), dtype, device, 0.1, 1.0) if options.get("has_weight", True) else None
+        b = randn(gen, (h,), dtype, device, 0.1) if options.get("has_bias", True) else None
+        grad_of = ("x",) + (("w",) if w is not None else ()) + (("b",) if b is not None else ())
+        return Inputs({"x": x, "w": w, "b": b}, grad_of=grad_of, upstream={"y": randn(gen, (r, h), dtype, device)},
+                      options={"eps": options.get("eps", 1e-5)})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return reference_by_autograd(
+            inputs, lambda t, o: (layer_norm_float64(t["x"], t["w"], t["b"], o["eps"]),), cls.OUTPUTS)
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int, has_weight: bool = True, has_bias: bool = True) -> dict[str, int]:
+        mn, m, n = dims["rows"] * dims["n_cols"], dims["rows"], dims["n_cols"]
+        n_params = int(has_weight) + int(has_bias)
+        return {"fwd": 2 * mn * s + n_params * n * s + 2 * m * STAT_BYTES,
+                "bwd": 3 * mn * s + (int(has_weight) + n_params) * n * s + 2 * m * STAT_BYTES}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, has_weight: bool = True,
                  has_bias: bool = True, eps: float = 1e-5, seed: int = 0, limits=None):
@@ -90,41 +121,31 @@ class LayerNormProblem(Problem):
         self.has_weight, self.has_bias, self.eps = has_weight, has_bias, eps
         self.n_cols = self.dims["n_cols"]
         m, n = self.rows, self.n_cols
-        # a nonzero mean, as activations have: the centring is part of what is checked
-        x, dy = self.randn(m, n, shift=0.5), self.randn(m, n)
-        w = self.randn(n, scale=0.1, shift=1.0) if has_weight else None
-        b = self.randn(n, scale=0.1) if has_bias else None
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator,
+                                  {"eps": eps, "has_weight": has_weight, "has_bias": has_bias})
+        x, w, b = inputs.tensors["x"], inputs.tensors["w"], inputs.tensors["b"]
         x64 = x.double()
         mean64 = x64.mean(-1, keepdim=True)
         rstd64 = torch.rsqrt((x64 - mean64).pow(2).mean(-1, keepdim=True) + eps)
         self.buffers = {
-            "x": x, "dy": dy,
+            "x": x, "dy": inputs.upstream["y"],
             "mean_in": mean64.squeeze(-1).float(), "rstd_in": rstd64.squeeze(-1).float(),
             "y": torch.empty((m, n), dtype=dtype, device=self.device),
             "mean": torch.empty(m, dtype=torch.float32, device=self.device),
             "rstd": torch.empty(m, dtype=torch.float32, device=self.device),
             "dx": torch.empty((m, n), dtype=dtype, device=self.device),
         }
-        # float64 truth: the reference and its gradients (x, and w, b where present) by autograd
-        wrt = (0,) + ((1,) if has_weight else ()) + ((2,) if has_bias else ())
-        (y64,), grads = float64_grads(lambda x, w, b: layer_norm_float64(x, w, b, eps), (x, w, b), wrt, (dy,))
-        grad = dict(zip(["dx"] + (["dw"] if has_weight else []) + (["db"] if has_bias else []), grads))
-        self.ref = {
-            "y": y64,
-            "mean": mean64.squeeze(-1),
-            "rstd": rstd64.squeeze(-1),
-            "dx": grad["dx"],
-        }
+        self.ref = {**self.reference(inputs), "mean": mean64.squeeze(-1), "rstd": rstd64.squeeze(-1)}
         tol = REL_TOL[dtype]
         self.tol = {"y": tol, "mean": FP32_OUT_TOL, "rstd": FP32_OUT_TOL, "dx": tol}
         bwd = ["dx"]
         if has_weight:
             self.buffers.update(w=w, dw=torch.empty(n, dtype=dtype, device=self.device))
-            self.ref["dw"], self.tol["dw"] = grad["dw"], tol
+            self.tol["dw"] = tol
             bwd.append("dw")
         if has_bias:
             self.buffers.update(b=b, db=torch.empty(n, dtype=dtype, device=self.device))
-            self.ref["db"], self.tol["db"] = grad["db"], tol
+            self.tol["db"] = tol
             bwd.append("db")
         self.outputs = {"fwd": ("y", "mean", "rstd"), "bwd": tuple(bwd)}
 
@@ -147,13 +168,7 @@ class LayerNormProblem(Problem):
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
     def bytes_moved(self, phase: str) -> int:
-        e = self.buffers["x"].element_size()
-        mn, m, n = self.rows * self.n_cols, self.rows, self.n_cols
-        n_params = int(self.has_weight) + int(self.has_bias)
-        if phase == "fwd":  # x, w, b in; y, mean, rstd out
-            return mn * e + n_params * n * e + mn * e + 2 * m * 4
-        # dy, x, w, mean, rstd in; dx, dW, dB out
-        return 2 * mn * e + int(self.has_weight) * n * e + 2 * m * 4 + mn * e + n_params * n * e
+        return self.phase_bytes(self.problem_dims, self.element_size, self.has_weight, self.has_bias)[phase]
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:

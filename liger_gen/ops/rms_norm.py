@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, Problem, float64_grads
+from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, randn,
+                                        reference_by_autograd)
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -171,38 +172,61 @@ class RMSNormSpace(Space):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class RMSNormProblem(Problem):
+class DecoderNormProblem(Problem):
+    """A decoder norm's shape: ``n_cols`` is the model's hidden size, eps its ``rms_norm_eps``."""
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"n_cols": model.hidden_size}
+
+    @classmethod
+    def options(cls, model) -> dict:
+        return {"eps": model.rms_norm_eps}
+
+
+class RMSNormProblem(DecoderNormProblem):
     """RMSNorm at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers."""
 
     op = "rms_norm"
     SPACE = RMSNormSpace
+    OUTPUTS = ("y",)
+    # fwd: x, w in; y, rstd out.  bwd: dy, x, w, rstd in; dx, dw out.
+    BYTES_FORMULA = "5·R·H·s + 3·H·s + 2·R·4"
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        r, h = dims["rows"], dims["n_cols"]
+        return Inputs({"x": randn(gen, (r, h), dtype, device), "w": randn(gen, (h,), dtype, device, 0.1, 1.0)},
+                      grad_of=("x", "w"), upstream={"y": randn(gen, (r, h), dtype, device)},
+                      options={"eps": options.get("eps", 1e-6)})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return reference_by_autograd(inputs, lambda t, o: (rms_norm_float64(t["x"], t["w"], o["eps"]),), cls.OUTPUTS)
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        mn, m, n = dims["rows"] * dims["n_cols"], dims["rows"], dims["n_cols"]
+        return {"fwd": 2 * mn * s + n * s + m * STAT_BYTES, "bwd": 3 * mn * s + 2 * n * s + m * STAT_BYTES}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
                  eps: float = 1e-6, seed: int = 0, limits=None):
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
                          variant={"casting_mode": casting_mode})
         self.casting_mode, self.eps = casting_mode, eps
-        self.n_cols = self.dims["n_cols"]
-        m, n = self.rows, self.n_cols
-        x, w, dy = self.randn(m, n), self.randn(n, scale=0.1, shift=1.0), self.randn(m, n)
-        out_dtype = rms_norm_out_dtype(dtype, dtype, casting_mode)
+        m, n = self.rows, self.dims["n_cols"]
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {"eps": eps})
+        x, w = inputs.tensors["x"], inputs.tensors["w"]
         self.buffers = {
-            "x": x, "w": w, "dy": dy,
+            "x": x, "w": w, "dy": inputs.upstream["y"],
             "rstd_in": torch.rsqrt(x.float().pow(2).mean(-1) + eps),
-            "y": torch.empty((m, n), dtype=out_dtype, device=self.device),
+            "y": torch.empty((m, n), dtype=rms_norm_out_dtype(dtype, dtype, casting_mode), device=self.device),
             "rstd": torch.empty(m, dtype=torch.float32, device=self.device),
             "dx": torch.empty((m, n), dtype=dtype, device=self.device),
             "dw": torch.empty(n, dtype=dtype, device=self.device),
             "dw_partial": torch.empty((m, n), dtype=torch.float32, device=self.device),
         }
-        # float64 truth: the reference and its gradients by autograd
-        (y64,), (dx64, dw64) = float64_grads(lambda x, w: rms_norm_float64(x, w, eps), (x, w), (0, 1), (dy,))
-        self.ref = {
-            "y": y64,
-            "rstd": torch.rsqrt(x.double().pow(2).mean(-1) + eps),
-            "dx": dx64,
-            "dw": dw64,
-        }
+        self.ref = {**self.reference(inputs), "rstd": torch.rsqrt(x.double().pow(2).mean(-1) + eps)}
         tol = REL_TOL[dtype]
         self.tol = {"y": tol, "rstd": FP32_OUT_TOL, "dx": tol, "dw": tol}
         self.outputs = {"fwd": ("y", "rstd"), "bwd": ("dx", "dw")}
@@ -216,21 +240,11 @@ class RMSNormProblem(Problem):
                                            0.0, self.limits.num_sms)
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
-    def bytes_moved(self, phase: str) -> int:
-        e, ey = self.element_size, self.buffers["y"].element_size()
-        mn, m, n = self.rows * self.n_cols, self.rows, self.n_cols
-        if phase == "fwd":
-            return mn * e + n * e + mn * ey + m * 4
-        return 2 * mn * e + n * e + m * 4 + mn * e + n * e
-
-    @property
-    def element_size(self) -> int:
-        return self.buffers["x"].element_size()
-
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's decoder norms: one problem per token count at ``hidden_size``."""
-    return [RMSNormProblem(dtype, model.hidden_size, r, device, seed=seed, eps=model.rms_norm_eps) for r in rows]
+    return [RMSNormProblem(dtype, RMSNormProblem.shape(model), r, device, seed=seed, **RMSNormProblem.options(model))
+            for r in rows]
 
 
 SPEC = OpSpec("rms_norm", RMSNormSpace, RMSNormProblem, tuning_problems,

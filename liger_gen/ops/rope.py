@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from liger_gen.codegen.problems import REL_TOL, Problem
+from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, randn, reference_by_autograd
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -231,13 +231,19 @@ class RoPESpace(Space):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-def _llama_cos_sin(seq: int, rotary_dim: int, dtype: torch.dtype, device, base: float = 500000.0):
-    """cos/sin (1, seq, rotary_dim) as LlamaRotaryEmbedding makes them: fp32 math, cast to the activations'
-    dtype."""
+def llama_cos_sin(seq: int, rotary_dim: int, dtype: torch.dtype, device, base: float = 500000.0):
+    """cos/sin (1, seq, rotary_dim) as LlamaRotaryEmbedding makes them (Llama 3's rope_theta by default): fp32
+    math, cast to the activations' dtype."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     freqs = torch.arange(seq, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos()[None].to(device, dtype), emb.sin()[None].to(device, dtype)
+
+
+def sequence_length(rows: int, longest: int = 4096) -> int:
+    """The sequence length of a batch of ``rows`` tokens in the bench and tuning shapes: gcd(rows, 4096), so
+    16384 tokens are 4 sequences of 4096."""
+    return math.gcd(int(rows), longest)
 
 
 class RoPEProblem(Problem):
@@ -246,33 +252,64 @@ class RoPEProblem(Problem):
 
     op = "rope"
     SPACE = RoPESpace
+    OUTPUTS = ("q_out", "k_out")
+    # each pass: q, k (or their gradients) in and out, cos and sin in
+    BYTES_FORMULA = "4·R·(Hq + Hkv)·D·s + 4·S·D·s"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        """The model's attention RoPE (full rotary: rotary_dim = head_dim)."""
+        return {"n_q_heads": model.num_attention_heads, "n_kv_heads": model.num_key_value_heads,
+                "head_dim": model.head_dim, "rotary_dim": model.head_dim}
+
+    @classmethod
+    def bench_dims(cls, model, rows: int) -> dict[str, int]:
+        seq = sequence_length(rows)
+        return {"rows": int(rows), "batch": int(rows) // seq, "seq": seq, **cls.shape(model)}
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        b, s, hq, hk, hd = dims["batch"], dims["seq"], dims["n_q_heads"], dims["n_kv_heads"], dims["head_dim"]
+
+        def heads(n):  # transformers' layout: a (b, s, h, d) projection viewed as (b, h, s, d)
+            return randn(gen, (b, s, n, hd), dtype, device).transpose(1, 2)
+
+        cos, sin = llama_cos_sin(s, dims["rotary_dim"], dtype, device)
+        return Inputs({"q": heads(hq), "k": heads(hk), "cos": cos, "sin": sin}, grad_of=("q", "k"),
+                      upstream={"q_out": heads(hq), "k_out": heads(hk)})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return reference_by_autograd(inputs, lambda t, o: rope_float64(t["q"], t["k"], t["cos"], t["sin"]),
+                                     cls.OUTPUTS)
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        qk = dims["rows"] * (dims["n_q_heads"] + dims["n_kv_heads"]) * dims["head_dim"] * s
+        one_pass = 2 * qk + 2 * dims["seq"] * dims["rotary_dim"] * s
+        return {"fwd": one_pass, "bwd": one_pass}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, seq_len: int | None = None, seed: int = 0,
                  limits=None):
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
-        d = self.dims
-        hq, hk, hd, r = d["n_q_heads"], d["n_kv_heads"], d["head_dim"], d["rotary_dim"]
-        seq = seq_len or math.gcd(self.rows, 4096)  # 16384 tokens → 4 sequences of 4096
-        if self.rows % seq:
-            raise ValueError(f"rows={self.rows} is not a multiple of seq_len={seq}")
-        batch = self.rows // seq
-        q = self.randn(batch, seq, hq, hd).transpose(1, 2)
-        k = self.randn(batch, seq, hk, hd).transpose(1, 2)
-        cos, sin = _llama_cos_sin(seq, r, dtype, self.device)
-        dq_out = self.randn(batch, seq, hq, hd).transpose(1, 2)
-        dk_out = self.randn(batch, seq, hk, hd).transpose(1, 2)
+        self.seq = seq_len or sequence_length(self.rows)
+        if self.rows % self.seq:
+            raise ValueError(f"rows={self.rows} is not a multiple of seq_len={self.seq}")
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {})
+        q, k = inputs.tensors["q"], inputs.tensors["k"]
         self.buffers = {
-            "q": q, "k": k, "cos": cos, "sin": sin, "dq_out": dq_out, "dk_out": dk_out,
+            **inputs.tensors, "dq_out": inputs.upstream["q_out"], "dk_out": inputs.upstream["k_out"],
             "q_out": torch.empty_like(q), "k_out": torch.empty_like(k),
             "dq": torch.empty_like(q), "dk": torch.empty_like(k),
         }
-        q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
-        q_ref, k_ref = rope_float64(q64, k64, cos, sin)
-        dq_ref, dk_ref = torch.autograd.grad((q_ref, k_ref), (q64, k64), (dq_out.double(), dk_out.double()))
-        self.ref = {"q_out": q_ref.detach(), "k_out": k_ref.detach(), "dq": dq_ref, "dk": dk_ref}
+        self.ref = self.reference(inputs)
         tol = REL_TOL[dtype]
         self.tol = {"q_out": tol, "k_out": tol, "dq": tol, "dk": tol}
         self.outputs = {"fwd": ("q_out", "k_out"), "bwd": ("dq", "dk")}
+
+    @property
+    def problem_dims(self) -> dict[str, int]:
+        return {"rows": self.rows, "batch": self.rows // self.seq, "seq": self.seq, **self.dims}
 
     def launcher(self, module, phase: str):
         b = self.buffers
@@ -282,18 +319,10 @@ class RoPEProblem(Problem):
             return lambda: module.backward(b["dq_out"], b["dk_out"], b["cos"], b["sin"], None, b["dq"], b["dk"])
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
-    def bytes_moved(self, phase: str) -> int:
-        """Both phases: read q and k (or their grads) and write as many, plus cos and sin once."""
-        b = self.buffers
-        qk = (b["q"].numel() + b["k"].numel()) * b["q"].element_size()
-        return 2 * qk + (b["cos"].numel() + b["sin"].numel()) * b["cos"].element_size()
-
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The model's attention RoPE (full rotary: rotary_dim = head_dim), one problem per token count."""
-    dims = {"n_q_heads": model.num_attention_heads, "n_kv_heads": model.num_key_value_heads,
-            "head_dim": model.head_dim, "rotary_dim": model.head_dim}
-    return [RoPEProblem(dtype, dims, r, device, seed=seed) for r in rows]
+    return [RoPEProblem(dtype, RoPEProblem.shape(model), r, device, seed=seed) for r in rows]
 
 
 SPEC = OpSpec("rope", RoPESpace, RoPEProblem, tuning_problems, custom_ops=("liger_gen::rope_fwd", "liger_gen::rope_bwd"))
