@@ -594,8 +594,8 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
         check_targets("cross_entropy", target, n_cols, ignore_index)
         module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
-        _launch_forward(module, logits, target, weight, options, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"], lse=out["lse"],
-                        q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
+        _launch_forward(module, logits, target, weight, options, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"],
+                        lse=out["lse"], q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
                         loss=out["loss"], zl=out["zl"])
     else:  # CPU without the interpreter: the kernel's formulas in PyTorch (only reached when the op is called
         # directly, e.g. under torch.compile; the public function takes cross_entropy_torch on this path)
