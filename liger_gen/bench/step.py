@@ -424,7 +424,8 @@ def compare_losses(losses: Sequence[float | None], reference: Sequence[float | N
 
     ``pass`` is True when the curves have the same length, every loss of both is finite, the first step's
     relative difference (one forward from identical weights: the kernels' numerics alone) is <= ``rel_tol``, and
-    so is the mean over all steps of ``|loss - ref| / |ref|``. The max is reported, not judged: two bf16
+    so is the mean over all steps of ``|loss - ref| / |ref|``. ``diff`` holds the per-step ``loss - ref`` (nats),
+    ``max_abs_diff`` / ``mean_abs_diff`` its largest and mean magnitude. The max is reported, not judged: two bf16
     training runs that differ only in rounding drift apart step by step (measured on an H200, 2026-11-30:
     Liger-Kernel vs transformers at Llama-3.2-1B, 8 steps, lr 3e-4: first step 3e-5, max 1.3e-2, mean 3.5e-3),
     so a per-step bound would fail correct kernels, while a systematic error shows in the first step or the
@@ -434,8 +435,8 @@ def compare_losses(losses: Sequence[float | None], reference: Sequence[float | N
     if not rel_tol > 0:
         raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
     out: dict[str, Any] = {"reference": reference_name, "rel_tol": rel_tol, "max_rel_diff": None,
-                           "mean_rel_diff": None, "max_abs_diff": None, "first_step_rel_diff": None,
-                           "pass": False}
+                           "mean_rel_diff": None, "max_abs_diff": None, "mean_abs_diff": None,
+                           "first_step_rel_diff": None, "diff": [], "pass": False}
     if len(losses) != len(reference) or not losses:
         out["reason"] = f"{len(losses)} losses vs {len(reference)} reference losses"
         return out
@@ -444,9 +445,11 @@ def compare_losses(losses: Sequence[float | None], reference: Sequence[float | N
     if not all(math.isfinite(x) for x in vals + refs):
         out["reason"] = "non-finite loss"
         return out
+    out["diff"] = [a - b for a, b in zip(vals, refs)]
     rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(vals, refs)]
     out["max_rel_diff"] = max(rel)
-    out["max_abs_diff"] = max(abs(a - b) for a, b in zip(vals, refs))
+    out["max_abs_diff"] = max(abs(d) for d in out["diff"])
+    out["mean_abs_diff"] = sum(abs(d) for d in out["diff"]) / len(rel)
     out["mean_rel_diff"] = sum(rel) / len(rel)
     out["first_step_rel_diff"] = rel[0]
     out["pass"] = rel[0] <= rel_tol and out["mean_rel_diff"] <= rel_tol
@@ -553,7 +556,8 @@ def patch_report(model, family: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -584,15 +588,21 @@ class _Run:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _train_step(model, optimizer, input_ids: torch.Tensor) -> torch.Tensor:
-    loss = model(input_ids=input_ids, labels=input_ids).loss  # transformers shifts the labels
+def train_step(model, optimizer, input_ids: torch.Tensor, scheduler=None) -> torch.Tensor:
+    """One causal-LM training step on ``input_ids`` (B, T): forward with ``labels=input_ids`` (transformers shifts
+    them), backward, optimizer (and ``scheduler``) step, gradients cleared. Returns the loss, detached, on the
+    device (no host sync)."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def _make_optimizer(model, lr: float, device: torch.device):
+def make_optimizer(model, lr: float, device: torch.device):
+    """AdamW over ``model``'s parameters: the fused implementation where the build has it (CUDA always)."""
     try:
         return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     except RuntimeError:
@@ -625,8 +635,8 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
                 liger_gen.apply_to(model)
             res["patch"] = patch_report(model, run.family)
             step_model = torch.compile(model) if provider == "torch-compile" else model
-            optimizer = _make_optimizer(model, run.lr, device)
-            _sync(device)
+            optimizer = make_optimizer(model, run.lr, device)
+            sync(device)
             res["setup_s"] = time.perf_counter() - t0
 
             losses: list[torch.Tensor] = []
@@ -634,10 +644,10 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
             k = 0
             first = []
             for _ in range(run.warmup_steps):
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
-                losses.append(_train_step(step_model, optimizer, batches[k]))
-                _sync(device)
+                losses.append(train_step(step_model, optimizer, batches[k]))
+                sync(device)
                 first.append(time.perf_counter() - t)
                 k += 1
             res["first_step_s"] = first[0] if first else None
@@ -645,19 +655,19 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
             step_ms: list[float] = []
             if cuda:
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(run.steps + 1)]
-            _sync(device)
+            sync(device)
             t_start = time.perf_counter()
             host_marks = [t_start]
             if cuda:
                 marks[0].record()
             for i in range(run.steps):
-                losses.append(_train_step(step_model, optimizer, batches[k]))
+                losses.append(train_step(step_model, optimizer, batches[k]))
                 k += 1
                 if cuda:
                     marks[i + 1].record()
                 else:
                     host_marks.append(time.perf_counter())
-            _sync(device)
+            sync(device)
             timed_s = time.perf_counter() - t_start
             if cuda:
                 step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(run.steps)]
@@ -681,7 +691,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
                     res["profile"] = summarize_profile(events, run.profile_steps, res["ms_per_step"], wall)
                 else:  # no GPU activity to classify: run the steps for the loss curve only
                     for i in range(run.profile_steps):
-                        losses.append(_train_step(step_model, optimizer, batches[k + i]))
+                        losses.append(train_step(step_model, optimizer, batches[k + i]))
                 k += run.profile_steps
             res["losses"] = [float(x) for x in torch.stack(losses).float().cpu()]
         finally:
@@ -701,12 +711,12 @@ def _profile_steps(model, optimizer, batches, first: int, n: int, losses: list, 
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Pp]rofiler.*")
-        _sync(device)
+        sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
             for i in range(n):
-                losses.append(_train_step(model, optimizer, batches[first + i]))
-            _sync(device)
+                losses.append(train_step(model, optimizer, batches[first + i]))
+            sync(device)
             wall = time.perf_counter() - t
         return device_events(prof), wall
 

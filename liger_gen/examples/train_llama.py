@@ -63,7 +63,9 @@ from typing import Any
 import torch
 
 from liger_gen.files import write_atomic
-from liger_gen.bench.step import build_config, make_batches
+from liger_gen.integrations.transformers import restore_rope
+from liger_gen.bench.step import (build_config, compare_losses, loss_rel_tolerance, make_batches, make_optimizer,
+                                  sync, train_step)
 from liger_gen.models import ARCHITECTURES
 
 #: The default corpus, shipped inside the package (public domain, 1,115,394 bytes).
@@ -105,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=float,
         default=None,
-        help="AdamW learning rate (default: per preset, " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
+        help="AdamW learning rate (default: per preset, "
+             + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
     )
     p.add_argument("--lr-warmup-steps", type=int, default=10,
                    help="linear learning-rate warm-up steps before the peak rate (default: 10; 0 disables)")
@@ -295,11 +298,6 @@ def norm_inventory(model: torch.nn.Module, liger_rmsnorm: type) -> dict[str, int
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train(
     model: torch.nn.Module,
     batches: torch.Tensor,
@@ -321,7 +319,7 @@ def train(
     batches = batches.to(device)
     torch.manual_seed(seed)  # Llama has no dropout by default; seeding keeps any stochastic layer repeatable
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True if cuda else None)
+    optimizer = make_optimizer(model, lr, device)
     # linear warm-up to the peak rate, then constant: avoids the loss spike of a cold start at full rate
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / lr_warmup_steps) if lr_warmup_steps > 0 else 1.0)
@@ -335,16 +333,10 @@ def train(
     t_start = None
     for step in range(steps):
         if step == warmup_steps:
-            _sync(device)
+            sync(device)
             t_start = time.perf_counter()
-        input_ids = batches[step]
-        loss = model(input_ids=input_ids, labels=input_ids).loss  # HF shifts labels internally
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    _sync(device)
+        losses.append(train_step(model, optimizer, batches[step], schedule))
+    sync(device)
     t_end = time.perf_counter()
 
     timed_steps = steps - warmup_steps if t_start is not None else 0
@@ -360,20 +352,6 @@ def train(
     del optimizer, schedule
     model.zero_grad(set_to_none=True)
     return result
-
-
-def compare(losses: list[float], reference: list[float]) -> dict[str, Any]:
-    """Per-step ``diff = losses - reference`` (nats) and its max / mean absolute value.
-
-    Both summaries are NaN if any loss of either curve is not finite, so a diverged run never looks equal.
-    """
-    diff = [a - b for a, b in zip(losses, reference)]
-    if not diff:
-        return {"diff": [], "max_abs_diff": 0.0, "mean_abs_diff": 0.0}
-    if not all(math.isfinite(d) for d in diff):
-        return {"diff": diff, "max_abs_diff": math.nan, "mean_abs_diff": math.nan}
-    absdiff = [abs(d) for d in diff]
-    return {"diff": diff, "max_abs_diff": max(absdiff), "mean_abs_diff": sum(absdiff) / len(absdiff)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -414,12 +392,13 @@ def print_report(results: dict[str, Any], console=None) -> None:
     for i, base in enumerate(runs["baseline"]["losses"]):
         row = [str(i), f"{base:.6f}"]
         for n in others:
-            row += [f"{runs[n]['losses'][i]:.6f}", f"{comps[n]['diff'][i]:+.2e}"]
+            diff = comps[n]["diff"]
+            row += [f"{runs[n]['losses'][i]:.6f}", f"{diff[i]:+.2e}" if i < len(diff) else "n/a"]
         table.add_row(*row)
     console.print(table)
 
     summary = Table(title=f"Per run (timing excludes the first {cfg['warmup_steps']} steps)")
-    for col in ("run", "tokens/s", "ms/step", "peak mem GiB", "max |Δ|", "mean |Δ|"):
+    for col in ("run", "tokens/s", "ms/step", "peak mem GiB", "max |Δ|", "mean |Δ|", "same curve"):
         summary.add_column(col, justify="left" if col == "run" else "right")
     for n in names:
         r = runs[n]
@@ -430,8 +409,9 @@ def print_report(results: dict[str, Any], console=None) -> None:
             _fmt(r["tokens_per_s"], ",.0f"),
             _fmt(r["ms_per_step"], ".1f"),
             "n/a" if peak is None else f"{peak / 2**30:.2f}",
-            "—" if c is None else f"{c['max_abs_diff']:.2e}",
-            "—" if c is None else f"{c['mean_abs_diff']:.2e}",
+            "—" if c is None else _fmt(c["max_abs_diff"], ".2e"),
+            "—" if c is None else _fmt(c["mean_abs_diff"], ".2e"),
+            "—" if c is None else ("yes" if c["pass"] else "no"),
         )
     console.print(summary)
 
@@ -452,7 +432,9 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
 
     Prints the report and returns the results dict (also written to ``--json`` if given): ``config``,
     ``environment``, ``model``, ``data``, ``patch`` (what ``apply_to`` replaced), ``runs`` (name -> metrics
-    from :func:`train`) and ``comparisons`` (name -> :func:`compare` against ``runs["baseline"]``).
+    from :func:`train`) and ``comparisons`` (name -> ``liger_gen.bench.step.compare_losses`` against
+    ``runs["baseline"]`` at ``loss_rel_tolerance(dtype)``: per-step ``diff``, max / mean absolute and relative
+    differences, ``pass``).
     """
     import liger_gen  # the real package; called as liger_gen.apply_to so tests can wrap it
 
@@ -499,11 +481,14 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
         and all(params_before[k] is params_after[k] for k in params_before),
         "same_state_dict_keys": set(model.state_dict()) == set(initial_state),
     }
-    runs["liger_gen"] = train(model, batches, lr, device, args.warmup_steps, args.seed,
-        args.lr_warmup_steps)
+    try:
+        runs["liger_gen"] = train(model, batches, lr, device, args.warmup_steps, args.seed, args.lr_warmup_steps)
+    finally:  # apply_to routes transformers' rotary function to liger-gen for the process: route it back
+        restore_rope()
 
     base = runs["baseline"]["losses"]
-    comparisons = {n: compare(r["losses"], base) for n, r in runs.items() if n != "baseline"}
+    tol = loss_rel_tolerance(dtype)
+    comparisons = {n: compare_losses(r["losses"], base, tol, "baseline") for n, r in runs.items() if n != "baseline"}
 
     import tokenizers
     import transformers
@@ -548,7 +533,7 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
     print_report(results)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+        write_atomic(args.json, json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
     return results
 
 
