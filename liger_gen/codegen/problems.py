@@ -299,3 +299,14 @@ class Problem:
             if not err <= self.tol[name]:
                 return f"{name}: relative L2 error {err:.3g} > {self.tol[name]:.1g}"
         return None
+
+
+class VocabProblem(Problem):
+    """A loss over the model's vocabulary: one (vocab,) row of logits or log-probabilities per token; the bench's
+    default is 8192 tokens (8192 x 128256 bf16 logits: 2.1 GB)."""
+
+    DEFAULT_ROWS = 8192
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"vocab": model.vocab_size}

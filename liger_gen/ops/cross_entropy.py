@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, REL_TOL, TARGET_BYTES, Inputs, Problem,
-                                        chunk_rows, randn, rel_l2, targets)
+                                        VocabProblem, chunk_rows, randn, rel_l2, targets)
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -384,7 +384,7 @@ def _launch_backward(module, grad_loss, logits, target, weight, lse, q, scale, o
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class CrossEntropyProblem(Problem):
+class CrossEntropyProblem(VocabProblem):
     """Cross-entropy at (rows, vocab) in ``dtype`` on ``device``: the training step (forward, then backward with
     a unit upstream gradient) checked against float64 and timed as one phase, "fwd" (see CrossEntropySpace).
 
@@ -395,13 +395,8 @@ class CrossEntropyProblem(Problem):
     op = "cross_entropy"
     SPACE = CrossEntropySpace
     OUTPUTS = ("loss",)
-    DEFAULT_ROWS = 8192
     # the logits read once, dlogits written once, the targets read
     BYTES_FORMULA = "2·R·V·s + 8·R"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"vocab": model.vocab_size}
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:

@@ -20,7 +20,7 @@ import math
 import torch
 
 from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, IGNORE_INDEX, REL_TOL, TARGET_BYTES, Inputs,
-                                        Problem, chunk_rows, log_probs, randn, targets)
+                                        Problem, VocabProblem, chunk_rows, log_probs, randn, targets)
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.kl_div import DivergenceSpace, tuning_row_cap, tuning_rows
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -98,7 +98,7 @@ class JSDSpace(DivergenceSpace):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class JSDProblem(Problem):
+class JSDProblem(VocabProblem):
     """JSD at (rows, vocab) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
 
     ``beta`` (MODE) and the presence of labels are kernel constexprs, not template variants: one table entry
@@ -108,14 +108,9 @@ class JSDProblem(Problem):
     op = "jsd"
     SPACE = JSDSpace
     OUTPUTS = ("loss",)
-    DEFAULT_ROWS = 8192
     # the step's floor: student and teacher read, d student written, labels read; the tuned phases are two
     # kernels, the backward reading both inputs again
     BYTES_FORMULA = "3·R·V·s + 8·R"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"vocab": model.vocab_size}
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:

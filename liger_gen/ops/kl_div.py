@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, chunk_rows, log_probs, randn
+from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, VocabProblem, chunk_rows, log_probs, randn
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec, capped_rows
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -173,7 +173,7 @@ def tuning_rows(vocab: int, rows: list[int]) -> list[int]:
     return capped_rows(rows, tuning_row_cap(vocab))
 
 
-class KLDivProblem(Problem):
+class KLDivProblem(VocabProblem):
     """KL divergence at (rows, vocab) in ``dtype`` on ``device``: inputs, float64 truth, checks, launchers.
 
     ``reduction`` and ``log_target`` are kernel constexprs, not template variants: one table entry serves
@@ -182,14 +182,9 @@ class KLDivProblem(Problem):
     op = "kl_div"
     SPACE = KLDivSpace
     OUTPUTS = ("loss",)
-    DEFAULT_ROWS = 8192
     # the step's floor: input and target read, d input written (the target is not differentiated); the tuned
     # phases are two kernels, the backward reading the input and target again
     BYTES_FORMULA = "3·R·V·s"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"vocab": model.vocab_size}
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
