@@ -7,7 +7,7 @@ from torch import nn
 
 from liger_gen import functional as F
 from liger_gen.ops.layer_norm import LayerNorm
-from liger_gen.ops.glu import SwiGLUMLP
+from liger_gen.ops.glu import GLUMLP, SwiGLUMLP
 from liger_gen.reference import CASTING_MODES
 
 
@@ -71,4 +71,4 @@ class CrossEntropyLoss(nn.Module):
                                self.lse_square_scale, self.softcap, self.return_z_loss)
 
 
-__all__ = ["CrossEntropyLoss", "LayerNorm", "RMSNorm", "SwiGLUMLP"]
+__all__ = ["CrossEntropyLoss", "GLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

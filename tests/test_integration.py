@@ -62,7 +62,7 @@ def test_apply_to_swaps_every_part_and_training_matches(family, device):
     assert liger_gen.apply_to(model) is model  # twice is harmless
     n_norms = 2 * 2 + 1 + (2 * 2 if family == "qwen3" else 0)  # qwen3 adds per-head q/k norms
     assert sum(isinstance(m, liger_gen.nn.RMSNorm) for m in model.modules()) == n_norms
-    assert sum(isinstance(m, liger_gen.nn.SwiGLUMLP) for m in model.modules()) == 2
+    assert sum(isinstance(m, liger_gen.nn.GLUMLP) for m in model.modules()) == 2
     assert dict(model.named_parameters()).keys() == params_before.keys()
     assert all(params_before[n] is p for n, p in model.named_parameters())
 
@@ -112,7 +112,7 @@ def test_tied_embeddings_get_the_head_gradient(device):
 def test_flags_switch_replacements_off(device):
     model = _model("llama", device)
     liger_gen.apply_to(model, rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False)
-    assert not any(isinstance(m, (liger_gen.nn.RMSNorm, liger_gen.nn.SwiGLUMLP)) for m in model.modules())
+    assert not any(isinstance(m, (liger_gen.nn.RMSNorm, liger_gen.nn.GLUMLP)) for m in model.modules())
     assert "forward" not in vars(model)
     from transformers.models.llama import modeling_llama
 
@@ -154,11 +154,15 @@ def test_return_dict_false_and_positional_arguments(device):
     expected = model(input_ids=ids, labels=ids).loss.detach()
     liger_gen.apply_to(model)
     out = model(input_ids=ids, labels=ids, return_dict=False)
-    assert isinstance(out, tuple) and rel_l2(out[0].detach(), expected) < 1e-4
+    # transformers' tuple, with None where the logits would be (the fused loss never computes them)
+    assert isinstance(out, tuple) and rel_l2(out[0].detach(), expected) < 1e-4 and out[1] is None
     positional = model(ids, None, None, None, None, ids)  # labels is the 6th parameter of forward
     assert rel_l2(positional.loss.detach(), expected) < 1e-4
-    model.eval()
-    assert model(ids, None, None, None, None, ids).logits is not None
+    model.eval()  # eval mode with gradients enabled (e.g. training without dropout): still the fused loss
+    evaluated = model(ids, None, None, None, None, ids)
+    assert evaluated.logits is None and rel_l2(evaluated.loss.detach(), expected) < 1e-4
+    with torch.no_grad():  # an evaluation loop: the original forward and its logits
+        assert model(ids, None, None, None, None, ids).logits is not None
 
 
 def test_patched_model_pickles_and_loads(device):

@@ -10,7 +10,7 @@ for ``--steps`` AdamW steps on random windows of a tokenized text file. The same
                           floor of the stack itself (non-deterministic GPU kernels such as SDPA backward and
                           atomics in matmul reductions make two identical runs differ slightly on CUDA);
 3. ``liger_gen``        — after ``liger_gen.apply_to(model)``, which swaps every RMSNorm for
-                          ``liger_gen.nn.RMSNorm``, every MLP for ``liger_gen.nn.SwiGLUMLP``, RoPE for
+                          ``liger_gen.nn.RMSNorm``, every MLP for ``liger_gen.nn.GLUMLP``, RoPE for
                           ``liger_gen.functional.rope`` and the LM-head loss for
                           ``liger_gen.functional.fused_linear_cross_entropy`` (tuned Triton kernels on CUDA).
 
@@ -288,7 +288,7 @@ def norm_inventory(model: torch.nn.Module, liger_rmsnorm: type) -> dict[str, int
         n_liger += isinstance(m, liger_rmsnorm)
     import liger_gen
 
-    n_mlp = sum(isinstance(m, liger_gen.nn.SwiGLUMLP) for m in model.modules())
+    n_mlp = sum(isinstance(m, liger_gen.nn.GLUMLP) for m in model.modules())
     return {"transformers_rmsnorm": n_hf, "liger_gen_rmsnorm": n_liger, "liger_gen_swiglu_mlp": n_mlp,
             "fused_linear_cross_entropy_loss": "forward" in vars(model)}
 

@@ -1,106 +1,250 @@
-"""Patch transformers models in place: one table maps model families to the liger-gen replacements.
+"""Patch transformers models in place: one table of model families, each described as data.
 
-What ``apply_to`` replaces, per model family (``config.model_type``):
+``apply_to(model)`` walks the model and replaces, for the model's family (``config.model_type``):
 
-- **RMSNorm modules** → ``liger_gen.nn.RMSNorm`` holding the same ``weight`` Parameter (every family below
-  computes LlamaRMSNorm's formula; Qwen3's per-head q/k norms included).
-- **The SwiGLU MLP** (``LlamaMLP`` and its copies, when ``config.hidden_act`` is SiLU) →
-  ``liger_gen.nn.SwiGLUMLP`` holding the same three ``nn.Linear`` modules.
-- **RoPE**: the family's ``apply_rotary_pos_emb`` function → ``liger_gen.functional.rope`` (wrapped to keep
-  transformers' signature). Attention modules
-  call that function through their modeling module's globals, so this patch is process-wide: every model of
-  that family in the process uses it afterwards (the function computes the same values);
-  ``restore_rope()`` puts transformers' functions back.
-- **The LM-head loss**: in training mode with ``labels``, the causal-LM ``forward`` computes the loss with
+- **Norms** → ``liger_gen.nn.RMSNorm`` (or ``liger_gen.nn.LayerNorm``) holding the same Parameters. A family's
+  ``norm`` says which formula its norm classes compute: "llama" (``w · x̂`` with x̂ rounded to the input's dtype
+  first), "gemma" (``(1 + w) · x̂`` in fp32, rounded once; weights stored as w − 1), "fp32" (``w · x̂`` in fp32,
+  rounded once: OLMo 2, GPT-OSS) or "layer" (LayerNorm: Cohere 2 without bias, PhiMoE with bias). Every module of
+  the listed classes is swapped: decoder norms, Gemma 2/3's sandwich norms, OLMo 2's post-norms, q/k norms
+  (Qwen 3, Gemma 3, OLMo 2 over the whole projection). A norm whose weight is not 1-D (Cohere 2's per-head q/k
+  norms) is left as it is.
+- **Gated MLPs** → ``liger_gen.nn.GLUMLP`` holding the same projections: ``gate_proj``/``up_proj``/``down_proj``
+  (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
+  own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's
+  residual dropout is kept. An MLP with another activation, or with multipliers (Falcon-H1), stays.
+- **MoE experts** (transformers' fused ``*Experts`` modules): the gate ``act(gate) * up`` that their grouped and
+  batched implementations call (``_apply_gate``) runs the packed GLU kernel; the router, the expert GEMMs and the
+  auxiliary loss are transformers'. Under ``config._experts_implementation = "eager"`` the experts loop computes
+  the gate inline and is left as it is; experts with their own gate (GPT-OSS's clamped SwiGLU) too.
+- **RoPE**: a family whose ``apply_rotary_pos_emb`` uses the rotate-half layout (full or partial rotary) has it
+  routed to ``liger_gen.functional.rope`` (wrapped to keep transformers' signature). Attention modules call that
+  function through their modeling module's globals, so this patch is process-wide: every model of that family in
+  the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
+  functions back. Interleaved layouts (GLM-4, Cohere 2), GPT-OSS's half-width tables and Llama 4's complex
+  rotation are left unpatched.
+- **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
+  train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
-  without materialising the logits (``outputs.logits`` is None then). The loss equals transformers'
-  ``ForCausalLMLoss``: labels shifted left, ``ignore_index=-100``, mean over non-ignored tokens, or a sum
-  divided by ``num_items_in_batch`` when the trainer passes it. In eval mode, or without labels, the original
-  forward runs and returns logits (also with ``use_cache=True``). ``return_dict=False`` gives a tuple, as in
-  transformers.
+  without materialising the logits (``outputs.logits`` is None then). The family's logit transform is part of the
+  loss: Gemma 2/3's final soft-capping (FLCE's ``softcap``), Granite's division by ``logits_scaling`` and Cohere's
+  ``logit_scale`` (both applied to the hidden states, the same product). The loss equals transformers'
+  ``ForCausalLMLoss``: labels shifted left, ``ignore_index=-100``, mean over non-ignored tokens, or a sum divided
+  by ``num_items_in_batch`` when the trainer passes it; MoE models add the router's load-balancing loss as
+  transformers does when router logits are requested. Without labels, with gradients disabled or with
+  ``use_cache=True`` the original forward runs and returns logits. ``return_dict=False`` gives transformers' tuple
+  with None in the logits' place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
+import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
 
-from liger_gen.nn import RMSNorm
+from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
+
+logger = logging.getLogger("liger_gen")
+
+# transformers releases the family table was checked against (the convergence tests run on them)
+TESTED_TRANSFORMERS = ("4.45.2", "4.51.3", "5.14.1", "5.17.0", "5.24.0")
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """Where a family's modeling code lives and which of its classes liger-gen replaces."""
+    """One family's modeling module and what liger-gen replaces in it (see the module docstring).
 
-    modeling_module: str
-    norm_classes: tuple[str, ...]
-    mlp_classes: tuple[str, ...]
-    causal_lm_classes: tuple[str, ...]
-    casting_mode: str = "llama"
-    offset: float = 0.0
+    model_type: ``config.model_type``. module: the modeling module. prefix: its class-name prefix ("Llama").
+    norm: the formula of its norm classes ("llama", "gemma", "fp32", "layer"; None: not patched).
+    norm_classes: the classes to swap (default ``<prefix>RMSNorm``). rope: whether its ``apply_rotary_pos_emb``
+    is the rotate-half layout ``liger_gen.functional.rope`` computes. mlp: whether its gated MLP modules are
+    patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
+    ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
+    ``config.logits_scaling``, "multiply" by the model's ``logit_scale``). note: what stays transformers' own.
+    """
+
+    model_type: str
+    prefix: str
+    norm: str | None = "llama"
+    norm_classes: tuple[str, ...] | None = None
+    rope: bool = True
+    mlp: bool = True
+    causal_lm: tuple[str, ...] | None = None
+    logits: str | None = None
+    module: str | None = None
+    note: str = ""
+
+    @property
+    def modeling_module(self) -> str:
+        return self.module or f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+
+    @property
+    def norm_class_names(self) -> tuple[str, ...]:
+        return self.norm_classes if self.norm_classes is not None else (f"{self.prefix}RMSNorm",)
+
+    @property
+    def causal_lm_classes(self) -> tuple[str, ...]:
+        return self.causal_lm if self.causal_lm is not None else (f"{self.prefix}ForCausalLM",)
 
 
-def _family(name: str, prefix: str) -> ModelFamily:
-    return ModelFamily(f"transformers.models.{name}.modeling_{name}", (f"{prefix}RMSNorm",), (f"{prefix}MLP",),
-                       (f"{prefix}ForCausalLM",))
+_F = ModelFamily
+MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
+    _F("llama", "Llama"),
+    _F("llama4_text", "Llama4Text", module="transformers.models.llama4.modeling_llama4",
+       causal_lm=("Llama4ForCausalLM",), rope=False,
+       note="RoPE: Llama 4 rotates by complex multiplication (not patched)"),
+    _F("mistral", "Mistral"),
+    _F("ministral", "Ministral"),
+    _F("mixtral", "Mixtral"),
+    _F("qwen2", "Qwen2"),
+    _F("qwen2_moe", "Qwen2Moe"),
+    _F("qwen3", "Qwen3"),
+    _F("qwen3_moe", "Qwen3Moe"),
+    _F("qwen3_next", "Qwen3Next", norm="gemma",
+       note="the gated linear-attention layers' gated RMSNorm is transformers' own"),
+    _F("gemma", "Gemma", norm="gemma"),
+    _F("gemma2", "Gemma2", norm="gemma", logits="softcap"),
+    _F("gemma3_text", "Gemma3", norm="gemma", logits="softcap", module="transformers.models.gemma3.modeling_gemma3"),
+    _F("phi3", "Phi3"),
+    _F("phimoe", "Phimoe", norm="layer", norm_classes=("LayerNorm",)),
+    _F("granite", "Granite", logits="divide"),
+    _F("granitemoe", "GraniteMoe", logits="divide"),
+    _F("olmo2", "Olmo2", norm="fp32"),
+    _F("olmo3", "Olmo3", norm="fp32"),
+    _F("glm4", "Glm4", rope=False, note="RoPE: GLM-4 rotates interleaved pairs (not patched)"),
+    _F("smollm3", "SmolLM3"),
+    _F("deepseek_v3", "DeepseekV3",
+       note="RoPE: only the rotate-half path (config.rope_interleave=False) runs liger-gen's kernel"),
+    _F("gpt_oss", "GptOss", norm="fp32", rope=False,
+       note="RoPE (half-width cos/sin tables) and the experts' clamped SwiGLU stay transformers' own"),
+    _F("cohere2", "Cohere2", norm="layer", norm_classes=("Cohere2LayerNorm",), rope=False, logits="multiply",
+       note="RoPE: Cohere rotates interleaved pairs (not patched); per-head q/k norms stay"),
+    _F("exaone4", "Exaone4"),
+    _F("seed_oss", "SeedOss"),
+)}
+# model types that are these families under another name in some transformers releases
+_ALIASES = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 
-
-# model_type (config.model_type) → its modeling module and classes; all four compute LlamaRMSNorm's formula,
-# the SwiGLU MLP and transformers' rotate_half RoPE.
-MODEL_FAMILIES: dict[str, ModelFamily] = {
-    "llama": _family("llama", "Llama"),
-    "mistral": _family("mistral", "Mistral"),
-    "qwen2": _family("qwen2", "Qwen2"),
-    "qwen3": _family("qwen3", "Qwen3"),
-}
-
-_SILU = ("silu", "swish")
 _original_rope: dict[str, object] = {}  # modeling module name → transformers' apply_rotary_pos_emb
 _patched_rope: dict[str, object] = {}  # modeling module name → its liger-gen wrapper (one object, so it pickles)
 
 
-def _replace_norm(module: nn.Module, family: ModelFamily) -> RMSNorm:
-    """A liger-gen RMSNorm that shares ``module``'s weight Parameter (optimizer state and device stay put)."""
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family entry of ``model``'s ``config.model_type``; ValueError naming the supported ones."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = _ALIASES.get(model_type, model_type)
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(f"liger_gen.apply_to: model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_FAMILIES))}")
+    return MODEL_FAMILIES[model_type]
+
+
+# ------------------------------------------------------------------------------------------------ norms
+
+
+def _replace_norm(module: nn.Module, kind: str) -> nn.Module | None:
+    """A liger-gen norm sharing ``module``'s Parameters, or None where the weight is not 1-D."""
     weight = module.weight
+    if weight is None or weight.dim() != 1:
+        return None
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    new = RMSNorm(weight.shape[0], eps=eps, offset=family.offset, casting_mode=family.casting_mode, device="meta")
-    new.weight = weight
+    if kind == "layer":
+        bias = getattr(module, "bias", None)
+        new = LayerNorm(weight.shape[0], eps=eps, bias=bias is not None, device="meta")
+        new.weight = weight
+        if bias is not None:
+            new.bias = bias
+    else:
+        offset, casting = {"llama": (0.0, "llama"), "gemma": (1.0, "gemma"), "fp32": (0.0, "gemma")}[kind]
+        new = RMSNorm(weight.shape[0], eps=eps, offset=offset, casting_mode=casting, device="meta")
+        new.weight = weight
     new.train(module.training)
     return new
 
 
-def _replace_mlp(module: nn.Module) -> nn.Module:
-    """A liger-gen SwiGLUMLP that holds ``module``'s gate/up/down projections (no new parameters).
+# ------------------------------------------------------------------------------------------------ MLPs
 
-    The sizes come from the projections themselves: older transformers releases' MLPs (Mistral, Qwen2) keep no
-    ``config``."""
-    from liger_gen.nn import SwiGLUMLP
 
-    gate = module.gate_proj
-    sizes = SimpleNamespace(hidden_size=gate.in_features, intermediate_size=gate.out_features, hidden_act="silu",
-                            mlp_bias=gate.bias is not None)
-    with torch.device("meta"):
-        new = SwiGLUMLP(getattr(module, "config", None) or sizes)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        setattr(new, name, getattr(module, name))
+def activation_name(act: Any) -> str | None:
+    """The ``GLU_ACTIVATIONS`` name of a transformers / torch activation module, or None for another one."""
+    name = type(act).__name__
+    if name in ("SiLU", "SiLUActivation"):
+        return "silu"
+    if name in ("GELUTanh", "PytorchGELUTanh"):
+        return "gelu_tanh"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if name == "GELUActivation" and getattr(act, "act", None) is nn.functional.gelu:
+        return "gelu"
+    return None
+
+
+def _activation_of(module: nn.Module) -> str | None:
+    act = module.__dict__["_modules"].get("act_fn") or module.__dict__["_modules"].get("activation_fn")
+    return None if act is None else activation_name(act)
+
+
+def _replace_mlp(module: nn.Module) -> tuple[nn.Module | None, str]:
+    """(a GLUMLP holding ``module``'s projections, "") or (None, why it stays)."""
+    children = dict(module.named_children())
+    if any(hasattr(module, name) for name in ("gate_multiplier", "down_multiplier")):
+        return None, "MLP multipliers"
+    activation = _activation_of(module)
+    if activation is None:
+        act = children.get("act_fn", children.get("activation_fn"))
+        return None, f"activation {type(act).__name__}"
+    dropout = float(getattr(module, "residual_dropout", 0.0) or 0.0)
+    if isinstance(children.get("gate_up_proj"), nn.Linear) and isinstance(children.get("down_proj"), nn.Linear):
+        new = GLUMLP(activation, children["down_proj"], gate_up_proj=children["gate_up_proj"], dropout=dropout)
+    elif all(isinstance(children.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        new = GLUMLP(activation, children["down_proj"], gate_proj=children["gate_proj"],
+                     up_proj=children["up_proj"], dropout=dropout)
+    else:
+        return None, "not a gated MLP"
     new.train(module.training)
-    return new
+    return new, ""
 
 
-def _swap_children(model: nn.Module, class_names: tuple[str, ...], make) -> int:
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ in class_names:
-                setattr(parent, name, make(child))
-                count += 1
-    return count
+class ExpertsGate:
+    """The ``_apply_gate`` of a fused experts module: ``act(gate) * up`` of the packed (tokens, 2·I) projection
+    output by liger-gen's packed GLU kernel. A plain object so that a patched model pickles."""
+
+    def __init__(self, activation: str):
+        self.activation = activation
+
+    def __call__(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        from liger_gen.ops.glu import glu_gate_up_product
+
+        return glu_gate_up_product(gate_up_out, self.activation)
+
+
+def _patch_experts(module: nn.Module) -> str:
+    """Route a fused experts module's gate to liger-gen; "" when done, else why it stays."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return "experts: this transformers release has no experts gate hook"
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        return "experts: the family's own gate"
+    if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)):
+        return "experts: not a packed gate/up layout"
+    activation = activation_name(getattr(module, "act_fn", None))
+    if activation is None:
+        return f"experts: activation {type(getattr(module, 'act_fn', None)).__name__}"
+    if getattr(getattr(module, "config", None), "_experts_implementation", None) in (None, "eager"):
+        return "experts: the eager experts loop computes the gate inline"
+    module._apply_gate = ExpertsGate(activation)
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------ loss
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,12 +253,24 @@ def _signature(function) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def _causal_lm_forward(self, *args, **kwargs):
+def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | None, float | None]:
+    """(multiplier of the hidden states, softcap) that reproduce the family's logits before the loss."""
+    config = model.config
+    if family.logits == "softcap":
+        return None, getattr(config, "final_logit_softcapping", None)
+    if family.logits == "divide":
+        return 1.0 / float(config.logits_scaling), None
+    if family.logits == "multiply":
+        return float(getattr(model, "logit_scale", getattr(config, "logit_scale", 1.0))), None
+    return None, None
+
+
+def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     """Causal-LM forward whose training loss never materialises the logits (see the module docstring).
 
     The call is bound to the original ``forward``'s signature, so positional and keyword arguments mean what
-    they mean there; anything but a training call with ``labels`` (and without ``use_cache=True``) runs the
-    original forward unchanged.
+    they mean there; a call without labels, with gradients disabled or with ``use_cache=True`` runs the original
+    forward unchanged.
     """
     original = type(self).forward
     signature = _signature(original)
@@ -123,9 +279,9 @@ def _causal_lm_forward(self, *args, **kwargs):
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     extra = dict(named.pop(var_keyword, {})) if var_keyword else {}  # **kwargs, **loss_kwargs (4.46), none (4.45)
     labels = named.get("labels")
-    if not self.training or labels is None or named.get("use_cache"):
+    if labels is None or not torch.is_grad_enabled() or named.get("use_cache"):
         return original(self, *args, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers import modeling_outputs
 
     from liger_gen.functional import fused_linear_cross_entropy
 
@@ -135,6 +291,10 @@ def _causal_lm_forward(self, *args, **kwargs):
     return_dict = extra.pop("return_dict", return_dict)
     shift_labels = extra.pop("shift_labels", None)
     num_items_in_batch = extra.pop("num_items_in_batch", None)  # a loss argument; base models before 4.48 reject it
+    router = named.get("output_router_logits")
+    router = getattr(self.config, "output_router_logits", False) if router is None else router
+    if "output_router_logits" in named or router:
+        named["output_router_logits"] = router
     if "return_dict" in _signature(type(self.model).forward).parameters:
         named["return_dict"] = True  # the base model returns a tuple when config.return_dict/its caller says so
     outputs = self.model(**named, **extra)
@@ -143,17 +303,34 @@ def _causal_lm_forward(self, *args, **kwargs):
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
     head = self.get_output_embeddings()
-    loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
-                                      shift_labels.reshape(-1).to(hidden.device), bias=head.bias,
-                                      ignore_index=-100, reduction=reduction)
+    scale, softcap = _logit_transform(self, family)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    if scale is not None:
+        x = x * scale
+    loss = fused_linear_cross_entropy(x, head.weight, shift_labels.reshape(-1).to(hidden.device), bias=head.bias,
+                                      ignore_index=-100, reduction=reduction, softcap=softcap)
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
-    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                 attentions=outputs.attentions)
+    moe = bool(router) and getattr(outputs, "router_logits", None) is not None
+    if moe:
+        modeling = importlib.import_module(type(self).__module__)
+        aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
+                                                     self.num_experts_per_tok, named.get("attention_mask"))
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    out_cls = modeling_outputs.MoeCausalLMOutputWithPast if moe else modeling_outputs.CausalLMOutputWithPast
+    # the base model's fields by the output class's own names (the cache field was renamed in transformers 5)
+    fields = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(out_cls)}
+    fields.update(loss=loss, logits=None)
+    if moe:
+        fields["aux_loss"] = aux_loss
+    out = out_cls(**fields)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    rest = out.to_tuple()[1:]  # transformers' tuple, with None where it would hold the logits
+    return (out.loss, None, *rest)
 
 
 class FusedLossForward:
@@ -166,11 +343,12 @@ class FusedLossForward:
     ``num_items_in_batch``.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, family: ModelFamily | None = None):
         self.module = module
+        self.family = family or family_of(module)
 
     def __call__(self, *args, **kwargs):
-        return _causal_lm_forward(self.module, *args, **kwargs)
+        return _causal_lm_forward(self.module, self.family, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -184,6 +362,9 @@ class FusedLossForward:
     @property
     def __name__(self) -> str:
         return "forward"
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
 
 
 def _transformers_rope(original):
@@ -203,55 +384,24 @@ def _transformers_rope(original):
     return apply_rotary_pos_emb
 
 
-def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-             fused_linear_cross_entropy: bool = True) -> nn.Module:
-    """Replace the supported parts of a transformers model in place and return the model.
-
-    Supported ``config.model_type``: llama, mistral, qwen2, qwen3. Each flag switches one replacement (see the
-    module docstring for what each does): the state_dict, the Parameter objects (so an optimizer built before
-    still updates them) and the devices are unchanged. Calling it twice is harmless.
-
-    Args:
-        model: a transformers model of a supported family (a ``*ForCausalLM`` or its base ``*Model``).
-        rms_norm: swap RMSNorm modules for ``liger_gen.nn.RMSNorm``.
-        swiglu: swap the MLP modules for ``liger_gen.nn.SwiGLUMLP`` (only when the activation is SiLU).
-        rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
-        fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
-
-    Raises:
-        ValueError: the model has no ``config.model_type`` among the supported families.
-    """
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_FAMILIES:
-        raise ValueError(f"liger_gen.apply_to: model_type {model_type!r} is not supported; "
-                         f"supported: {sorted(MODEL_FAMILIES)}")
-    family = MODEL_FAMILIES[model_type]
-    if rms_norm:
-        _swap_children(model, family.norm_classes, lambda m: _replace_norm(m, family))
-    if swiglu and getattr(config, "hidden_act", None) in _SILU:
-        _swap_children(model, family.mlp_classes, _replace_mlp)
-    if rope:
-        modeling = importlib.import_module(family.modeling_module)
-        original = _original_rope.setdefault(family.modeling_module, modeling.apply_rotary_pos_emb)
-        patched = _patched_rope.get(family.modeling_module)
-        if patched is None:
-            patched = _patched_rope[family.modeling_module] = _transformers_rope(original)
-        modeling.apply_rotary_pos_emb = patched
-        # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
-        # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
-        # which now names the wrapper, so those references must be the wrapper for torch.save to work.
-        for module in model.modules():
-            if module.__dict__.get("rotary_fn") is original:
-                module.rotary_fn = patched
-            hidden = module.__dict__.get("_hidden_kernels")
-            if isinstance(hidden, dict):
-                for key, value in list(hidden.items()):
-                    if value is original:
-                        hidden[key] = patched
-    if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
-        model.forward = FusedLossForward(model)
-    return model
+def _patch_rope(model: nn.Module, modeling) -> None:
+    name = modeling.__name__
+    original = _original_rope.setdefault(name, modeling.apply_rotary_pos_emb)
+    patched = _patched_rope.get(name)
+    if patched is None:
+        patched = _patched_rope[name] = _transformers_rope(original)
+    modeling.apply_rotary_pos_emb = patched
+    # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
+    # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
+    # which now names the wrapper, so those references must be the wrapper for torch.save to work.
+    for module in model.modules():
+        if module.__dict__.get("rotary_fn") is original:
+            module.rotary_fn = patched
+        hidden = module.__dict__.get("_hidden_kernels")
+        if isinstance(hidden, dict):
+            for key, value in list(hidden.items()):
+                if value is original:
+                    hidden[key] = patched
 
 
 def restore_rope() -> None:
@@ -259,3 +409,123 @@ def restore_rope() -> None:
     for name, function in _original_rope.items():
         importlib.import_module(name).apply_rotary_pos_emb = function
     _original_rope.clear()
+
+
+# ------------------------------------------------------------------------------------------------ apply_to
+
+
+@dataclass
+class PatchReport:
+    """What ``apply_to`` replaced in one model: counts per kind and the modules it left, with why."""
+
+    family: str
+    norms: int = 0
+    mlps: int = 0
+    experts: int = 0
+    rope: bool = False
+    loss: bool = False
+    left: list[str] | None = None
+    note: str = ""
+
+    def summary(self) -> str:
+        done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts gates"] if self.experts
+                                                                 else [])
+        done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
+        left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
+        return f"liger_gen.apply_to({self.family}): {', '.join(done)}{left}"
+
+
+def _group(left: list[tuple[str, str]]) -> list[str]:
+    """'<class> ×n (<why>)' lines from (class name, why) pairs, in first-seen order."""
+    counts: dict[tuple[str, str], int] = {}
+    for item in left:
+        counts[item] = counts.get(item, 0) + 1
+    return [f"{cls} ×{n} ({why})" for (cls, why), n in counts.items()]
+
+
+def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+             fused_linear_cross_entropy: bool = True, strict: bool = False) -> nn.Module:
+    """Replace the supported parts of a transformers model in place and return the model.
+
+    Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
+    mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, phi3, phimoe, granite,
+    granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2, exaone4, seed_oss); the module
+    docstring says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before
+    still updates them) and the devices are unchanged; meta-device and half-precision models are patched alike.
+    Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as
+    ``model.liger_gen_report`` (a ``PatchReport``). Calling it again on a patched model changes nothing already
+    replaced (the log line says so).
+
+    Args:
+        model: a transformers model of a supported family (a ``*ForCausalLM`` or its base ``*Model``).
+        rms_norm: swap the norm modules (RMSNorm, or LayerNorm for the families that use it).
+        swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` and route MoE experts' gates.
+        rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
+        fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
+        strict: raise instead of leaving a module of a requested kind unpatched.
+
+    Raises:
+        ValueError: the model's ``config.model_type`` is not a supported family; with ``strict``, a requested
+            replacement could not be made (the message lists the modules and why).
+        RuntimeError: the family's modeling module lacks a function or class the table names (a transformers
+            release whose modeling code changed); the message names it and the releases tested.
+    """
+    family = family_of(model)
+    try:
+        modeling = importlib.import_module(family.modeling_module)
+    except ImportError as e:
+        raise RuntimeError(f"liger_gen.apply_to: {family.modeling_module} cannot be imported ({e}); transformers "
+                           f"releases tested: {', '.join(TESTED_TRANSFORMERS)}") from e
+    report = PatchReport(family.model_type, note=family.note)
+    already = isinstance(getattr(model, "liger_gen_report", None), PatchReport)
+    left: list[tuple[str, str]] = []
+    if rms_norm and family.norm is not None:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child).__name__ in family.norm_class_names and not isinstance(child, (RMSNorm, LayerNorm)):
+                    new = _replace_norm(child, family.norm)
+                    if new is None:
+                        left.append((type(child).__name__, "weight is not one vector"))
+                    else:
+                        setattr(parent, name, new)
+    if swiglu:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child).__module__ != modeling.__name__:
+                    continue
+                if hasattr(child, "_apply_gate") and isinstance(getattr(child, "gate_up_proj", None), nn.Parameter):
+                    why = _patch_experts(child)
+                    if why:
+                        left.append((type(child).__name__, why))
+                elif type(child).__name__.endswith("MLP") and "down_proj" in dict(child.named_children()):
+                    new, why = _replace_mlp(child)
+                    if new is None:
+                        left.append((type(child).__name__, why))
+                    else:
+                        setattr(parent, name, new)
+    if rope:
+        if family.rope:
+            if not callable(getattr(modeling, "apply_rotary_pos_emb", None)):
+                raise RuntimeError(f"liger_gen.apply_to: {modeling.__name__} has no apply_rotary_pos_emb; "
+                                   f"transformers releases tested: {', '.join(TESTED_TRANSFORMERS)}")
+            _patch_rope(model, modeling)
+            report.rope = True
+        else:
+            left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
+    if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
+        model.forward = FusedLossForward(model, family)  # a base *Model has no LM head: nothing to fuse
+    # the report counts what the model holds now, so a second call reports the same model
+    report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
+    report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
+    report.experts = sum(isinstance(m.__dict__.get("_apply_gate"), ExpertsGate) for m in model.modules())
+    report.rope = report.rope or (family.rope and _patched_rope.get(family.modeling_module) is not None
+                                  and getattr(modeling, "apply_rotary_pos_emb", None)
+                                  is _patched_rope[family.modeling_module])
+    report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
+    report.left = _group(left)
+    if strict and report.left:
+        raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
+                         f"{'; '.join(report.left)}")
+    model.liger_gen_report = report
+    logger.info(report.summary() + ("; it was already patched" if already else ""))
+    return model

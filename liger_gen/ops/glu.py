@@ -620,3 +620,65 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+# the activations a GLU kernel computes, by the name ``GLUMLP`` takes
+GLU_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` for an activation of ``GLU_ACTIVATIONS``: swiglu or geglu."""
+    if activation == "silu":
+        return swiglu(gate, up)
+    return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def glu_gate_up_product(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of a packed ``gate_up`` (gate first) for an activation of ``GLU_ACTIVATIONS``."""
+    if activation == "silu":
+        return swiglu_gate_up(gate_up)
+    return geglu_gate_up(gate_up, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+class GLUMLP(nn.Module):
+    """A gated MLP around existing projections: ``dropout(down_proj(act(gate) * up))`` with the product in one
+    liger-gen kernel, for transformers' MLP modules of every family ``liger_gen.apply_to`` patches.
+
+    Args:
+        activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU), see ``GLU_ACTIVATIONS``.
+        down_proj: the output projection (``nn.Linear``, intermediate → hidden).
+        gate_proj, up_proj: the two input projections (Llama's layout), or
+        gate_up_proj: one packed projection whose output holds gate then up (Phi-3's and GLM-4's layout).
+        dropout: dropout probability after down_proj in training mode (Seed-OSS's residual dropout; 0: none).
+
+    The projections are the modules given (no new parameters): the state_dict keys and the Parameter objects
+    are the original MLP's. Shape: (..., hidden) → (..., hidden).
+
+    Raises:
+        ValueError: an unknown activation, or neither (gate_proj, up_proj) nor gate_up_proj given.
+    """
+
+    def __init__(self, activation: str, down_proj: nn.Module, *, gate_proj: nn.Module | None = None,
+                 up_proj: nn.Module | None = None, gate_up_proj: nn.Module | None = None, dropout: float = 0.0):
+        super().__init__()
+        if activation not in GLU_ACTIVATIONS:
+            raise ValueError(f"GLUMLP: activation must be one of {GLU_ACTIVATIONS}, got {activation!r}")
+        if (gate_up_proj is None) == (gate_proj is None or up_proj is None):
+            raise ValueError("GLUMLP: give gate_proj and up_proj, or gate_up_proj")
+        self.activation, self.dropout = activation, float(dropout)
+        if gate_up_proj is not None:
+            self.gate_up_proj = gate_up_proj
+        else:
+            self.gate_proj, self.up_proj = gate_proj, up_proj
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "gate_up_proj" in self._modules:
+            h = glu_gate_up_product(self.gate_up_proj(x), self.activation)
+        else:
+            h = glu_product(self.gate_proj(x), self.up_proj(x), self.activation)
+        y = self.down_proj(h)
+        return nn.functional.dropout(y, p=self.dropout, training=self.training) if self.dropout else y
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
