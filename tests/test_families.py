@@ -129,3 +129,32 @@ def test_family_trains_like_transformers_through_the_kernels(model_type, monkeyp
 
 def test_every_family_has_a_mini_model():
     assert set(FAMILY_CONFIGS) == set(MODEL_FAMILIES)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type):
+    """The same training in bf16 on a GPU, where every patched op runs its tuned Triton kernel: the curves agree
+    within bf16's precision (``liger_gen.bench.step.compare_losses``: first step and mean relative difference
+    within bf16's epsilon)."""
+    from liger_gen.bench.step import compare_losses, loss_rel_tolerance
+
+    plain = mini_model(model_type, dtype=torch.bfloat16, device="cuda")
+    if plain is None:
+        pytest.skip(f"this transformers release has no {model_type}")
+    patched = mini_model(model_type, dtype=torch.bfloat16, device="cuda")
+    batches = [b.cuda() for b in _batches()[0]]
+    try:
+        plain_losses = _train(plain, batches, STEPS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            liger_gen.apply_to(patched)
+        patched_losses = _train(patched, batches, STEPS)
+    finally:
+        restore_rope()
+    assert patched.liger_gen_report.norms > 0 and patched.liger_gen_report.loss
+    result = compare_losses(patched_losses, plain_losses, loss_rel_tolerance(torch.bfloat16))
+    print(f"{model_type}: {patched.liger_gen_report.summary()}; first {result['first_step_rel_diff']:.2e}, "
+          f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}")
+    assert result["pass"], (model_type, result)
