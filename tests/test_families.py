@@ -120,6 +120,27 @@ def test_family_trains_like_transformers_on_the_plain_path(model_type, monkeypat
     _compare(model_type, STEPS)
 
 
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_family_takes_a_bfloat16_training_step_on_the_plain_path(model_type, monkeypatch):
+    """bf16 weights and activations: every patched piece keeps the dtypes transformers' code expects (a float32
+    result where bf16 is expected breaks the next matmul), and the first loss agrees within bf16's precision."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plain = mini_model(model_type, dtype=torch.bfloat16)
+    if plain is None:
+        pytest.skip(f"this transformers release has no {model_type}")
+    patched = mini_model(model_type, dtype=torch.bfloat16)
+    batches, _ = _batches()
+    try:
+        (expected,) = _train(plain, batches, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            liger_gen.apply_to(patched)
+        (got,) = _train(patched, batches, 1)
+    finally:
+        restore_rope()
+    assert abs(got - expected) <= torch.finfo(torch.bfloat16).eps * abs(expected), (model_type, got, expected)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs CPU tensors")
 @pytest.mark.parametrize("model_type", INTERPRETER_FAMILIES)
 def test_family_trains_like_transformers_through_the_kernels(model_type, monkeypatch):

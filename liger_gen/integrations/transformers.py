@@ -64,7 +64,8 @@ class ModelFamily:
     model_type: ``config.model_type``. module: the modeling module. prefix: its class-name prefix ("Llama").
     norm: the formula of its norm classes ("llama", "gemma", "fp32", "layer"; None: not patched).
     norm_classes: the classes to swap (default ``<prefix>RMSNorm``). rope: whether its ``apply_rotary_pos_emb``
-    is the rotate-half layout ``liger_gen.functional.rope`` computes. mlp: whether its gated MLP modules are
+    is the rotate-half layout ``liger_gen.functional.rope`` computes; rope_keeps_dtype: whether that function
+    casts its outputs back to q's and k's dtypes (OLMo 2/3) rather than promoting them with cos/sin's. mlp: whether its gated MLP modules are
     patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
     ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
     ``config.logits_scaling``, "multiply" by the model's ``logit_scale``). note: what stays transformers' own.
@@ -75,6 +76,7 @@ class ModelFamily:
     norm: str | None = "llama"
     norm_classes: tuple[str, ...] | None = None
     rope: bool = True
+    rope_keeps_dtype: bool = False
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
     logits: str | None = None
@@ -116,8 +118,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("phimoe", "Phimoe", norm="layer", norm_classes=("LayerNorm",)),
     _F("granite", "Granite", logits="divide"),
     _F("granitemoe", "GraniteMoe", logits="divide"),
-    _F("olmo2", "Olmo2", norm="fp32"),
-    _F("olmo3", "Olmo3", norm="fp32"),
+    _F("olmo2", "Olmo2", norm="fp32", rope_keeps_dtype=True),
+    _F("olmo3", "Olmo3", norm="fp32", rope_keeps_dtype=True),
     _F("glm4", "Glm4", rope=False, note="RoPE: GLM-4 rotates interleaved pairs (not patched)"),
     _F("smollm3", "SmolLM3"),
     _F("deepseek_v3", "DeepseekV3",
@@ -367,10 +369,11 @@ class FusedLossForward:
 # ------------------------------------------------------------------------------------------------ RoPE
 
 
-def _transformers_rope(original):
+def _transformers_rope(original, keeps_dtype: bool = False):
     """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
     honoured by name or position; a ``position_ids`` argument (deprecated and unused in transformers since
-    cos/sin come per position) is ignored as transformers ignores it."""
+    cos/sin come per position) is ignored as transformers ignores it. ``keeps_dtype``: cast the results to q's
+    and k's dtypes, as the replaced function does."""
     from liger_gen.functional import rope
 
     signature = inspect.signature(original)
@@ -378,18 +381,19 @@ def _transformers_rope(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
-        return rope(q, k, cos, sin, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
+        q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
+        return (q_out.to(q.dtype), k_out.to(k.dtype)) if keeps_dtype else (q_out, k_out)
 
     apply_rotary_pos_emb.liger_gen = True
     return apply_rotary_pos_emb
 
 
-def _patch_rope(model: nn.Module, modeling) -> None:
+def _patch_rope(model: nn.Module, modeling, keeps_dtype: bool) -> None:
     name = modeling.__name__
     original = _original_rope.setdefault(name, modeling.apply_rotary_pos_emb)
     patched = _patched_rope.get(name)
     if patched is None:
-        patched = _patched_rope[name] = _transformers_rope(original)
+        patched = _patched_rope[name] = _transformers_rope(original, keeps_dtype)
     modeling.apply_rotary_pos_emb = patched
     # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
     # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
@@ -508,7 +512,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             if not callable(getattr(modeling, "apply_rotary_pos_emb", None)):
                 raise RuntimeError(f"liger_gen.apply_to: {modeling.__name__} has no apply_rotary_pos_emb; "
                                    f"transformers releases tested: {', '.join(TESTED_TRANSFORMERS)}")
-            _patch_rope(model, modeling)
+            _patch_rope(model, modeling, family.rope_keeps_dtype)
             report.rope = True
         else:
             left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
