@@ -179,3 +179,31 @@ def test_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type):
     print(f"{model_type}: {patched.liger_gen_report.summary()}; first {result['first_step_rel_diff']:.2e}, "
           f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}")
     assert result["pass"], (model_type, result)
+
+
+def test_a_family_whose_classes_changed_is_reported_not_half_patched(monkeypatch, caplog):
+    """A release that renamed the norm class (simulated by a table entry naming a class the model lacks): the
+    report says so, strict raises naming the class, and nothing is silently left half-done."""
+    import dataclasses
+    import logging
+
+    from liger_gen.integrations import transformers as integration
+
+    renamed = dataclasses.replace(MODEL_FAMILIES["llama"], norm_classes=("LlamaRenamedRMSNorm",))
+    monkeypatch.setitem(integration.MODEL_FAMILIES, "llama", renamed)
+    try:
+        with pytest.raises(ValueError, match="LlamaRenamedRMSNorm.*no such module"):
+            liger_gen.apply_to(mini_model("llama"), strict=True)
+        with caplog.at_level(logging.INFO, logger="liger_gen"):
+            model = liger_gen.apply_to(mini_model("llama"))
+    finally:
+        restore_rope()
+    assert model.liger_gen_report.norms == 0 and "LlamaRenamedRMSNorm" in caplog.text
+
+
+def test_unknown_family_names_the_supported_ones():
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported: .*llama"):
+        liger_gen.apply_to(model)

@@ -492,6 +492,11 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                         left.append((type(child).__name__, "weight is not one vector"))
                     else:
                         setattr(parent, name, new)
+        if not any(type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm))
+                   for m in model.modules()):
+            # the table names classes this release does not have: say so rather than patch half a model
+            left.append(("/".join(family.norm_class_names), "no such module in the model (transformers releases "
+                         f"tested: {', '.join(TESTED_TRANSFORMERS)})"))
     if swiglu:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
