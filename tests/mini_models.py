@@ -52,7 +52,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                              moe_intermediate_size=48, first_k_dense_replace=1, n_group=1,
                                              topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
                                              qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
-                                             rope_interleave=False)),
+                                             rope_interleave=True)),
     "gpt_oss": ("GptOssConfig", dict(_MOE, sliding_window=16, layer_types=["sliding_attention",
                                                                               "full_attention"])),
     "cohere2": ("Cohere2Config", dict(logit_scale=0.5, sliding_window=16)),

@@ -65,7 +65,10 @@ class ModelFamily:
     norm: the formula of its norm classes ("llama", "gemma", "fp32", "layer"; None: not patched).
     norm_classes: the classes to swap (default ``<prefix>RMSNorm``). rope: whether its ``apply_rotary_pos_emb``
     is the rotate-half layout ``liger_gen.functional.rope`` computes; rope_keeps_dtype: whether that function
-    casts its outputs back to q's and k's dtypes (OLMo 2/3) rather than promoting them with cos/sin's. mlp: whether its gated MLP modules are
+    casts its outputs back to q's and k's dtypes (OLMo 2/3) rather than promoting them with cos/sin's;
+    rope_tables: "full" (cos/sin hold cat(freqs, freqs), as Llama's) or "half" (one angle per pair, GPT-OSS);
+    interleaved_rope: the name of a second function that rotates interleaved pairs of a de-interleavable layout
+    (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP modules are
     patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
     ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
     ``config.logits_scaling``, "multiply" by the model's ``logit_scale``). note: what stays transformers' own.
@@ -77,6 +80,8 @@ class ModelFamily:
     norm_classes: tuple[str, ...] | None = None
     rope: bool = True
     rope_keeps_dtype: bool = False
+    rope_tables: str = "full"
+    interleaved_rope: str | None = None
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
     logits: str | None = None
@@ -122,10 +127,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("olmo3", "Olmo3", norm="fp32", rope_keeps_dtype=True),
     _F("glm4", "Glm4", rope=False, note="RoPE: GLM-4 rotates interleaved pairs (not patched)"),
     _F("smollm3", "SmolLM3"),
-    _F("deepseek_v3", "DeepseekV3",
-       note="RoPE: only the rotate-half path (config.rope_interleave=False) runs liger-gen's kernel"),
-    _F("gpt_oss", "GptOss", norm="fp32", rope=False,
-       note="RoPE (half-width cos/sin tables) and the experts' clamped SwiGLU stay transformers' own"),
+    _F("deepseek_v3", "DeepseekV3", interleaved_rope="apply_rotary_pos_emb_interleave"),
+    _F("gpt_oss", "GptOss", norm="fp32", rope_tables="half", note="the experts' clamped SwiGLU stays"),
     _F("cohere2", "Cohere2", norm="layer", norm_classes=("Cohere2LayerNorm",), rope=False, logits="multiply",
        note="RoPE: Cohere rotates interleaved pairs (not patched); per-head q/k norms stay"),
     _F("exaone4", "Exaone4"),
@@ -369,18 +372,26 @@ class FusedLossForward:
 # ------------------------------------------------------------------------------------------------ RoPE
 
 
-def _transformers_rope(original, keeps_dtype: bool = False):
+def _transformers_rope(original, family: ModelFamily, interleaved: bool = False):
     """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
     honoured by name or position; a ``position_ids`` argument (deprecated and unused in transformers since
-    cos/sin come per position) is ignored as transformers ignores it. ``keeps_dtype``: cast the results to q's
-    and k's dtypes, as the replaced function does."""
+    cos/sin come per position) is ignored as transformers ignores it. Per the family: results cast back to q's
+    and k's dtypes (``rope_keeps_dtype``), half-width tables widened to cat(cos, cos) (``rope_tables="half"``:
+    the same rotation), or, for ``interleaved``, q and k de-interleaved first (pairs (x0, x1), (x2, x3), ... as
+    the two halves: DeepSeek's function returns that layout too)."""
     from liger_gen.functional import rope
 
     signature = inspect.signature(original)
+    keeps_dtype, half_tables = family.rope_keeps_dtype, family.rope_tables == "half"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
+        if half_tables:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        if interleaved:
+            q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
+            k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
         q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
         return (q_out.to(q.dtype), k_out.to(k.dtype)) if keeps_dtype else (q_out, k_out)
 
@@ -388,30 +399,45 @@ def _transformers_rope(original, keeps_dtype: bool = False):
     return apply_rotary_pos_emb
 
 
-def _patch_rope(model: nn.Module, modeling, keeps_dtype: bool) -> None:
-    name = modeling.__name__
-    original = _original_rope.setdefault(name, modeling.apply_rotary_pos_emb)
-    patched = _patched_rope.get(name)
-    if patched is None:
-        patched = _patched_rope[name] = _transformers_rope(original, keeps_dtype)
-    modeling.apply_rotary_pos_emb = patched
-    # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
-    # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
-    # which now names the wrapper, so those references must be the wrapper for torch.save to work.
-    for module in model.modules():
-        if module.__dict__.get("rotary_fn") is original:
-            module.rotary_fn = patched
-        hidden = module.__dict__.get("_hidden_kernels")
-        if isinstance(hidden, dict):
-            for key, value in list(hidden.items()):
-                if value is original:
-                    hidden[key] = patched
+def _rope_functions(family: ModelFamily) -> tuple[tuple[str, bool], ...]:
+    """(function name, interleaved) of every rotary function of the family that liger-gen replaces."""
+    names = (("apply_rotary_pos_emb", False),) if family.rope else ()
+    return names + (((family.interleaved_rope, True),) if family.interleaved_rope else ())
+
+
+def _patch_rope(model: nn.Module, modeling, family: ModelFamily) -> bool:
+    """Route the family's rotary functions to liger-gen; whether all of them now are."""
+    done = True
+    for function, interleaved in _rope_functions(family):
+        key = (modeling.__name__, function)
+        current = getattr(modeling, function, None)
+        if not callable(current):
+            raise RuntimeError(f"liger_gen.apply_to: {modeling.__name__} has no {function}; transformers "
+                               f"releases tested: {', '.join(TESTED_TRANSFORMERS)}")
+        original = _original_rope.setdefault(key, current)
+        patched = _patched_rope.get(key)
+        if patched is None:
+            patched = _patched_rope[key] = _transformers_rope(original, family, interleaved)
+        setattr(modeling, function, patched)
+        done = done and getattr(modeling, function) is patched
+        # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
+        # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
+        # which now names the wrapper, so those references must be the wrapper for torch.save to work.
+        for module in model.modules():
+            if module.__dict__.get("rotary_fn") is original:
+                module.rotary_fn = patched
+            hidden = module.__dict__.get("_hidden_kernels")
+            if isinstance(hidden, dict):
+                for key_, value in list(hidden.items()):
+                    if value is original:
+                        hidden[key_] = patched
+    return done
 
 
 def restore_rope() -> None:
     """Undo the process-wide RoPE patch of every family ``apply_to`` patched."""
-    for name, function in _original_rope.items():
-        importlib.import_module(name).apply_rotary_pos_emb = function
+    for (name, function_name), function in _original_rope.items():
+        setattr(importlib.import_module(name), function_name, function)
     _original_rope.clear()
 
 
@@ -513,12 +539,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                     else:
                         setattr(parent, name, new)
     if rope:
-        if family.rope:
-            if not callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-                raise RuntimeError(f"liger_gen.apply_to: {modeling.__name__} has no apply_rotary_pos_emb; "
-                                   f"transformers releases tested: {', '.join(TESTED_TRANSFORMERS)}")
-            _patch_rope(model, modeling, family.rope_keeps_dtype)
-            report.rope = True
+        if _rope_functions(family):
+            report.rope = _patch_rope(model, modeling, family)
         else:
             left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
@@ -527,9 +549,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
     report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
     report.experts = sum(isinstance(m.__dict__.get("_apply_gate"), ExpertsGate) for m in model.modules())
-    report.rope = report.rope or (family.rope and _patched_rope.get(family.modeling_module) is not None
-                                  and getattr(modeling, "apply_rotary_pos_emb", None)
-                                  is _patched_rope[family.modeling_module])
+    report.rope = bool(_rope_functions(family)) and all(
+        getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in _rope_functions(family))
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.left = _group(left)
     if strict and report.left:
