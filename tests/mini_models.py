@@ -57,6 +57,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                                                               "full_attention"])),
     "cohere2": ("Cohere2Config", dict(logit_scale=0.5, sliding_window=16)),
     "exaone4": ("Exaone4Config", dict(sliding_window=16)),
+    "falcon_h1": ("FalconH1Config", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                                         mamba_n_groups=1, mamba_chunk_size=16, mlp_multipliers=[0.5, 2.0],
+                                         lm_head_multiplier=0.5)),
     "seed_oss": ("SeedOssConfig", dict(residual_dropout=0.1)),
 }
 

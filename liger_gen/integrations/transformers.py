@@ -12,7 +12,7 @@
 - **Gated MLPs** → ``liger_gen.nn.GLUMLP`` holding the same projections: ``gate_proj``/``up_proj``/``down_proj``
   (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
   own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's
-  residual dropout is kept. An MLP with another activation, or with multipliers (Falcon-H1), stays.
+  residual dropout and Falcon-H1's gate and output multipliers are kept. An MLP with another activation stays.
 - **MoE experts** (transformers' fused ``*Experts`` modules): the gate ``act(gate) * up`` that their grouped and
   batched implementations call (``_apply_gate``) runs the packed GLU kernel; the router, the expert GEMMs and the
   auxiliary loss are transformers'. Under ``config._experts_implementation = "eager"`` the experts loop computes
@@ -27,8 +27,9 @@
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
   without materialising the logits (``outputs.logits`` is None then). The family's logit transform is part of the
-  loss: Gemma 2/3's final soft-capping (FLCE's ``softcap``), Granite's division by ``logits_scaling`` and Cohere's
-  ``logit_scale`` (both applied to the hidden states, the same product). The loss equals transformers'
+  loss: Gemma 2/3's final soft-capping (FLCE's ``softcap``), Granite's division by ``logits_scaling``, Cohere's
+  ``logit_scale`` and Falcon-H1's ``lm_head_multiplier`` (the last three applied to the hidden states, the same
+  product). The loss equals transformers'
   ``ForCausalLMLoss``: labels shifted left, ``ignore_index=-100``, mean over non-ignored tokens, or a sum divided
   by ``num_items_in_batch`` when the trainer passes it; MoE models add the router's load-balancing loss as
   transformers does when router logits are requested. Without labels, with gradients disabled or with
@@ -71,7 +72,8 @@ class ModelFamily:
     (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP modules are
     patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
     ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
-    ``config.logits_scaling``, "multiply" by the model's ``logit_scale``). note: what stays transformers' own.
+    ``config.logits_scaling``, "multiply" by the model's ``logit_scale``, "lm_head_multiplier" by the base
+    model's ``lm_head_multiplier``). note: what stays transformers' own.
     """
 
     model_type: str
@@ -132,6 +134,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("cohere2", "Cohere2", norm="layer", norm_classes=("Cohere2LayerNorm",), rope=False, logits="multiply",
        note="RoPE: Cohere rotates interleaved pairs (not patched); per-head q/k norms stay"),
     _F("exaone4", "Exaone4"),
+    _F("falcon_h1", "FalconH1", logits="lm_head_multiplier",
+       note="the Mamba-2 mixer and the gated norm inside it stay transformers' own"),
     _F("seed_oss", "SeedOss"),
 )}
 # model types that are these families under another name in some transformers releases
@@ -199,18 +203,20 @@ def _activation_of(module: nn.Module) -> str | None:
 def _replace_mlp(module: nn.Module) -> tuple[nn.Module | None, str]:
     """(a GLUMLP holding ``module``'s projections, "") or (None, why it stays)."""
     children = dict(module.named_children())
-    if any(hasattr(module, name) for name in ("gate_multiplier", "down_multiplier")):
-        return None, "MLP multipliers"
+    multipliers = {name: float(getattr(module, name)) for name in ("gate_multiplier", "down_multiplier")
+                   if isinstance(getattr(module, name, None), (int, float))}
     activation = _activation_of(module)
     if activation is None:
         act = children.get("act_fn", children.get("activation_fn"))
         return None, f"activation {type(act).__name__}"
     dropout = float(getattr(module, "residual_dropout", 0.0) or 0.0)
     if isinstance(children.get("gate_up_proj"), nn.Linear) and isinstance(children.get("down_proj"), nn.Linear):
+        if multipliers:
+            return None, "multipliers on a packed gate_up_proj"
         new = GLUMLP(activation, children["down_proj"], gate_up_proj=children["gate_up_proj"], dropout=dropout)
     elif all(isinstance(children.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
         new = GLUMLP(activation, children["down_proj"], gate_proj=children["gate_proj"],
-                     up_proj=children["up_proj"], dropout=dropout)
+                     up_proj=children["up_proj"], dropout=dropout, **multipliers)
     else:
         return None, "not a gated MLP"
     new.train(module.training)
@@ -267,6 +273,8 @@ def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | Non
         return 1.0 / float(config.logits_scaling), None
     if family.logits == "multiply":
         return float(getattr(model, "logit_scale", getattr(config, "logit_scale", 1.0))), None
+    if family.logits == "lm_head_multiplier":
+        return float(getattr(model.model, "lm_head_multiplier", config.lm_head_multiplier)), None
     return None, None
 
 
@@ -479,7 +487,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
 
     Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
     mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, phi3, phimoe, granite,
-    granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2, exaone4, seed_oss); the module
+    granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2, exaone4, falcon_h1, seed_oss); the module
     docstring says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before
     still updates them) and the devices are unchanged; meta-device and half-precision models are patched alike.
     Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as

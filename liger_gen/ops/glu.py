@@ -650,6 +650,8 @@ class GLUMLP(nn.Module):
         gate_proj, up_proj: the two input projections (Llama's layout), or
         gate_up_proj: one packed projection whose output holds gate then up (Phi-3's and GLM-4's layout).
         dropout: dropout probability after down_proj in training mode (Seed-OSS's residual dropout; 0: none).
+        gate_multiplier, down_multiplier: scale the gate before the activation and the output after down_proj
+            (Falcon-H1's ``mlp_multipliers``: ``down_proj(up · act(gate · g)) · d``; 1: none).
 
     The projections are the modules given (no new parameters): the state_dict keys and the Parameter objects
     are the original MLP's. Shape: (..., hidden) → (..., hidden).
@@ -659,13 +661,17 @@ class GLUMLP(nn.Module):
     """
 
     def __init__(self, activation: str, down_proj: nn.Module, *, gate_proj: nn.Module | None = None,
-                 up_proj: nn.Module | None = None, gate_up_proj: nn.Module | None = None, dropout: float = 0.0):
+                 up_proj: nn.Module | None = None, gate_up_proj: nn.Module | None = None, dropout: float = 0.0,
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
         super().__init__()
         if activation not in GLU_ACTIVATIONS:
             raise ValueError(f"GLUMLP: activation must be one of {GLU_ACTIVATIONS}, got {activation!r}")
         if (gate_up_proj is None) == (gate_proj is None or up_proj is None):
             raise ValueError("GLUMLP: give gate_proj and up_proj, or gate_up_proj")
         self.activation, self.dropout = activation, float(dropout)
+        self.gate_multiplier, self.down_multiplier = float(gate_multiplier), float(down_multiplier)
+        if gate_up_proj is not None and self.gate_multiplier != 1.0:
+            raise ValueError("GLUMLP: gate_multiplier needs separate gate_proj and up_proj")
         if gate_up_proj is not None:
             self.gate_up_proj = gate_up_proj
         else:
@@ -676,9 +682,17 @@ class GLUMLP(nn.Module):
         if "gate_up_proj" in self._modules:
             h = glu_gate_up_product(self.gate_up_proj(x), self.activation)
         else:
-            h = glu_product(self.gate_proj(x), self.up_proj(x), self.activation)
+            gate = self.gate_proj(x)
+            if self.gate_multiplier != 1.0:
+                gate = gate * self.gate_multiplier
+            h = glu_product(gate, self.up_proj(x), self.activation)
         y = self.down_proj(h)
+        if self.down_multiplier != 1.0:
+            y = y * self.down_multiplier
         return nn.functional.dropout(y, p=self.dropout, training=self.training) if self.dropout else y
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}" + (f", dropout={self.dropout}" if self.dropout else "")
+        extra = [f"activation={self.activation!r}"] + ([f"dropout={self.dropout}"] if self.dropout else [])
+        extra += [f"{n}={v}" for n, v in (("gate_multiplier", self.gate_multiplier),
+                                           ("down_multiplier", self.down_multiplier)) if v != 1.0]
+        return ", ".join(extra)
