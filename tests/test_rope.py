@@ -514,7 +514,7 @@ def test_tuning_problems_from_model_shape():
     assert problems[0].dims == {"n_q_heads": 4, "n_kv_heads": 1, "head_dim": 8, "rotary_dim": 8}
     assert problems[0].buffers["q"].shape == (4, 4, 4096, 8)  # 16384 tokens as 4 sequences of 4096
     assert problems[0].buffers["q"].transpose(1, 2).is_contiguous()  # transformers' projection layout
-    assert problems[1].buffers["k"].shape == (3, 1, 8, 8)
+    assert problems[1].buffers["k"].shape == (1, 1, 24, 8)  # up to 4096 tokens: one sequence
     assert problems[0].buffers["cos"].shape == (1, 4096, 8)
     assert problems[0].buffers["cos"].dtype == torch.bfloat16
     llama = tuning_problems(PRESETS["llama3-8b"], [8], torch.bfloat16, "cpu")[0]

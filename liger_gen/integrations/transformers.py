@@ -236,23 +236,24 @@ class ExpertsGate:
         return glu_gate_up_product(gate_up_out, self.activation)
 
 
-def _patch_experts(module: nn.Module) -> str:
-    """Route a fused experts module's gate to liger-gen; "" when done, else why it stays."""
+def _experts_gate(module: nn.Module) -> tuple[ExpertsGate | None, str]:
+    """(the liger-gen gate for a fused experts module, "") or (None, why it stays)."""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:
-        return "experts: this transformers release has no experts gate hook"
+        return None, "experts: this transformers release has no experts gate hook"
+    if not hasattr(module, "_apply_gate"):
+        return None, "experts: no gate hook (the experts loop computes the gate inline)"
     if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
-        return "experts: the family's own gate"
+        return None, "experts: the family's own gate"
     if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)):
-        return "experts: not a packed gate/up layout"
+        return None, "experts: not a packed gate/up layout"
     activation = activation_name(getattr(module, "act_fn", None))
     if activation is None:
-        return f"experts: activation {type(getattr(module, 'act_fn', None)).__name__}"
+        return None, f"experts: activation {type(getattr(module, 'act_fn', None)).__name__}"
     if getattr(getattr(module, "config", None), "_experts_implementation", None) in (None, "eager"):
-        return "experts: the eager experts loop computes the gate inline"
-    module._apply_gate = ExpertsGate(activation)
-    return ""
+        return None, "experts: the eager experts loop computes the gate inline"
+    return ExpertsGate(activation), ""
 
 
 # ------------------------------------------------------------------------------------------------ loss
@@ -304,10 +305,9 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     return_dict = extra.pop("return_dict", return_dict)
     shift_labels = extra.pop("shift_labels", None)
     num_items_in_batch = extra.pop("num_items_in_batch", None)  # a loss argument; base models before 4.48 reject it
-    router = named.get("output_router_logits")
-    router = getattr(self.config, "output_router_logits", False) if router is None else router
-    if "output_router_logits" in named or router:
-        named["output_router_logits"] = router
+    # router logits: asked by name, in **kwargs, or by the config (the base model reads the same three)
+    router = named.get("output_router_logits", extra.get("output_router_logits"))
+    router = bool(getattr(self.config, "output_router_logits", False) if router is None else router)
     if "return_dict" in _signature(type(self.model).forward).parameters:
         named["return_dict"] = True  # the base model returns a tuple when config.return_dict/its caller says so
     outputs = self.model(**named, **extra)
@@ -325,9 +325,13 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
-    moe = bool(router) and getattr(outputs, "router_logits", None) is not None
-    if moe:
-        modeling = importlib.import_module(type(self).__module__)
+    # an MoE base model (its output has router_logits) gives the MoE output class, as transformers' forward does;
+    # the load-balancing loss is added where the family's forward adds it (a modeling function and a coefficient)
+    moe = hasattr(outputs, "router_logits")
+    aux_loss = None
+    modeling = importlib.import_module(type(self).__module__)
+    if router and getattr(outputs, "router_logits", None) is not None \
+            and hasattr(modeling, "load_balancing_loss_func") and hasattr(self, "router_aux_loss_coef"):
         aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
                                                      self.num_experts_per_tok, named.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -342,8 +346,8 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
         return_dict = getattr(self.config, "return_dict", True)
     if return_dict:
         return out
-    rest = out.to_tuple()[1:]  # transformers' tuple, with None where it would hold the logits
-    return (out.loss, None, *rest)
+    # transformers' tuple (its non-None fields in order), with None kept where it would hold the logits
+    return tuple(v for k, v in fields.items() if v is not None or k == "logits")
 
 
 class FusedLossForward:
@@ -382,8 +386,8 @@ class FusedLossForward:
 
 def _transformers_rope(original, family: ModelFamily, interleaved: bool = False):
     """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
-    honoured by name or position; a ``position_ids`` argument (deprecated and unused in transformers since
-    cos/sin come per position) is ignored as transformers ignores it. Per the family: results cast back to q's
+    honoured by name or position; a ``position_ids`` argument is used only with (seq, dim) tables, as the older
+    releases that pass such tables use it (transformers ignores it with per-position tables). Per the family: results cast back to q's
     and k's dtypes (``rope_keeps_dtype``), half-width tables widened to cat(cos, cos) (``rope_tables="half"``:
     the same rotation), or, for ``interleaved``, q and k de-interleaved first (pairs (x0, x1), (x2, x3), ... as
     the two halves: DeepSeek's function returns that layout too)."""
@@ -400,7 +404,9 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
         if interleaved:
             q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
             k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
-        q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
+        # (seq, dim) tables with position_ids (older releases gather per position inside this function)
+        position_ids = arguments.get("position_ids") if cos.dim() == 2 else None
+        q_out, k_out = rope(q, k, cos, sin, position_ids, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
         return (q_out.to(q.dtype), k_out.to(k.dtype)) if keeps_dtype else (q_out, k_out)
 
     apply_rotary_pos_emb.liger_gen = True
@@ -500,7 +506,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` and route MoE experts' gates.
         rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
         fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
-        strict: raise instead of leaving a module of a requested kind unpatched.
+        strict: raise instead of leaving a module of a requested kind unpatched; the model is then unchanged.
 
     Raises:
         ValueError: the model's ``config.model_type`` is not a supported family; with ``strict``, a requested
@@ -516,41 +522,61 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                            f"releases tested: {', '.join(TESTED_TRANSFORMERS)}") from e
     report = PatchReport(family.model_type, note=family.note)
     already = isinstance(getattr(model, "liger_gen_report", None), PatchReport)
+    # first the plan (what replaces what, what stays and why), then, unless strict refuses it, the changes:
+    # a refused call leaves the model and the process as they were
     left: list[tuple[str, str]] = []
-    if rms_norm and family.norm is not None:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child).__name__ in family.norm_class_names and not isinstance(child, (RMSNorm, LayerNorm)):
-                    new = _replace_norm(child, family.norm)
-                    if new is None:
-                        left.append((type(child).__name__, "weight is not one vector"))
-                    else:
-                        setattr(parent, name, new)
-        if not any(type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm))
-                   for m in model.modules()):
-            # the table names classes this release does not have: say so rather than patch half a model
-            left.append(("/".join(family.norm_class_names), "no such module in the model (transformers releases "
-                         f"tested: {', '.join(TESTED_TRANSFORMERS)})"))
-    if swiglu:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child).__module__ != modeling.__name__:
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    gates: list[tuple[nn.Module, ExpertsGate]] = []
+    norm_swaps = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            cls = type(child).__name__
+            if rms_norm and family.norm is not None and cls in family.norm_class_names \
+                    and not isinstance(child, (RMSNorm, LayerNorm)):
+                new = _replace_norm(child, family.norm)
+                if new is None:
+                    left.append((cls, "weight is not one vector"))
+                else:
+                    swaps.append((parent, name, new))
+                    norm_swaps += 1
+            elif type(child).__module__ != modeling.__name__:
+                continue
+            elif rms_norm and cls.endswith("NormGated"):
+                left.append((cls, "a gated norm (no liger-gen op)"))
+            elif swiglu and cls.endswith("Experts"):
+                if isinstance(child.__dict__.get("_apply_gate"), ExpertsGate):
                     continue
-                if hasattr(child, "_apply_gate") and isinstance(getattr(child, "gate_up_proj", None), nn.Parameter):
-                    why = _patch_experts(child)
-                    if why:
-                        left.append((type(child).__name__, why))
-                elif type(child).__name__.endswith("MLP") and "down_proj" in dict(child.named_children()):
-                    new, why = _replace_mlp(child)
-                    if new is None:
-                        left.append((type(child).__name__, why))
-                    else:
-                        setattr(parent, name, new)
-    if rope:
-        if _rope_functions(family):
-            report.rope = _patch_rope(model, modeling, family)
-        else:
-            left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
+                gate, why = _experts_gate(child) if isinstance(getattr(child, "gate_up_proj", None), nn.Parameter) \
+                    else (None, "experts: not a packed gate/up layout")
+                if gate is None:
+                    left.append((cls, why))
+                else:
+                    gates.append((child, gate))
+            elif swiglu and cls.endswith("MLP") and "down_proj" in dict(child.named_children()):
+                new, why = _replace_mlp(child)
+                if new is None:
+                    left.append((cls, why))
+                else:
+                    swaps.append((parent, name, new))
+            elif swiglu and cls.endswith("MLP") and not any(n.endswith("experts") or n == "router"
+                                                             for n in dict(child.named_children())):
+                left.append((cls, "MLP layout not recognised"))  # e.g. per-expert w1/w2/w3 of older releases
+    if rms_norm and family.norm is not None and not norm_swaps and not any(
+            type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules()):
+        # the table names classes this release does not have: say so rather than patch half a model
+        left.append(("/".join(family.norm_class_names), "no such module in the model (transformers releases "
+                     f"tested: {', '.join(TESTED_TRANSFORMERS)})"))
+    if rope and not _rope_functions(family):
+        left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
+    if strict and left:
+        raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
+                         f"{'; '.join(_group(left))}; nothing was changed")
+    for parent, name, new in swaps:
+        setattr(parent, name, new)
+    for module, gate in gates:
+        module._apply_gate = gate
+    if rope and _rope_functions(family):
+        _patch_rope(model, modeling, family)
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
         model.forward = FusedLossForward(model, family)  # a base *Model has no LM head: nothing to fuse
     # the report counts what the model holds now, so a second call reports the same model
@@ -561,9 +587,6 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in _rope_functions(family))
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.left = _group(left)
-    if strict and report.left:
-        raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
-                         f"{'; '.join(report.left)}")
     model.liger_gen_report = report
     logger.info(report.summary() + ("; it was already patched" if already else ""))
     return model

@@ -657,7 +657,9 @@ class GLUMLP(nn.Module):
     are the original MLP's. Shape: (..., hidden) → (..., hidden).
 
     Raises:
-        ValueError: an unknown activation, or neither (gate_proj, up_proj) nor gate_up_proj given.
+        ValueError: an unknown activation; not exactly one of (gate_proj and up_proj) or gate_up_proj; dropout
+            outside [0, 1]; gate_multiplier with gate_up_proj.
+        TypeError: a projection that is not an nn.Module; dropout or a multiplier not a finite real number.
     """
 
     def __init__(self, activation: str, down_proj: nn.Module, *, gate_proj: nn.Module | None = None,
@@ -666,8 +668,21 @@ class GLUMLP(nn.Module):
         super().__init__()
         if activation not in GLU_ACTIVATIONS:
             raise ValueError(f"GLUMLP: activation must be one of {GLU_ACTIVATIONS}, got {activation!r}")
-        if (gate_up_proj is None) == (gate_proj is None or up_proj is None):
-            raise ValueError("GLUMLP: give gate_proj and up_proj, or gate_up_proj")
+        packed, separate = gate_up_proj is not None, gate_proj is not None and up_proj is not None
+        if packed == separate or (packed and (gate_proj is not None or up_proj is not None)):
+            raise ValueError("GLUMLP: give gate_proj and up_proj, or gate_up_proj alone")
+        for name, module in (("down_proj", down_proj), ("gate_proj", gate_proj), ("up_proj", up_proj),
+                             ("gate_up_proj", gate_up_proj)):
+            if module is not None and not isinstance(module, nn.Module):
+                raise TypeError(f"GLUMLP: {name} must be an nn.Module, got {type(module).__name__}")
+        if down_proj is None:
+            raise TypeError("GLUMLP: down_proj must be an nn.Module, got None")
+        for name, value in (("dropout", dropout), ("gate_multiplier", gate_multiplier),
+                            ("down_multiplier", down_multiplier)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"GLUMLP: {name} must be a finite real number, got {value!r}")
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"GLUMLP: dropout must be a probability in [0, 1], got {dropout}")
         self.activation, self.dropout = activation, float(dropout)
         self.gate_multiplier, self.down_multiplier = float(gate_multiplier), float(down_multiplier)
         if gate_up_proj is not None and self.gate_multiplier != 1.0:

@@ -241,9 +241,14 @@ def llama_cos_sin(seq: int, rotary_dim: int, dtype: torch.dtype, device, base: f
 
 
 def sequence_length(rows: int, longest: int = 4096) -> int:
-    """The sequence length of a batch of ``rows`` tokens in the bench and tuning shapes: gcd(rows, 4096), so
-    16384 tokens are 4 sequences of 4096."""
-    return math.gcd(int(rows), longest)
+    """The sequence length of a batch of ``rows`` tokens in the bench and tuning shapes: one sequence up to 4096
+    tokens, else gcd(rows, 4096) (16384 tokens are 4 sequences of 4096) — or one sequence when that gcd is
+    below 64, so that the rotations differ across positions (a sequence of 1 is the identity)."""
+    rows = int(rows)
+    if rows <= longest:
+        return max(rows, 1)  # zero rows: one empty batch of sequences of 1
+    seq = math.gcd(rows, longest)
+    return seq if seq >= 64 else rows
 
 
 class RoPEProblem(Problem):
