@@ -55,7 +55,7 @@ from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
 logger = logging.getLogger("liger_gen")
 
 # transformers releases the family table was checked against (the convergence tests run on them)
-TESTED_TRANSFORMERS = ("4.45.2", "4.51.3", "5.14.1", "5.17.0", "5.24.0")
+TESTED_TRANSFORMERS = ("4.51.3", "4.57.1", "5.0.0", "5.14.1", "5.17.0", "5.24.0")
 
 
 @dataclass(frozen=True)
