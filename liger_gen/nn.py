@@ -20,16 +20,23 @@ class RMSNorm(nn.Module):
         offset: added to the weight in the formula (1.0 for Gemma-style weights stored as w − 1).
         casting_mode: "llama", "gemma" or "none"; see ``liger_gen.functional.rms_norm``.
         init_value: initial value of every weight element (1.0 by default; 0.0 for Gemma-style).
+        elementwise_affine: False for no weight (``y = x / rms(x)``; ``weight`` is None, as in
+            ``torch.nn.RMSNorm(elementwise_affine=False)``).
 
     Shape: input (..., hidden_size) → output of the same shape.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
-                 init_value: float = 1.0, device=None, dtype=None):
+                 init_value: float = 1.0, elementwise_affine: bool = True, device=None, dtype=None):
         super().__init__()
         if casting_mode not in CASTING_MODES:
             raise ValueError(f"RMSNorm: casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
-        self.weight = nn.Parameter(torch.full((hidden_size,), float(init_value), device=device, dtype=dtype))
+        if not elementwise_affine and offset != 0.0:
+            raise ValueError(f"RMSNorm: offset={offset} needs a weight; got elementwise_affine=False")
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.full((hidden_size,), float(init_value), device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
         self.variance_epsilon = eps
         self.offset = offset
         self.casting_mode = casting_mode
@@ -38,8 +45,8 @@ class RMSNorm(nn.Module):
         return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
 
     def extra_repr(self) -> str:
-        return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
-                f"casting_mode={self.casting_mode!r}")
+        shape = "no weight" if self.weight is None else f"{tuple(self.weight.shape)}"
+        return f"{shape}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode!r}"
 
 
 

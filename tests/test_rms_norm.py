@@ -9,6 +9,7 @@ from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormProblem, RMSNormSpace
 from liger_gen.reference import rms_norm_float64, rms_norm_torch
 from liger_gen.runtime import tables
+from conftest import CPU_PATHS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -251,3 +252,30 @@ def test_scalar_arguments_are_type_checked():
         liger_gen.functional.rms_norm(torch.ones(2, 4), torch.ones(4), eps="1e-6")
     with pytest.raises(ValueError, match="casting_mode"):
         liger_gen.nn.RMSNorm(8, casting_mode="foo")
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_without_a_weight_is_x_over_its_rms(dtype, interpret, monkeypatch):
+    """``weight=None`` (``torch.nn.RMSNorm(elementwise_affine=False)``): y = x / rms(x) against float64, its x
+    gradient by autograd of that, and the module form against torch's own."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(31)
+    x = (torch.randn(2, 7, 48, generator=gen) * 3).to(dtype).requires_grad_()
+    dy = torch.randn(2, 7, 48, generator=gen).to(dtype)
+    y = liger_gen.functional.rms_norm(x, None, eps=1e-6)
+    assert y.dtype == dtype
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = rms_norm_float64(x64, None, 1e-6)
+    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+    tol = REL_TOL[dtype]
+    assert rel_l2(y.detach(), y64.detach()) <= tol and rel_l2(dx, dx64) <= tol
+    module = liger_gen.nn.RMSNorm(48, eps=1e-6, elementwise_affine=False)
+    assert module.weight is None and list(module.state_dict()) == []
+    expected = torch.nn.RMSNorm(48, eps=1e-6, elementwise_affine=False)(x.detach().float())
+    assert rel_l2(module(x.detach().float()), expected) <= REL_TOL[torch.float32]
+    with pytest.raises(ValueError, match="offset=1.0 needs a weight"):
+        liger_gen.functional.rms_norm(x, None, offset=1.0)
+    with pytest.raises(ValueError, match="needs a weight"):
+        liger_gen.nn.RMSNorm(48, offset=1.0, elementwise_affine=False)

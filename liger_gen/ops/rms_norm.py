@@ -51,11 +51,12 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     raise ValueError(f"casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
 
 
-def rms_norm_float64(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """Exact RMSNorm in float64 (no intermediate rounding): ``x / sqrt(mean(x²) + eps) · (offset + w)``."""
+def rms_norm_float64(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """Exact RMSNorm in float64 (no intermediate rounding): ``x / sqrt(mean(x²) + eps) · (offset + w)``
+    (without the factor when weight is None)."""
     x64 = x.double()
     rstd = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
-    return x64 * rstd * (offset + weight.double())
+    return x64 * rstd if weight is None else x64 * rstd * (offset + weight.double())
 
 
 @dataclass(frozen=True)
@@ -330,15 +331,17 @@ rms_norm_2d = Differentiable(rms_norm_fwd, _save, _backward, reference="liger_ge
 # ------------------------------------------------------------------------------------------------ public op
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0,
              casting_mode: str = "llama") -> torch.Tensor:
     """Root-mean-square layer norm over the last dim (Zhang & Sennrich, 2019).
 
-    ``y = x / sqrt(mean(x², dim=-1) + eps) · (offset + weight)``, with the statistics always in fp32.
+    ``y = x / sqrt(mean(x², dim=-1) + eps) · (offset + weight)``, with the statistics always in fp32; without a
+    weight (``torch.nn.RMSNorm(elementwise_affine=False)``) ``y = x / sqrt(mean(x²) + eps)``.
 
     Args:
         x: (..., hidden) float32, bfloat16 or float16; any leading dims, any strides.
-        weight: (hidden,) floating, on x's device.
+        weight: (hidden,) floating, on x's device; or None (no elementwise scale: the output has x's dtype, and
+            the kernels run with a weight of ones, whose gradient is not kept).
         eps: added to the mean square before the reciprocal square root.
         offset: added to weight (Gemma stores w − 1 and uses offset=1.0).
         casting_mode: "llama" — transformers' LlamaRMSNorm: x·rstd in fp32, rounded to x's dtype, times
@@ -356,17 +359,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         TypeError: x or weight is not a tensor or has a non-floating dtype, float64 on the kernel path, or eps /
             offset is not a number.
         ValueError: weight is not (hidden,), the tensors are on different devices, hidden exceeds the kernel's
-            limit (65536), or casting_mode is unknown.
+            limit (65536), casting_mode is unknown, or a nonzero offset without a weight.
     """
     op = "rms_norm"
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{op}: x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
+    if not isinstance(x, torch.Tensor) or not (weight is None or isinstance(weight, torch.Tensor)):
+        raise TypeError(f"{op}: x must be a tensor and weight a tensor or None, got {type(x).__name__} and "
+                        f"{type(weight).__name__}")
     eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"{op}: casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
     hidden = x.shape[-1]
+    if weight is None:
+        if offset != 0.0:
+            raise ValueError(f"{op}: offset={offset} needs a weight (it is added to the weight); got weight=None")
+        weight = x.new_ones(hidden)  # no scale: a product with 1 rounds to the normalised value itself
     if weight.dim() != 1 or weight.shape[0] != hidden:
         raise ValueError(f"{op}: weight must have shape ({hidden},) to match x's last dim; "
                          f"got {describe('weight', weight)} and {describe('x', x)}")
