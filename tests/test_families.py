@@ -207,3 +207,40 @@ def test_unknown_family_names_the_supported_ones():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: .*llama"):
         liger_gen.apply_to(model)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch):
+    """Each rotary function ``apply_to`` replaces returns what transformers' returns, element by element, for the
+    family's own cos/sin tables (its rotary embedding module) — also where attention could not tell (the same
+    permutation of q and k leaves every score unchanged, so the training curves alone would not catch a layout
+    left de-interleaved)."""
+    import importlib
+    import inspect
+
+    from liger_gen.integrations.transformers import _rope_functions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    family = MODEL_FAMILIES[model_type]
+    if not _rope_functions(family):
+        pytest.skip(f"{model_type}: RoPE is not patched")
+    model = mini_model(model_type)
+    modeling = importlib.import_module(family.modeling_module)
+    originals = {name: getattr(modeling, name) for name, _ in _rope_functions(family)}
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    gen = torch.Generator().manual_seed(5)
+    position_ids = torch.arange(12)[None]
+    extra = ({"layer_type": model.config.layer_types[-1]} if "layer_type" in inspect.signature(rotary.forward).parameters
+             else {})
+    cos, sin = rotary(torch.randn(1, 12, 8, generator=gen), position_ids, **extra)
+    head_dim = getattr(model.config, "qk_rope_head_dim", None) or model.config.head_dim
+    q, k = torch.randn(2, 4, 12, head_dim, generator=gen), torch.randn(2, 2, 12, head_dim, generator=gen)
+    try:
+        liger_gen.apply_to(model)
+        for name, original in originals.items():
+            got, want = getattr(modeling, name)(q, k, cos, sin), original(q, k, cos, sin)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.shape == w.shape, (model_type, name)
+                torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    finally:
+        restore_rope()

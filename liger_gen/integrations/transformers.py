@@ -21,8 +21,9 @@
   routed to ``liger_gen.functional.rope`` (wrapped to keep transformers' signature). Attention modules call that
   function through their modeling module's globals, so this patch is process-wide: every model of that family in
   the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
-  functions back. Interleaved layouts (GLM-4, Cohere 2), GPT-OSS's half-width tables and Llama 4's complex
-  rotation are left unpatched.
+  functions back. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
+  pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back
+  after the rotation). Llama 4's complex rotation is left unpatched.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
@@ -67,7 +68,9 @@ class ModelFamily:
     norm_classes: the classes to swap (default ``<prefix>RMSNorm``). rope: whether its ``apply_rotary_pos_emb``
     is the rotate-half layout ``liger_gen.functional.rope`` computes; rope_keeps_dtype: whether that function
     casts its outputs back to q's and k's dtypes (OLMo 2/3) rather than promoting them with cos/sin's;
-    rope_tables: "full" (cos/sin hold cat(freqs, freqs), as Llama's) or "half" (one angle per pair, GPT-OSS);
+    rope_tables: "full" (cos/sin hold cat(freqs, freqs), as Llama's), "half" (one angle per pair, GPT-OSS) or
+    "interleaved" (each angle twice in a row, Cohere); rope_pairs: the function rotates interleaved pairs
+    (x0, x1), (x2, x3), ... of the rotary dims and returns them in that layout (GLM-4, Cohere 2);
     interleaved_rope: the name of a second function that rotates interleaved pairs of a de-interleavable layout
     (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP modules are
     patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
@@ -83,6 +86,7 @@ class ModelFamily:
     rope: bool = True
     rope_keeps_dtype: bool = False
     rope_tables: str = "full"
+    rope_pairs: bool = False
     interleaved_rope: str | None = None
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
@@ -127,12 +131,12 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("granitemoe", "GraniteMoe", logits="divide"),
     _F("olmo2", "Olmo2", norm="fp32", rope_keeps_dtype=True),
     _F("olmo3", "Olmo3", norm="fp32", rope_keeps_dtype=True),
-    _F("glm4", "Glm4", rope=False, note="RoPE: GLM-4 rotates interleaved pairs (not patched)"),
+    _F("glm4", "Glm4", rope_pairs=True),
     _F("smollm3", "SmolLM3"),
     _F("deepseek_v3", "DeepseekV3", interleaved_rope="apply_rotary_pos_emb_interleave"),
     _F("gpt_oss", "GptOss", norm="fp32", rope_tables="half", note="the experts' clamped SwiGLU stays"),
-    _F("cohere2", "Cohere2", norm="layer", norm_classes=("Cohere2LayerNorm",), rope=False, logits="multiply",
-       note="RoPE: Cohere rotates interleaved pairs (not patched); per-head q/k norms stay"),
+    _F("cohere2", "Cohere2", norm="layer", norm_classes=("Cohere2LayerNorm",), rope_pairs=True,
+       rope_tables="interleaved", rope_keeps_dtype=True, logits="multiply", note="per-head q/k norms stay"),
     _F("exaone4", "Exaone4"),
     _F("falcon_h1", "FalconH1", logits="lm_head_multiplier",
        note="the Mamba-2 mixer and the gated norm inside it stay transformers' own"),
@@ -394,20 +398,36 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
     from liger_gen.functional import rope
 
     signature = inspect.signature(original)
-    keeps_dtype, half_tables = family.rope_keeps_dtype, family.rope_tables == "half"
+    keeps_dtype, tables, pairs = family.rope_keeps_dtype, family.rope_tables, family.rope_pairs and not interleaved
+
+    def halves(x: torch.Tensor, width: int) -> torch.Tensor:
+        """The first ``width`` dims of x with pairs (x0, x1), (x2, x3), ... laid out as two halves."""
+        rot = x[..., :width]
+        out = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
+        return out if width == x.shape[-1] else torch.cat((out, x[..., width:]), dim=-1)
+
+    def pairs_of(y: torch.Tensor, width: int) -> torch.Tensor:
+        """The inverse of ``halves``."""
+        rot = torch.stack((y[..., :width // 2], y[..., width // 2:width]), dim=-1).flatten(-2)
+        return rot if width == y.shape[-1] else torch.cat((rot, y[..., width:]), dim=-1)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
-        if half_tables:
+        dtypes = q.dtype, k.dtype
+        if tables == "half":
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        if interleaved:
-            q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
-            k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
+        elif tables == "interleaved":
+            cos, sin = torch.cat((cos[..., 0::2],) * 2, dim=-1), torch.cat((sin[..., 0::2],) * 2, dim=-1)
+        width = cos.shape[-1]
+        if interleaved or pairs:
+            q, k = halves(q, width), halves(k, width)
         # (seq, dim) tables with position_ids (older releases gather per position inside this function)
         position_ids = arguments.get("position_ids") if cos.dim() == 2 else None
         q_out, k_out = rope(q, k, cos, sin, position_ids, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
-        return (q_out.to(q.dtype), k_out.to(k.dtype)) if keeps_dtype else (q_out, k_out)
+        if pairs:
+            q_out, k_out = pairs_of(q_out, width), pairs_of(k_out, width)
+        return (q_out.to(dtypes[0]), k_out.to(dtypes[1])) if keeps_dtype else (q_out, k_out)
 
     apply_rotary_pos_emb.liger_gen = True
     return apply_rotary_pos_emb
