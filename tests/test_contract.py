@@ -2,7 +2,8 @@
 
 Each op's problem class (its spec's ``problem``, read through the bench case ``liger_gen.bench.ops.CASES``) says
 how to make seeded inputs at a model's shapes and how to get the float64 truth of every output and gradient
-(autograd of the float64 reference); the case says how to call liger-gen. From that alone, every op here: matches float64 within the dtype's tolerance at one row and at odd
+(autograd of the float64 reference); the case says how to call liger-gen. From that alone, every op
+here: matches float64 within the dtype's tolerance at one row and at odd
 shapes in float32, bfloat16 and float16; takes non-contiguous inputs and an extra leading dim; handles zero rows
 as PyTorch does; passes ``torch.library.opcheck`` on the custom-op calls it makes, and its custom-op node runs
 its backward kernels as custom ops; compiles with ``fullgraph=True`` to the eager result; refuses double

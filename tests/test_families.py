@@ -230,8 +230,8 @@ def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch
     rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     gen = torch.Generator().manual_seed(5)
     position_ids = torch.arange(12)[None]
-    extra = ({"layer_type": model.config.layer_types[-1]} if "layer_type" in inspect.signature(rotary.forward).parameters
-             else {})
+    takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    extra = {"layer_type": model.config.layer_types[-1]} if takes_layer_type else {}
     cos, sin = rotary(torch.randn(1, 12, 8, generator=gen), position_ids, **extra)
     head_dim = getattr(model.config, "qk_rope_head_dim", None) or model.config.head_dim
     q, k = torch.randn(2, 4, 12, head_dim, generator=gen), torch.randn(2, 2, 12, head_dim, generator=gen)

@@ -391,10 +391,11 @@ class FusedLossForward:
 def _transformers_rope(original, family: ModelFamily, interleaved: bool = False):
     """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
     honoured by name or position; a ``position_ids`` argument is used only with (seq, dim) tables, as the older
-    releases that pass such tables use it (transformers ignores it with per-position tables). Per the family: results cast back to q's
-    and k's dtypes (``rope_keeps_dtype``), half-width tables widened to cat(cos, cos) (``rope_tables="half"``:
-    the same rotation), or, for ``interleaved``, q and k de-interleaved first (pairs (x0, x1), (x2, x3), ... as
-    the two halves: DeepSeek's function returns that layout too)."""
+    releases that pass such tables use it (transformers ignores it with per-position tables). Per the family:
+    results cast back to q's and k's dtypes (``rope_keeps_dtype``); half-width or interleaved tables turned
+    into cat(freqs, freqs) (``rope_tables``); interleaved pairs of the rotary dims laid out as two halves for
+    the kernel and back again (``rope_pairs``); or, for ``interleaved`` (DeepSeek's second function), laid out
+    as two halves, the layout that function returns."""
     from liger_gen.functional import rope
 
     signature = inspect.signature(original)
@@ -582,7 +583,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                                                              for n in dict(child.named_children())):
                 left.append((cls, "MLP layout not recognised"))  # e.g. per-expert w1/w2/w3 of older releases
     if rms_norm and family.norm is not None and not norm_swaps and not any(
-            type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules()):
+            type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm))
+            for m in model.modules()):
         # the table names classes this release does not have: say so rather than patch half a model
         left.append(("/".join(family.norm_class_names), "no such module in the model (transformers releases "
                      f"tested: {', '.join(TESTED_TRANSFORMERS)})"))
