@@ -217,3 +217,15 @@ def test_compiled_training_step_of_a_patched_model_on_cpu(interpret, monkeypatch
     assert rel_l2(got, expected) < 1e-6
     for name, p in model.named_parameters():
         assert rel_l2(p.grad, ref_grads[name]) < 1e-5, name
+
+
+def test_use_cache_false_reaches_the_base_model():
+    """A training call with use_cache=False builds no cache, as transformers' own forward does (the cache would
+    cost memory every step and shift return_dict=False's tuple)."""
+    model = _model("llama", "cpu").train()
+    ids = torch.randint(0, 211, (2, 9))
+    plain = model(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
+    liger_gen.apply_to(model)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    assert out.logits is None and getattr(out, "past_key_values", None) is None
+    assert len(model(input_ids=ids, labels=ids, use_cache=False, return_dict=False)) == len(plain)

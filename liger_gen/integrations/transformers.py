@@ -297,14 +297,14 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     extra = dict(named.pop(var_keyword, {})) if var_keyword else {}  # **kwargs, **loss_kwargs (4.46), none (4.45)
     labels = named.get("labels")
-    if labels is None or not torch.is_grad_enabled() or named.get("use_cache"):
+    if labels is None or not torch.is_grad_enabled() or named.get("use_cache") or extra.get("use_cache"):
         return original(self, *args, **kwargs)
     from transformers import modeling_outputs
 
     from liger_gen.functional import fused_linear_cross_entropy
 
-    for name in ("self", "labels", "logits_to_keep", "num_logits_to_keep", "use_cache"):
-        named.pop(name, None)
+    for name in ("self", "labels", "logits_to_keep", "num_logits_to_keep"):
+        named.pop(name, None)  # use_cache (False or None here) goes on to the base model, as transformers passes it
     return_dict = named.pop("return_dict", None)  # a named parameter before transformers 4.51, else in **kwargs
     return_dict = extra.pop("return_dict", return_dict)
     shift_labels = extra.pop("shift_labels", None)
