@@ -850,3 +850,22 @@ def test_torch_compile_with_dynamic_shapes_and_float_options(op, device):
         x = torch.randn(rows, 8, generator=gen).to(device)
         t = torch.randint(0, 20, (rows,), generator=gen).to(device)
         torch.testing.assert_close(compiled(x, t, scale, cap), f(x, t, scale, cap))
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_numpy_scalars_are_taken_as_their_python_values(op):
+    """NumPy scalars for the options (torch's own loss takes them): the same loss as the Python numbers."""
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(41)
+    x, w = torch.randn(6, 8, generator=gen), torch.randn(20, 8, generator=gen)
+    target = torch.tensor([1, 4, -100, 7, 19, 0])
+    import liger_gen
+
+    fn = getattr(liger_gen.functional, op)
+    args = (x @ w.t(), target) if op == "cross_entropy" else (x, w, target)
+    expected = fn(*args, ignore_index=-100, label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0)
+    got = fn(*args, ignore_index=np.int64(-100), label_smoothing=np.float32(0.1), lse_square_scale=np.float64(1e-3),
+             softcap=np.float32(5.0))
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(TypeError, match="label_smoothing must be a real number"):
+        fn(*args, label_smoothing=np.bool_(True))

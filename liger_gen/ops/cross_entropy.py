@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -71,8 +72,9 @@ class CrossEntropyOptions(NamedTuple):
             ValueError: reduction unknown, label_smoothing outside [0, 1], lse_square_scale < 0 or not finite,
                 softcap <= 0 or not finite.
         """
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, numbers.Integral)):
             raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+        ignore_index = int(ignore_index)  # a NumPy integer too, as torch takes it
         if reduction not in REDUCTIONS:
             raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
         label_smoothing = check_float_arg(op, "label_smoothing", label_smoothing)

@@ -10,6 +10,7 @@ themselves live in each op's module under ``liger_gen/ops``, bound through ``lig
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from types import ModuleType
 from typing import Any, Mapping
@@ -117,9 +118,10 @@ def check_tensor(op: str, name: str, t: Any, *, dtypes: tuple[torch.dtype, ...] 
 
 
 def check_float_arg(op: str, name: str, value: Any) -> float:
-    """``value`` as a float; TypeError for bools, strings and anything that is not a real number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{op}: {name} must be a Python float, got {type(value).__name__} {value!r}")
+    """``value`` as a Python float; TypeError for bools, strings and anything that is not a real number (NumPy
+    scalars such as ``np.float32`` are real numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):
+        raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
     return float(value)
 
 
