@@ -17,6 +17,7 @@ before multiplying by act'(gate), as autograd's mul backward does. float32 input
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -679,7 +680,7 @@ class GLUMLP(nn.Module):
             raise TypeError("GLUMLP: down_proj must be an nn.Module, got None")
         for name, value in (("dropout", dropout), ("gate_multiplier", gate_multiplier),
                             ("down_multiplier", down_multiplier)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise TypeError(f"GLUMLP: {name} must be a finite real number, got {value!r}")
         if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"GLUMLP: dropout must be a probability in [0, 1], got {dropout}")
