@@ -19,6 +19,8 @@ from liger_gen.ops.cross_entropy import (CrossEntropyConfig, CrossEntropyProblem
                                          cross_entropy_float64, cross_entropy_loss_and_grad, cross_entropy_mean_scale,
                                          cross_entropy_reduce, cross_entropy_torch)
 
+from conftest import CPU_PATHS
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -869,3 +871,27 @@ def test_numpy_scalars_are_taken_as_their_python_values(op):
     torch.testing.assert_close(got, expected)
     with pytest.raises(TypeError, match="label_smoothing must be a real number"):
         fn(*args, label_smoothing=np.bool_(True))
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_token_accuracy_and_predicted_tokens(interpret, monkeypatch):
+    """The argmax class of each row of (B, T, V) logits and the share of non-ignored rows where it is the
+    target, after the loss (and z-loss) in their order; the loss is unchanged by them."""
+    import liger_gen
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(62)
+    logits = (torch.randn(2, 9, 40, generator=gen) * 2).requires_grad_()
+    target = torch.randint(0, 40, (2, 9), generator=gen)
+    target[0, ::3] = -100
+    loss, z, acc, pred = liger_gen.functional.cross_entropy(logits, target, softcap=4.0, return_z_loss=True,
+                                                           return_token_accuracy=True, return_predicted_tokens=True)
+    ref = logits.detach().double().argmax(-1)
+    valid = target != -100
+    assert pred.shape == target.shape and torch.equal(pred, ref)
+    assert acc.item() == pytest.approx(((ref == target) & valid).sum().item() / valid.sum().item())
+    torch.testing.assert_close(loss, liger_gen.functional.cross_entropy(logits, target, softcap=4.0), rtol=0, atol=0)
+    loss.backward()
+    assert logits.grad is not None
+    with pytest.raises(TypeError, match="return_predicted_tokens must be a bool"):
+        liger_gen.functional.cross_entropy(logits, target, return_predicted_tokens="yes")

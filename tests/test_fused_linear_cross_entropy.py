@@ -237,9 +237,9 @@ def test_no_grad_modes_compute_the_loss_only(mode, interpret, monkeypatch):
     seen = []
     run = flce_mod._Chunked.run
 
-    def spy(self, scale, grad_output, need_dx, need_dw, need_db):
+    def spy(self, scale, grad_output, need_dx, need_dw, need_db, need_pred=False):
         seen.append((need_dx, need_dw, need_db))
-        return run(self, scale, grad_output, need_dx, need_dw, need_db)
+        return run(self, scale, grad_output, need_dx, need_dw, need_db, need_pred)
 
     monkeypatch.setattr(flce_mod._Chunked, "run", spy)
     with getattr(torch, mode)():
@@ -404,9 +404,9 @@ def test_opcheck_custom_ops(device):
     cw = torch.rand(6, device=device)
     target = torch.tensor([0, 5, -100, 2, 3], device=device)
     ops = torch.ops.liger_gen
-    for reduction in ("mean", "none"):
+    for reduction, need_pred in (("mean", False), ("none", True), ("mean", True)):
         torch.library.opcheck(ops.fused_linear_cross_entropy_fwd.default,
-                              (x, w, target, b, cw, -100, reduction, 0.1, 1e-3, 5.0, True, True, True),
+                              (x, w, target, b, cw, -100, reduction, 0.1, 1e-3, 5.0, True, True, True, need_pred),
                               test_utils=("test_schema", "test_faketensor"))
     grad_rows = torch.randn(5, device=device)
     torch.library.opcheck(ops.fused_linear_cross_entropy_bwd.default,
@@ -627,3 +627,38 @@ def test_extra_memory_stays_within_the_budget_on_cpu_paths(interpret, dtype, red
     row_vectors = 16 * (rows + vocab) * 4  # per-row losses, lse, scales; per-class sums
     clear_caches()
     assert meter.peak - grads <= MEMORY_BUDGET + fp16_accumulator + row_vectors, (meter.peak - grads) / 2**20
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_token_accuracy_and_predicted_tokens(reduction, interpret, monkeypatch, small_chunks):
+    """The argmax of every row's logits (several chunks, soft-capped, with a bias) and the share of non-ignored
+    rows where it is the target, against float64 logits; the loss and its gradients are the same with or
+    without them; every row ignored gives NaN; the flags must be bools; and it compiles without a graph break."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(61)
+    x, w, b, target = _case(37, 16, 50, torch.float32, "cpu", gen, bias=True)
+    kwargs = dict(bias=b, reduction=reduction, softcap=3.0)
+    loss, acc, pred = OP(x, w, target, return_token_accuracy=True, return_predicted_tokens=True, **kwargs)
+    with torch.no_grad():
+        ref_pred = (x.double() @ w.double().t() + b.double()).argmax(-1)
+    valid = target != -100
+    assert pred.dtype == torch.int64 and torch.equal(pred, ref_pred)
+    assert acc.dtype == torch.float32 and not acc.requires_grad
+    assert acc.item() == pytest.approx(((ref_pred == target) & valid).sum().item() / valid.sum().item())
+    (dx, dw) = torch.autograd.grad(loss.sum(), (x, w))
+    plain = OP(x, w, target, **kwargs)
+    (dx0, dw0) = torch.autograd.grad(plain.sum(), (x, w))
+    torch.testing.assert_close(loss, plain, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx0, rtol=0, atol=0)
+    torch.testing.assert_close(dw, dw0, rtol=0, atol=0)
+    _, none_acc = OP(x, w, torch.full_like(target, -100), return_token_accuracy=True, **kwargs)
+    assert math.isnan(none_acc.item())
+    with pytest.raises(TypeError, match="return_token_accuracy must be a bool"):
+        OP(x, w, target, return_token_accuracy=1)
+    compiled = torch.compile(lambda x, w: OP(x, w, target, return_token_accuracy=True, **kwargs),
+                             backend="aot_eager", fullgraph=True)
+    c_loss, c_acc = compiled(x, w)
+    torch.testing.assert_close(c_acc, acc)
+    torch.testing.assert_close(c_loss, loss)
+    torch._dynamo.reset()

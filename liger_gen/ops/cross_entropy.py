@@ -780,12 +780,35 @@ def _check_inputs(op: str, logits, target, weight, ignore_index, reduction, labe
     return CrossEntropyOptions.checked(op, ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
 
 
+def check_prediction_flags(op: str, return_token_accuracy, return_predicted_tokens) -> bool:
+    """TypeError unless both flags are bools; whether predictions are needed at all."""
+    for name, flag in (("return_token_accuracy", return_token_accuracy),
+                       ("return_predicted_tokens", return_predicted_tokens)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+    return return_token_accuracy or return_predicted_tokens
+
+
+def with_predictions(outputs: tuple, pred: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                     accuracy: bool, predicted: bool) -> tuple:
+    """``outputs`` followed by the token accuracy (share of non-ignored rows whose argmax is the target, 0-dim
+    float32, NaN when every row is ignored) and/or the predicted tokens ``pred``."""
+    extra = []
+    if accuracy:
+        valid = target != ignore_index
+        extra.append(((pred == target) & valid).sum().float() / valid.sum().float())
+    if predicted:
+        extra.append(pred)
+    return (*outputs, *extra)
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False):
+                  lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False):
     """Cross-entropy loss of logits against class indices, optionally with z-loss and logit soft-capping.
 
     Equals ``torch.nn.functional.cross_entropy(logits, target, weight, ignore_index=ignore_index,
@@ -809,6 +832,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         lse_square_scale: λ >= 0, the z-loss coefficient.
         softcap: None, or s > 0.
         return_z_loss: also return the z-loss, reduced like the loss.
+        return_token_accuracy: also return the share of non-ignored rows whose argmax class is the target (0-dim
+            float32, NaN when every row is ignored; not differentiable).
+        return_predicted_tokens: also return each row's argmax class, int64 of target's shape.
 
     Returns:
         loss — float32 whatever the logits' dtype: 0-dim for "mean"/"sum", target's shape for "none". It includes
@@ -816,6 +842,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         (relative rounding up to 2^-8), while the value is accumulated in fp32 anyway, and transformers' loss
         (which upcasts the logits) and Liger-Kernel both return float32. With ``return_z_loss``: ``(loss,
         z_loss)``, z_loss float32 and not differentiable (its gradient flows through ``loss``, which contains it).
+        The accuracy and the predicted tokens, when requested, follow in that order.
         Differentiable in logits; the gradient has logits' dtype.
 
     A target outside [0, V) that is not ignore_index is an error, as in PyTorch: on CUDA it is caught on the
@@ -844,6 +871,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                             softcap)
     if not isinstance(return_z_loss, bool):
         raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    if check_prediction_flags(op, return_token_accuracy, return_predicted_tokens):
+        out = cross_entropy(logits, target, weight, *options, return_z_loss=return_z_loss)
+        with torch.no_grad():  # softcap is monotone: the argmax of the raw logits
+            pred = logits.argmax(-1)
+        return with_predictions(out if return_z_loss else (out,), pred, target, options.ignore_index,
+                                return_token_accuracy, return_predicted_tokens)
     if not uses_triton(logits):
         return cross_entropy_torch(logits, target, weight, *options, return_z_loss)
     check_kernel_dtypes(op, logits=logits)

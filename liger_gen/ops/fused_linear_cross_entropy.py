@@ -33,8 +33,8 @@ from liger_gen.codegen.spaces import KernelConfig, Param, Space
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEntropyConfig, CrossEntropyOptions,
                                          CrossEntropySpace, aux_module, cross_entropy_float64,
-                                         cross_entropy_mean_scale, cross_entropy_reduce, cross_entropy_torch,
-                                         loss_and_grad_unchecked)
+                                         check_prediction_flags, cross_entropy_mean_scale, cross_entropy_reduce,
+                                         cross_entropy_torch, loss_and_grad_unchecked, with_predictions)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
                                    kernel_module, use_custom_op, uses_triton)
@@ -394,12 +394,14 @@ class _Chunked:
         if self.bias is not None:
             out.add_(self.bias)
 
-    def run(self, scale, grad_output, need_dx: bool, need_dw: bool, need_db: bool):
+    def run(self, scale, grad_output, need_dx: bool, need_dw: bool, need_db: bool, need_pred: bool = False):
         """Loop over chunks: per-row (loss, z-loss) in fp32 and, if any need_*, dx (x's dtype), dW (fp32 or x's
         dtype, see ``dw_dtype``) and db (fp32).
 
         The gradients are those of Σ_i g_i·(s_ce·ce_i + s_z·zl_i) with ``[s_ce, s_z] = scale`` (None: ones) and
-        ``g = grad_output`` (None: ones, else (rows,)), as ``cross_entropy_loss_and_grad`` defines them.
+        ``g = grad_output`` (None: ones, else (rows,)), as ``cross_entropy_loss_and_grad`` defines them. With
+        ``need_pred``, also each row's predicted token (int64 argmax of its logits, taken before the kernel
+        overwrites them), else None.
         """
         x, rows, vocab, dtype = self.x, self.rows, self.vocab, self.x.dtype
         want_grad = need_dx or need_dw or need_db
@@ -408,6 +410,7 @@ class _Chunked:
         dx = torch.empty((rows, self.hidden), dtype=dtype, device=x.device) if need_dx else None
         dw = torch.empty((vocab, self.hidden), dtype=self.dw_dtype, device=x.device) if need_dw else None
         db = torch.zeros(vocab, **f32) if need_db else None
+        pred = torch.empty(rows, dtype=torch.int64, device=x.device) if need_pred else None
         chunk = min(self.chunk_rows, max(rows, 1))
         logits_buf = torch.empty((chunk, vocab), dtype=self.logits_dtype, device=x.device) if rows else None
         # the gradient GEMMs take dlogits in x's dtype (one operand dtype): the kernel writes them there directly
@@ -421,6 +424,8 @@ class _Chunked:
             xc = x[start:end]
             logits = logits_buf[:end - start]
             self._logits(xc, logits)
+            if pred is not None:  # softcap is monotone: the capped logits have the same argmax
+                torch.argmax(logits, dim=-1, out=pred[start:end])
             grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
             # the arguments were validated once by the public function: the unchecked entry point, per chunk
             loss_c, zl_c, _ = loss_and_grad_unchecked(
@@ -445,11 +450,13 @@ class _Chunked:
                     if first:
                         dw.zero_()
                     _accumulate_dw(dw, grad.t(), xc)
-        return loss_rows, zl_rows, dx, dw, db
+        return loss_rows, zl_rows, dx, dw, db, pred
 
 
-def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db, plan=None):
-    """(loss, z_loss, dx_unscaled, grad_scale, dW, db) of a 2-D x; losses and grad_scale fp32.
+def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db, plan=None,
+              need_pred: bool = False):
+    """(loss, z_loss, pred, dx_unscaled, grad_scale, dW, db) of a 2-D x; losses and grad_scale fp32, pred the
+    (rows,) int64 predicted tokens with ``need_pred`` (else empty).
 
     For reduction "none", loss/z_loss are per row and no gradient is computed (the backward recomputes).
     Otherwise the requested gradients are those of the reduced loss for an upstream gradient of 1, except
@@ -467,8 +474,8 @@ def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx,
         return x.new_empty(0)
 
     if reduction == "none":
-        loss_rows, zl_rows, _, _, _ = run.run(None, None, False, False, False)
-        return loss_rows, zl_rows, empty(), one, empty(), empty()
+        loss_rows, zl_rows, _, _, _, pred = run.run(None, None, False, False, False, need_pred)
+        return loss_rows, zl_rows, empty() if pred is None else pred, empty(), one, empty(), empty()
     scale = cross_entropy_mean_scale(target, run.vocab, run.weight, options.ignore_index) \
         if reduction == "mean" else None
     chunk_scale, grad_scale = scale, one
@@ -484,7 +491,7 @@ def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx,
         if options.lse_square_scale:
             ratio = scale[1] / scale[0]
             chunk_scale = torch.stack([one, torch.where(torch.isfinite(ratio), ratio, zero)])
-    loss_rows, zl_rows, dx, dw, db = run.run(chunk_scale, None, need_dx, need_dw, need_db)
+    loss_rows, zl_rows, dx, dw, db, pred = run.run(chunk_scale, None, need_dx, need_dw, need_db, need_pred)
     loss, z_loss = cross_entropy_reduce(loss_rows, zl_rows, reduction, scale)
     prescale = run.prescale
     del run, loss_rows, zl_rows
@@ -496,15 +503,15 @@ def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx,
         if not prescale:
             db.mul_(grad_scale)
         db = db.to(bias.dtype)
-    return (loss, z_loss, empty() if dx is None else dx, grad_scale, empty() if dw is None else dw,
-            empty() if db is None else db)
+    return (loss, z_loss, empty() if pred is None else pred, empty() if dx is None else dx, grad_scale,
+            empty() if dw is None else dw, empty() if db is None else db)
 
 
 def _bwd_none_impl(grad_rows, x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db,
                    plan=None):
     """(dx, dW, db) of reduction "none" for a per-row upstream gradient: recomputes each chunk's logits."""
     run = _Chunked(x, w, target, bias, weight, options, plan)
-    _, _, dx, dw, db = run.run(None, grad_rows, need_dx, need_dw, need_db)
+    _, _, dx, dw, db, _ = run.run(None, grad_rows, need_dx, need_dw, need_db)
     del run
     return (x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw.to(w.dtype),
             x.new_empty(0) if db is None else db.to(bias.dtype))
@@ -602,7 +609,7 @@ class FusedLinearCrossEntropyProblem(Problem):
         plan = module.plan()
 
         def launch():
-            loss, _, dx_u, scale, dw, _ = _fwd_impl(b["x"], b["w"], b["target"], None, None, CrossEntropyOptions(),
+            loss, _, _, dx_u, scale, dw, _ = _fwd_impl(b["x"], b["w"], b["target"], None, None, CrossEntropyOptions(),
                                                     True, True, False, plan)
             b["loss"].copy_(loss)
             torch.mul(dx_u, scale, out=b["dx"])
@@ -634,12 +641,13 @@ SPECS = {SPEC.name: SPEC}
 # ------------------------------------------------------------------------------------------------ binding
 
 def _fwd_fake(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-              softcap, need_dx, need_dw, need_db):
+              softcap, need_dx, need_dw, need_db, need_pred):
     rows, hidden = x.shape
     loss_shape = (rows,) if reduction == "none" else ()
     grads = reduction != "none"
     f = torch.float32
     return (x.new_empty(loss_shape, dtype=f), x.new_empty(loss_shape, dtype=f),
+            x.new_empty((rows,), dtype=torch.int64) if need_pred else x.new_empty((0,)),
             x.new_empty((rows, hidden) if grads and need_dx else (0,)), x.new_empty((), dtype=f),
             lm_head_weight.new_empty(lm_head_weight.shape if grads and need_dw else (0,)),
             x.new_empty((0,)) if bias is None or not (grads and need_db) else bias.new_empty(bias.shape))
@@ -661,12 +669,13 @@ def _scale_grads_op_impl(grad_loss: torch.Tensor, dx_unscaled: torch.Tensor, gra
 
 def _fwd_op_impl(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
                  weight: torch.Tensor | None, ignore_index: int, reduction: str, label_smoothing: float,
-                 lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool, need_db: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, dx_unscaled, grad_scale, dW, db) for a 2-D x with the tuned plan; see ``_fwd_impl``."""
+                 lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool, need_db: bool,
+                 need_pred: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, pred, dx_unscaled, grad_scale, dW, db) for a 2-D x with the tuned plan; see ``_fwd_impl``."""
     return _fwd_impl(x, lm_head_weight, target, bias, weight,
                      CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap),
-                     need_dx, need_dw, need_db)
+                     need_dx, need_dw, need_db, need_pred=need_pred)
 
 
 def _bwd_op_impl(grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
@@ -689,14 +698,14 @@ fused_linear_cross_entropy_scale_grads = Kernel(
 
 def _save(ctx, inputs, output):
     (x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-     need_dx, need_dw, need_db) = inputs
+     need_dx, need_dw, need_db, _) = inputs
     ctx.mark_non_differentiable(*output[1:])
     ctx.reduction, ctx.has_bias, ctx.used = reduction, bias is not None, False
     if reduction == "none":  # the backward recomputes the logits chunk by chunk
         saved(ctx, x, w, target, bias, weight)
         ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
     else:  # the forward computed the gradients for an upstream gradient of 1
-        _, _, dx_u, grad_scale, dw, db = output
+        _, _, _, dx_u, grad_scale, dw, db = output
         saved(ctx, dx_u, grad_scale, dw, db)
 
 
@@ -716,16 +725,18 @@ def _backward(ctx, grad_loss, *_unused):
         ctx.used = True
         dx, dw, db = _scale_grads(grad_loss, *ctx.saved_tensors, in_place=True)
     return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None,
-            db if ctx.has_bias and ctx.needs_input_grad[3] else None) + (None,) * 9
+            db if ctx.has_bias and ctx.needs_input_grad[3] else None) + (None,) * 10
 
 
 _fused_linear_cross_entropy_2d = Differentiable(
     fused_linear_cross_entropy_fwd, _save, _backward,
-    reference="liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch", outputs=2)
+    reference="liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch", outputs=3)
 
 
-def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, options: CrossEntropyOptions):
-    """(loss, z_loss) of a 2-D x, differentiable in x, lm_head_weight and bias."""
+def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, options: CrossEntropyOptions,
+                                  need_pred: bool = False):
+    """(loss, z_loss, pred) of a 2-D x, differentiable in x, lm_head_weight and bias; pred the (rows,) int64
+    predicted tokens with ``need_pred``, else an empty tensor."""
     if torch.jit.is_tracing():
         # a trace records these flags as constants: compute every gradient, whatever the tensors need now, so
         # that the trace is right when it replays with other tensors (autograd drops the unneeded ones)
@@ -739,11 +750,12 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, optio
         if not (need_dx or need_dw or need_db) and not use_custom_op():
             # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd
             # node)
-            out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False)
-            return out[0], out[1]
+            out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False,
+                            need_pred=need_pred)
+            return out[0], out[1], out[2]
     out = _fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, *options, need_dx, need_dw,
-                                         need_db)
-    return out[0], out[1]
+                                         need_db, need_pred)
+    return out[0], out[1], out[2]
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -805,7 +817,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
                                bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                                lse_square_scale: float = 0.0, softcap: float | None = None,
-                               return_z_loss: bool = False):
+                               return_z_loss: bool = False, return_token_accuracy: bool = False,
+                               return_predicted_tokens: bool = False):
     """Cross-entropy of a linear layer's output without materialising the logits (the LM head and its loss).
 
     Equal to ``torch.nn.functional.cross_entropy(x @ lm_head_weight.T + bias, target, weight, ignore_index=...,
@@ -838,11 +851,17 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
         lse_square_scale: z-loss coefficient (>= 0).
         softcap: None, or a float > 0 for tanh soft-capping of the logits.
         return_z_loss: also return the z-loss term (already included in the loss), for logging.
+        return_token_accuracy: also return the share of non-ignored rows whose most likely class (argmax of the
+            row's logits, each chunk's taken before its gradient overwrites it) is the target: 0-dim float32,
+            NaN when every row is ignored; not differentiable (what trainers log as token accuracy).
+        return_predicted_tokens: also return those argmax classes, int64 of x's leading shape (every row).
 
     Returns:
         loss, float32 (float64 for float64 inputs on the plain path): a scalar, or of x's leading shape for
         reduction "none". With ``return_z_loss``, the tuple (loss, z_loss); z_loss has the loss's shape and is
-        not differentiable (its gradient flows through the loss, which contains it). The loss is differentiable in x,
+        not differentiable (its gradient flows through the loss, which contains it). With the accuracy and/or the
+        predicted tokens requested they follow, in that order: ``(loss[, z_loss][, accuracy][, predicted])``.
+        The loss is differentiable in x,
         lm_head_weight and bias; for reduction mean/sum the gradients are computed in the forward and scaled by
         the upstream gradient in the backward (so one backward per forward), for "none" the backward recomputes
         the logits chunk by chunk. Double backward is not supported.
@@ -868,14 +887,25 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     op = "fused_linear_cross_entropy"
     options = _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
                             lse_square_scale, softcap, return_z_loss)
+    need_pred = check_prediction_flags(op, return_token_accuracy, return_predicted_tokens)
     if x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused float64 reference
-        return fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, *options, return_z_loss)
+        out = fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, *options, return_z_loss)
+        if not need_pred:
+            return out
+        with torch.no_grad():
+            logits = x @ lm_head_weight.t() if bias is None else x @ lm_head_weight.t() + bias
+        return with_predictions(out if return_z_loss else (out,), logits.argmax(-1), target, options.ignore_index,
+                                 return_token_accuracy, return_predicted_tokens)
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)
     if x2d.stride(0) != 1 and x2d.stride(1) != 1:  # GEMMs take row- or column-major operands without a copy
         x2d = x2d.contiguous()
     target1d = target.reshape(-1).contiguous()
-    loss, z = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, options)
+    loss, z, pred = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, options, need_pred)
     if reduction == "none":
         loss, z = loss.view(x.shape[:-1]), z.view(x.shape[:-1])
-    return (loss, z) if return_z_loss else loss
+    if not need_pred:
+        return (loss, z) if return_z_loss else loss
+    return with_predictions((loss, z) if return_z_loss else (loss,), pred.view(x.shape[:-1]), target,
+                             options.ignore_index, return_token_accuracy, return_predicted_tokens)
+
