@@ -60,6 +60,10 @@ class CrossEntropyLoss(nn.Module):
         lse_square_scale: z-loss coefficient (PaLM): adds ``lse_square_scale · lse²`` per non-ignored row.
         softcap: if given, logits become ``softcap · tanh(logits / softcap)`` first (Gemma-2).
         return_z_loss: forward returns ``(loss, z_loss)``.
+        return_token_accuracy, return_predicted_tokens: the forward also returns the token accuracy and/or the
+            argmax classes, after the loss (and z-loss), as ``liger_gen.functional.cross_entropy`` does.
+        use_token_scaling: weigh each row's loss by its detached target probability (the Dynamic Fine-Tuning
+            loss, Wu et al. 2025).
 
     Shape: input (..., vocab) float32/bfloat16/float16, target (...) int64 or int32 → 0-dim float32 loss
     ((...) for ``reduction="none"``).
@@ -67,15 +71,21 @@ class CrossEntropyLoss(nn.Module):
 
     def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_z_loss: bool = False):
+                 return_z_loss: bool = False, return_token_accuracy: bool = False,
+                 return_predicted_tokens: bool = False, use_token_scaling: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.lse_square_scale, self.softcap, self.return_z_loss = lse_square_scale, softcap, return_z_loss
+        self.return_token_accuracy, self.return_predicted_tokens = return_token_accuracy, return_predicted_tokens
+        self.use_token_scaling = use_token_scaling
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return F.cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
-                               self.lse_square_scale, self.softcap, self.return_z_loss)
+                               self.lse_square_scale, self.softcap, self.return_z_loss,
+                               return_token_accuracy=self.return_token_accuracy,
+                               return_predicted_tokens=self.return_predicted_tokens,
+                               use_token_scaling=self.use_token_scaling)
 
 
 __all__ = ["CrossEntropyLoss", "GLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

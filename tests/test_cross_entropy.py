@@ -87,7 +87,7 @@ def test_custom_ops_on_the_plain_cpu_path_match_float64(dtype, reduction, monkey
     x, t = _case(11, v, dtype, "cpu", gen, ignore=(2, 7))
     w = 0.5 + torch.rand(v, generator=gen)
     opts = (-100, reduction, 0.1, 1e-2, 5.0)
-    loss, zl, lse, q, scale, empty = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, *opts, False)
+    loss, zl, lse, q, scale, empty = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, *opts, False, False)
     assert empty.numel() == 0  # no gradient in the forward unless asked
     x64 = x.double().requires_grad_()
     ref, ref_z = cross_entropy_float64(x64, t, w, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2,
@@ -100,7 +100,7 @@ def test_custom_ops_on_the_plain_cpu_path_match_float64(dtype, reduction, monkey
     g = torch.randn(ref.shape, generator=gen, dtype=torch.float64) if ref.dim() else torch.tensor(1.3,
                                                                                                  dtype=torch.float64)
     (ref * g).sum().backward()
-    dlogits = torch.ops.liger_gen.cross_entropy_bwd(g.float(), x, t, w, lse, q, scale, *opts)
+    dlogits = torch.ops.liger_gen.cross_entropy_bwd(g.float(), x, t, w, lse, q, scale, *opts, False)
     assert dlogits.dtype == dtype and rel_l2(dlogits, x64.grad) < REL_TOL[dtype]
 
 
@@ -563,14 +563,19 @@ def test_opcheck_custom_ops(device):
     x = torch.randn(5, 40, device=device)
     t = torch.randint(0, 40, (5,), device=device)
     w = torch.rand(40, device=device)
-    for args in ((x, t, None, -100, "mean", 0.0, 0.0, None, False), (x, t, w, -100, "none", 0.1, 1e-3, 3.0, False),
-                 (x, t, w, -100, "mean", 0.1, 1e-3, 3.0, True)):
+    for args in ((x, t, None, -100, "mean", 0.0, 0.0, None, False, False),
+                 (x, t, w, -100, "none", 0.1, 1e-3, 3.0, False, False),
+                 (x, t, w, -100, "mean", 0.1, 1e-3, 3.0, True, False),
+                 (x, t, w, -100, "mean", 0.1, 1e-3, 3.0, False, True)):
         torch.library.opcheck(torch.ops.liger_gen.cross_entropy_fwd.default, args,
                               test_utils=("test_schema", "test_faketensor"))
-    loss, _, lse, q, scale, _ = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, -100, "none", 0.1, 1e-3, 3.0, False)
-    torch.library.opcheck(torch.ops.liger_gen.cross_entropy_bwd.default,
-                          (torch.ones_like(loss), x, t, w, lse, q, scale, -100, "none", 0.1, 1e-3, 3.0),
-                          test_utils=("test_schema", "test_faketensor"))
+    for token_scaling in (False, True):
+        loss, _, lse, q, scale, _ = torch.ops.liger_gen.cross_entropy_fwd(x, t, w, -100, "none", 0.1, 1e-3, 3.0,
+                                                                          False, token_scaling)
+        torch.library.opcheck(torch.ops.liger_gen.cross_entropy_bwd.default,
+                              (torch.ones_like(loss), x, t, w, lse, q, scale, -100, "none", 0.1, 1e-3, 3.0,
+                               token_scaling),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -895,3 +900,72 @@ def test_token_accuracy_and_predicted_tokens(interpret, monkeypatch):
     assert logits.grad is not None
     with pytest.raises(TypeError, match="return_predicted_tokens must be a bool"):
         liger_gen.functional.cross_entropy(logits, target, return_predicted_tokens="yes")
+
+
+TOKEN_SCALING_OPTIONS = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"weighted": True, "lse_square_scale": 1e-2},  # a mean whose two denominators differ
+    {"weighted": True, "label_smoothing": 0.2, "lse_square_scale": 1e-3, "softcap": 6.0, "reduction": "none"},
+    {"softcap": 4.0, "label_smoothing": 0.1, "reduction": "sum"},
+]
+
+
+@pytest.mark.parametrize("opts", TOKEN_SCALING_OPTIONS,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_token_scaling_matches_float64(opts, dtype, interpret, monkeypatch):
+    """use_token_scaling weighs each row (loss, smoothing and z-loss terms, and so its gradient) by its detached
+    target probability: loss and dlogits against the float64 reference on both CPU paths, every option."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("token-scaling", opts, dtype, interpret)
+    x, t = _case(13, 71, dtype, "cpu", gen, ignore=(1, 6), scale=1.5)  # scale 1.5: p_y is not negligible
+    _assert_matches_float64(x, t, use_token_scaling=True, **_options(opts, 71, "cpu", gen))
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_token_scaling_is_the_dft_loss(interpret, monkeypatch):
+    """With the plain loss, token scaling is Dynamic Fine-Tuning's −sg(p_y)·log p_y averaged over non-ignored
+    rows, written here from log_softmax in float64; its gradient is p_y times the plain cross-entropy's."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("dft", interpret)
+    logits = (torch.randn(3, 7, 53, generator=gen) * 1.5).requires_grad_()
+    target = torch.randint(0, 53, (3, 7), generator=gen)
+    target[1, ::2] = -100
+    loss = cross_entropy(logits, target, use_token_scaling=True)
+    (grad,) = torch.autograd.grad(loss, logits)
+    x64 = logits.detach().double().requires_grad_()
+    valid = target != -100
+    logp = torch.log_softmax(x64, -1).gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
+    dft = (-(logp.exp().detach() * logp) * valid).sum() / valid.sum()
+    (ref_grad,) = torch.autograd.grad(dft, x64)
+    assert abs(loss.item() - dft.item()) < FP32_OUT_TOL * abs(dft.item())
+    assert rel_l2(grad, ref_grad) < REL_TOL[torch.float32]
+    plain = torch.autograd.grad(cross_entropy(logits, target, reduction="sum"), logits)[0]
+    p_y = logp.exp().detach().float() * valid
+    assert rel_l2(grad, plain * (p_y / valid.sum())[..., None]) < REL_TOL[torch.float32]
+    with pytest.raises(TypeError, match="use_token_scaling must be a bool"):
+        cross_entropy(logits, target, use_token_scaling=1)
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_token_scaling_under_torch_compile(interpret, monkeypatch):
+    """Token scaling compiles without a graph break (the custom ops carry the flag) and equals eager mode."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("token-scaling-compile", interpret)
+    x, t = _case(9, 40, torch.float32, "cpu", gen, ignore=(2,), scale=1.5)
+    w = 0.5 + torch.rand(40, generator=gen)
+
+    def f(x):
+        return cross_entropy(x, t, w, lse_square_scale=1e-2, softcap=5.0, use_token_scaling=True)
+
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(x1)
+    got.backward()
+    ref = f(x2)
+    ref.backward()
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch._dynamo.reset()

@@ -404,14 +404,18 @@ def test_opcheck_custom_ops(device):
     cw = torch.rand(6, device=device)
     target = torch.tensor([0, 5, -100, 2, 3], device=device)
     ops = torch.ops.liger_gen
-    for reduction, need_pred in (("mean", False), ("none", True), ("mean", True)):
+    for reduction, need_pred, token_scaling in (("mean", False, False), ("none", True, False), ("mean", True, False),
+                                                ("sum", False, True), ("none", False, True)):
         torch.library.opcheck(ops.fused_linear_cross_entropy_fwd.default,
-                              (x, w, target, b, cw, -100, reduction, 0.1, 1e-3, 5.0, True, True, True, need_pred),
+                              (x, w, target, b, cw, -100, reduction, 0.1, 1e-3, 5.0, True, True, True, need_pred,
+                               token_scaling),
                               test_utils=("test_schema", "test_faketensor"))
     grad_rows = torch.randn(5, device=device)
-    torch.library.opcheck(ops.fused_linear_cross_entropy_bwd.default,
-                          (grad_rows, x, w, target, b, None, -100, 0.0, 0.0, None, True, True, True),
-                          test_utils=("test_schema", "test_faketensor"))
+    for token_scaling in (False, True):
+        torch.library.opcheck(ops.fused_linear_cross_entropy_bwd.default,
+                              (grad_rows, x, w, target, b, None, -100, 0.0, 0.0, None, True, True, True,
+                               token_scaling),
+                              test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(ops.fused_linear_cross_entropy_scale_grads.default,
                           (torch.tensor(2.0, device=device), x, torch.tensor(0.5, device=device), w, b),
                           test_utils=("test_schema", "test_faketensor"))
@@ -662,3 +666,51 @@ def test_token_accuracy_and_predicted_tokens(reduction, interpret, monkeypatch, 
     torch.testing.assert_close(c_acc, acc)
     torch.testing.assert_close(c_loss, loss)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", ["plain", "class_weight", "everything"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_token_scaling_matches_float64(option, reduction, dtype, interpret, monkeypatch, small_chunks):
+    """use_token_scaling (each row weighed by its detached target probability) over several chunks, with every
+    option: loss, z-loss, dx, dW and db against the unfused float64 reference on both CPU paths."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(hash(("token-scaling", option, reduction, str(dtype), interpret)) % 2**31)
+    opts = dict(OPTIONS[option])
+    vocab = 50
+    x, w, b, target = _case(37, 24, vocab, dtype, "cpu", gen, bias=opts.pop("bias", False))
+    with torch.no_grad():
+        w.mul_(0.5)  # p_y not negligible
+    if opts.pop("weight", False):
+        opts["weight"] = 0.25 + torch.rand(vocab, generator=gen)
+    if "ignore_index" in opts:
+        target[target == -100] = opts["ignore_index"]
+    _check_against_float64(x, w, b, target, reduction=reduction, use_token_scaling=True, **opts)
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_token_scaling_equals_cross_entropy_and_compiles(interpret, monkeypatch, small_chunks):
+    """FLCE with token scaling equals cross_entropy with token scaling on the materialised fp32 logits, in eager
+    mode and under torch.compile (fullgraph), and rejects a non-bool flag."""
+    from liger_gen.ops.cross_entropy import cross_entropy
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(73)
+    x, w, _, target = _case(37, 16, 50, torch.float32, "cpu", gen)
+    kwargs = dict(label_smoothing=0.1, lse_square_scale=1e-3, use_token_scaling=True)
+    loss = OP(x, w, target, **kwargs)
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    ref = cross_entropy(x @ w.t(), target, **kwargs)
+    rdx, rdw = torch.autograd.grad(ref, (x, w))
+    for got, want in ((loss, ref), (dx, rdx), (dw, rdw)):
+        assert rel_l2(got, want) < REL_TOL[torch.float32]
+    compiled = torch.compile(lambda x, w: OP(x, w, target, **kwargs), backend="aot_eager", fullgraph=True)
+    c_loss = compiled(x, w)
+    cdx, cdw = torch.autograd.grad(c_loss, (x, w))
+    torch.testing.assert_close(c_loss, loss)
+    torch.testing.assert_close(cdx, dx)
+    torch.testing.assert_close(cdw, dw)
+    torch._dynamo.reset()
+    with pytest.raises(TypeError, match="use_token_scaling must be a bool"):
+        OP(x, w, target, use_token_scaling="yes")

@@ -179,16 +179,21 @@ def _ce_rows_closed_form_(z: torch.Tensor, target: torch.Tensor, weight: torch.T
 
 def cross_entropy_float64(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                           ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                          lse_square_scale: float = 0.0,
-                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          lse_square_scale: float = 0.0, softcap: float | None = None,
+                          use_token_scaling: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact (float64, no intermediate rounding) ``(loss, z_loss)`` from the formula in the module docstring.
 
     logits (..., V), target of the leading shape. Differentiable in logits. ``loss`` includes ``z_loss``.
+    ``use_token_scaling`` multiplies each row's terms by its detached p_y (see ``cross_entropy``).
     """
     n_cols = logits.shape[-1]
-    ce, zl, _, w_y, valid = _ce_rows(logits.reshape(-1, n_cols).double(), target.reshape(-1), weight,
-                                     CrossEntropyOptions(ignore_index, reduction, label_smoothing,
-                                                         lse_square_scale, softcap))
+    x = logits.reshape(-1, n_cols).double()
+    ce, zl, lse, w_y, valid = _ce_rows(x, target.reshape(-1), weight,
+                                       CrossEntropyOptions(ignore_index, reduction, label_smoothing,
+                                                           lse_square_scale, softcap))
+    if use_token_scaling:
+        p = target_probability(x.detach(), target.reshape(-1), lse.detach(), softcap, ignore_index)
+        ce, zl = ce * p, zl * p
     if reduction == "mean":
         ce, zl = ce.sum() / w_y.sum(), zl.sum() / valid.sum()
     elif reduction == "sum":
@@ -200,13 +205,29 @@ def cross_entropy_float64(logits: torch.Tensor, target: torch.Tensor, weight: to
 
 def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                        lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False):
+                        lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+                        use_token_scaling: bool = False):
     """The op in plain PyTorch (the CPU path; differentiable by autograd).
 
     bf16/fp16 logits are upcast to fp32 and the loss is fp32, as the kernels return it; float32 and float64 stay.
     The cross-entropy term is ``torch.nn.functional.cross_entropy`` itself; the z-loss adds λ·lse² per
     non-ignored row (mean: divided by their count). Out-of-range targets raise, as in torch.
     """
+    if use_token_scaling:
+        ce_rows = cross_entropy_torch(logits, target, weight, ignore_index, "none", label_smoothing, 0.0,
+                                      softcap).reshape(-1)
+        x = logits.reshape(-1, logits.shape[-1])
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
+        t = target.reshape(-1)
+        lse = torch.logsumexp(x if softcap is None else softcap * torch.tanh(x / softcap), dim=-1)
+        zl_rows = lse_square_scale * lse.square() * (t != ignore_index)
+        p = target_probability(x, t, lse, softcap, ignore_index)
+        scale = cross_entropy_mean_scale(t, x.shape[-1], weight, ignore_index) if reduction == "mean" else None
+        loss, zl = token_scaled_reduce(ce_rows, zl_rows, p, reduction, scale)
+        if reduction == "none":
+            loss, zl = loss.view(target.shape), zl.view(target.shape)
+        return (loss, zl.detach()) if return_z_loss else loss
     n_cols = logits.shape[-1]
     x = logits.reshape(-1, n_cols)
     if x.dtype in (torch.bfloat16, torch.float16):
@@ -227,6 +248,36 @@ def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, weight: torc
     if lse_square_scale != 0.0:
         loss = loss + zl
     return (loss, zl.detach()) if return_z_loss else loss
+
+
+def target_probability(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, softcap: float | None,
+                       ignore_index: int) -> torch.Tensor:
+    """p_y = exp(z_y − lse) per row, (rows,) float32 (float64 for float64 logits), 0 for ignored rows; not
+    differentiable. ``logits`` (rows, V) or a (B, T, V) layout of them, raw (before soft-capping); ``lse`` the
+    rows' logsumexp of the soft-capped logits. Out-of-range targets are not checked here."""
+    with torch.no_grad():
+        t = target.reshape(-1).long()
+        valid = t != ignore_index
+        idx = torch.where(valid, t, 0)
+        x_y = logits.gather(-1, idx.view(*logits.shape[:-1], 1)).reshape(-1)
+        x_y = x_y.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        z_y = x_y if softcap is None else softcap * torch.tanh(x_y / softcap)
+        return torch.where(valid, torch.exp(z_y - lse.to(z_y.dtype)), torch.zeros_like(z_y))
+
+
+def token_scaled_reduce(ce_rows: torch.Tensor, zl_rows: torch.Tensor, p: torch.Tensor, reduction: str,
+                        scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, z_loss)`` of per-row cross-entropy and z-loss terms weighted by p (token scaling): p·(ce + zl)
+    and p·zl for "none", their sums, or for "mean" ``scale[0]·Σ p·ce + scale[1]·Σ p·zl`` and ``scale[1]·Σ p·zl``
+    with ``scale`` from ``cross_entropy_mean_scale``. Differentiable in both row terms."""
+    ce_rows, zl_rows = ce_rows * p, zl_rows * p
+    if reduction == "none":
+        return ce_rows + zl_rows, zl_rows
+    if reduction == "sum":
+        return ce_rows.sum() + zl_rows.sum(), zl_rows.sum()
+    s = scale.to(ce_rows.dtype)
+    total_z = zl_rows.sum() * s[1]
+    return ce_rows.sum() * s[0] + total_z, total_z
 
 
 # ------------------------------------------------------------------------------------------------ search space
@@ -364,21 +415,29 @@ class CrossEntropySpace(Space):
 
 
 def _launch_forward(module, logits, target, weight, options: CrossEntropyOptions, *, loss_rows, zl_rows, lse, q,
-                    scale, dlogits, loss, zl):
+                    scale, dlogits, loss, zl, token_scaling: bool = False):
     """The forward as training runs it: mean denominators, the row kernel (writing dlogits when given), the
-    reduction. ``loss``/``zl`` are 0-dim outputs (ignored for reduction="none")."""
+    reduction. ``loss``/``zl`` are 0-dim outputs (ignored for reduction="none"). ``token_scaling`` (q given,
+    dlogits None) multiplies each row's terms by p_y = 1 − q before the reduction."""
     mean = options.reduction == "mean"
     if mean:
         module.mean_scale(target, weight, scale, logits.shape[-1], options.ignore_index)
     module.forward(logits, target, weight, loss_rows, zl_rows, lse, q, dlogits, scale if mean else None, None,
                    *options.row)
+    if token_scaling:  # q = 1 for rows without a target: their p is 0
+        p = 1.0 - q
+        loss_rows.mul_(p)
+        zl_rows.mul_(p)
     if options.reduction != "none":
         module.reduce(loss_rows, zl_rows, scale if mean else None, loss, zl)
 
 
 def _launch_backward(module, grad_loss, logits, target, weight, lse, q, scale, options: CrossEntropyOptions,
-                     dlogits):
-    """The recompute backward: dlogits (rows, V) from logits, lse and q."""
+                     dlogits, token_scaling: bool = False):
+    """The recompute backward: dlogits (rows, V) from logits, lse and q; ``token_scaling`` multiplies each row's
+    upstream gradient by its p_y = 1 − q."""
+    if token_scaling:
+        grad_loss = grad_loss.float() * (1.0 - q)
     module.backward(logits, target, weight, lse, q, scale if options.reduction == "mean" else None, grad_loss,
                     dlogits, *options.row)
 
@@ -575,11 +634,15 @@ def _alloc_outputs(logits: torch.Tensor, rows: int, reduction: str):
 
 
 def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: CrossEntropyOptions,
-              grad_in_fwd: bool):
+              grad_in_fwd: bool, token_scaling: bool = False):
     """(loss, zl, lse, q, scale, dlogits or None) for logits (rows, V) or (B, T, V) with unit last stride and
     target (rows,). loss/zl are 0-dim fp32 (mean, sum) or (rows,) fp32 (none); lse and q = 1 − p_y are (rows,)
     fp32; scale (2,) fp32 holds the mean denominators' reciprocals (ones otherwise). With ``grad_in_fwd`` the
-    forward also writes dlogits (rows, V) in logits' dtype for a unit upstream gradient."""
+    forward also writes dlogits (rows, V) in logits' dtype for a unit upstream gradient. ``token_scaling``
+    (never with ``grad_in_fwd``) weighs each row's terms by its detached p_y = 1 − q."""
+    if token_scaling and grad_in_fwd:
+        raise ValueError("cross_entropy_fwd: token scaling computes the gradient in the backward "
+                         "(grad_in_fwd must be False)")
     ignore_index, reduction, _, _, softcap = options
     rows, n_cols = target.shape[0], logits.shape[-1]
     out = _alloc_outputs(logits, rows, reduction)
@@ -593,7 +656,7 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         module, _, _ = kernel_module(CrossEntropySpace, logits, n_cols, rows)
         _launch_forward(module, logits, target, weight, options, loss_rows=out["loss_rows"], zl_rows=out["zl_rows"],
                         lse=out["lse"], q=None if grad_in_fwd else out["q"], scale=out["scale"], dlogits=dlogits,
-                        loss=out["loss"], zl=out["zl"])
+                        loss=out["loss"], zl=out["zl"], token_scaling=token_scaling)
     else:  # CPU without the interpreter: the kernel's formulas in PyTorch (only reached when the op is called
         # directly, e.g. under torch.compile; the public function takes cross_entropy_torch on this path)
         t = target.long()
@@ -608,6 +671,9 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         x_y = logits.reshape(rows, n_cols).gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1).float()
         z_y = x_y if softcap is None else softcap * torch.tanh(x_y / softcap)
         p_y = torch.exp(z_y - lse)
+        if token_scaling:
+            p = torch.where(valid, p_y, torch.zeros_like(p_y))
+            ce, zl = ce * p, zl * p
         out["loss_rows"].copy_(ce + zl)
         out["zl_rows"].copy_(zl)
         out["lse"].copy_(lse)
@@ -621,11 +687,15 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
 
 
 def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-              lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, options: CrossEntropyOptions) -> torch.Tensor:
-    """dlogits of logits' shape (contiguous, logits' dtype), recomputed from lse and q."""
+              lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, options: CrossEntropyOptions,
+              token_scaling: bool = False) -> torch.Tensor:
+    """dlogits of logits' shape (contiguous, logits' dtype), recomputed from lse and q (with ``token_scaling``,
+    each row's upstream gradient times its p_y = 1 − q)."""
     rows, n_cols = target.shape[0], logits.shape[-1]
     dlogits = torch.empty((rows, n_cols), dtype=logits.dtype, device=logits.device)
     g = grad_loss.reshape(-1) if options.reduction == "none" else grad_loss.reshape(())
+    if token_scaling:
+        g = g.float() * (1.0 - q)
     if rows == 0:
         pass
     elif uses_triton(logits):
@@ -640,27 +710,29 @@ def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tenso
 
 def _fwd_op_impl(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
                  reduction: str, label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
-                 grad_in_fwd: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 grad_in_fwd: bool, token_scaling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                              torch.Tensor]:
     """(loss, z_loss, lse, q, scale, dlogits) — see _fwd_impl; dlogits is an empty (0,) tensor unless
     ``grad_in_fwd``, and with ``grad_in_fwd`` q is not computed (its values are undefined; the backward does not
     read it)."""
     out = _fwd_impl(logits, target, weight,
                     CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap),
-                    grad_in_fwd)
+                    grad_in_fwd, token_scaling)
     return out if grad_in_fwd else (*out[:5], logits.new_empty((0,)))
 
 
 def _bwd_op_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                  lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ignore_index: int, reduction: str,
-                 label_smoothing: float, lse_square_scale: float, softcap: Optional[float]) -> torch.Tensor:
+                 label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
+                 token_scaling: bool) -> torch.Tensor:
     """dlogits recomputed from lse and q — see _bwd_impl."""
     return _bwd_impl(grad_loss, logits, target, weight, lse, q, scale,
-                     CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap))
+                     CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap),
+                     token_scaling)
 
 
 def _fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-              grad_in_fwd):
+              grad_in_fwd, token_scaling):
     rows = target.shape[0]
     shape = (rows,) if reduction == "none" else ()
     f32 = dict(dtype=torch.float32)
@@ -670,7 +742,7 @@ def _fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, 
 
 
 def _bwd_fake(grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
-              lse_square_scale, softcap):
+              lse_square_scale, softcap, token_scaling):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -689,10 +761,10 @@ def _grad_in_fwd(logits: torch.Tensor, target: torch.Tensor) -> bool:
 
 
 def _save(ctx, inputs, output):
-    logits, target, weight, *options, grad_in_fwd = inputs
+    logits, target, weight, *options, grad_in_fwd, token_scaling = inputs
     _, zl, lse, q, scale, dlogits = output
     ctx.mark_non_differentiable(zl, lse, q, scale, dlogits)
-    ctx.grad_in_fwd = grad_in_fwd
+    ctx.grad_in_fwd, ctx.token_scaling = grad_in_fwd, token_scaling
     ctx.options = CrossEntropyOptions(*options)
     ctx.logits_shape = logits.shape
     if grad_in_fwd:
@@ -717,14 +789,15 @@ def _backward(ctx, grad_loss, *_unused):
         g = grad_loss.reshape(-1) if ctx.options.reduction == "none" else grad_loss.reshape(())
         if not ctx.eager:  # the custom op's node (a direct call of the op; its backward may be traced): new tensor
             scaled = dlogits.float() * (g[:, None] if g.dim() else g).float()
-            return scaled.to(dlogits.dtype).view(ctx.logits_shape), None, None, None, None, None, None, None, None
+            return (scaled.to(dlogits.dtype).view(ctx.logits_shape),) + (None,) * 9
         module, _, _ = kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])
         module.scale_grad_(dlogits, g)
         torch.autograd.graph.increment_version(dlogits)
-        return dlogits.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+        return (dlogits.view(ctx.logits_shape),) + (None,) * 9
     logits, target, weight, lse, q, scale = ctx.saved_tensors
-    dlogits = cross_entropy_bwd.run(ctx, grad_loss, logits, target, weight, lse, q, scale, *ctx.options)
-    return dlogits, None, None, None, None, None, None, None, None
+    dlogits = cross_entropy_bwd.run(ctx, grad_loss, logits, target, weight, lse, q, scale, *ctx.options,
+                                    ctx.token_scaling)
+    return (dlogits,) + (None,) * 9
 
 
 cross_entropy_2d = Differentiable(cross_entropy_fwd, _save, _backward,
@@ -808,7 +881,8 @@ def with_predictions(outputs: tuple, pred: torch.Tensor, target: torch.Tensor, i
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                   lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
-                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False):
+                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+                  use_token_scaling: bool = False):
     """Cross-entropy loss of logits against class indices, optionally with z-loss and logit soft-capping.
 
     Equals ``torch.nn.functional.cross_entropy(logits, target, weight, ignore_index=ignore_index,
@@ -819,6 +893,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     * ``lse_square_scale`` λ adds the z-loss λ·lse_i² per non-ignored row (PaLM, Chowdhery et al. 2022); it is
       unweighted, and a mean divides it by the number of non-ignored rows (also with class weights).
     * ``softcap`` s replaces the logits by s·tanh(logits / s) first (Gemma-2 final-logit soft-capping).
+    * ``use_token_scaling`` multiplies each row's loss terms (cross-entropy, smoothing and z-loss) by the row's
+      target probability p_y = softmax(z)_y, detached: the gradient is p_y times the row's gradient. With the
+      plain loss this is the Dynamic Fine-Tuning loss −sg(p_y)·log p_y (Wu et al. 2025, "On the Generalization
+      of SFT"; TRL's ``loss_type="dft"``). The reduction is unchanged (a mean still divides by the number, or the
+      summed class weight, of non-ignored rows).
 
     Args:
         logits: (..., V) float32, bfloat16 or float16, any strides; the classes are the LAST dim (as in
@@ -835,6 +914,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         return_token_accuracy: also return the share of non-ignored rows whose argmax class is the target (0-dim
             float32, NaN when every row is ignored; not differentiable).
         return_predicted_tokens: also return each row's argmax class, int64 of target's shape.
+        use_token_scaling: weigh each row by its detached target probability (above). The gradient is then
+            always recomputed in the backward (one more read of the logits than the default).
 
     Returns:
         loss — float32 whatever the logits' dtype: 0-dim for "mean"/"sum", target's shape for "none". It includes
@@ -857,7 +938,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 
     Raises:
         TypeError: logits/target/weight not tensors, logits not floating (or float64 on the kernel path), target
-            not int64/int32, weight not floating, ignore_index not an int, a float option not a number.
+            not int64/int32, weight not floating, ignore_index not an int, a float option not a number, a
+            ``return_*`` or ``use_token_scaling`` flag not a bool.
         ValueError: target's shape is not logits' leading shape, weight is not (V,) or requires grad, V < 1,
             tensors on different devices, reduction unknown, label_smoothing outside [0, 1], lse_square_scale
             < 0, softcap <= 0; on the CPU, a target outside [0, V) that is not ignore_index (the plain path
@@ -871,21 +953,25 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                             softcap)
     if not isinstance(return_z_loss, bool):
         raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    if not isinstance(use_token_scaling, bool):
+        raise TypeError(f"{op}: use_token_scaling must be a bool, got {type(use_token_scaling).__name__}")
     if check_prediction_flags(op, return_token_accuracy, return_predicted_tokens):
-        out = cross_entropy(logits, target, weight, *options, return_z_loss=return_z_loss)
+        out = cross_entropy(logits, target, weight, *options, return_z_loss=return_z_loss,
+                            use_token_scaling=use_token_scaling)
         with torch.no_grad():  # softcap is monotone: the argmax of the raw logits
             pred = logits.argmax(-1)
         return with_predictions(out if return_z_loss else (out,), pred, target, options.ignore_index,
                                 return_token_accuracy, return_predicted_tokens)
     if not uses_triton(logits):
-        return cross_entropy_torch(logits, target, weight, *options, return_z_loss)
+        return cross_entropy_torch(logits, target, weight, *options, return_z_loss, use_token_scaling)
     check_kernel_dtypes(op, logits=logits)
     x = _rows_layout(logits)
     t = target.reshape(-1)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
-    grad_in_fwd = torch.is_grad_enabled() and logits.requires_grad and _grad_in_fwd(x, t)
-    loss, zl, *_ = cross_entropy_2d(x, t, weight, *options, grad_in_fwd)
+    grad_in_fwd = (torch.is_grad_enabled() and logits.requires_grad and not use_token_scaling
+                   and _grad_in_fwd(x, t))
+    loss, zl, *_ = cross_entropy_2d(x, t, weight, *options, grad_in_fwd, use_token_scaling)
     if reduction == "none":
         loss, zl = loss.view(target.shape), zl.view(target.shape)
     return (loss, zl) if return_z_loss else loss

@@ -34,7 +34,8 @@ from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEntropyConfig, CrossEntropyOptions,
                                          CrossEntropySpace, aux_module, cross_entropy_float64,
                                          check_prediction_flags, cross_entropy_mean_scale, cross_entropy_reduce,
-                                         cross_entropy_torch, loss_and_grad_unchecked, with_predictions)
+                                         cross_entropy_torch, loss_and_grad_unchecked, target_probability,
+                                         with_predictions)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
                                    kernel_module, use_custom_op, uses_triton)
@@ -48,7 +49,7 @@ def fused_linear_cross_entropy_torch(x: torch.Tensor, lm_head_weight: torch.Tens
                                      bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                                      ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                                      lse_square_scale: float = 0.0, softcap: float | None = None,
-                                     return_z_loss: bool = False):
+                                     return_z_loss: bool = False, use_token_scaling: bool = False):
     """Unfused plain-PyTorch FLCE (materialises all logits; differentiable by autograd): ``cross_entropy_torch``
     of ``x @ lm_head_weight.T + bias``.
 
@@ -61,24 +62,25 @@ def fused_linear_cross_entropy_torch(x: torch.Tensor, lm_head_weight: torch.Tens
     if bias is not None:
         logits = logits + bias.to(compute)
     return cross_entropy_torch(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                               softcap, return_z_loss)
+                               softcap, return_z_loss, use_token_scaling)
 
 
 def fused_linear_cross_entropy_float64(x, lm_head_weight, target, bias=None, weight=None, ignore_index=-100,
                                        reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None,
-                                       return_z_loss=False):
+                                       return_z_loss=False, use_token_scaling=False):
     """Exact FLCE in float64 (unfused, differentiable): ``cross_entropy_float64`` of the float64 logits."""
     logits = x.double() @ lm_head_weight.double().t()
     if bias is not None:
         logits = logits + bias.double()
     loss, z = cross_entropy_float64(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                    lse_square_scale, softcap)
+                                    lse_square_scale, softcap, use_token_scaling)
     return (loss, z) if return_z_loss else loss
 
 
 def fused_linear_cross_entropy_float64_chunked(x, lm_head_weight, target, bias=None, weight=None, ignore_index=-100,
                                                reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
-                                               softcap=None, grad_output=None, chunk_rows=1024):
+                                               softcap=None, grad_output=None, chunk_rows=1024,
+                                               use_token_scaling=False):
     """Float64 truth at large shapes: (loss, z_loss, dx, dW, db) without materialising all logits.
 
     Each chunk's float64 logits are differentiated by autograd (``cross_entropy_float64`` per row); the chunk's
@@ -108,7 +110,7 @@ def fused_linear_cross_entropy_float64_chunked(x, lm_head_weight, target, bias=N
         logits.requires_grad_()
         with torch.enable_grad():
             rows, z_rows = cross_entropy_float64(logits, target[start:end], cw64, ignore_index, "none",
-                                                 label_smoothing, lse_square_scale, softcap)
+                                                 label_smoothing, lse_square_scale, softcap, use_token_scaling)
             ce_rows = rows - z_rows
             if reduction == "mean":
                 part = (ce_rows.sum() / wsum + z_rows.sum() / count) * g
@@ -359,8 +361,10 @@ def cpu_chunk_rows(plan: FusedLinearCrossEntropyConfig, dtype: torch.dtype, hidd
 class _Chunked:
     """One call's chunk loop: inputs, launch plan, and the per-chunk GEMMs around the cross-entropy kernel."""
 
-    def __init__(self, x, w, target, bias, weight, options: CrossEntropyOptions, plan=None):
+    def __init__(self, x, w, target, bias, weight, options: CrossEntropyOptions, plan=None,
+                 token_scaling: bool = False):
         self.x, self.w, self.target = x, w, target
+        self.token_scaling = token_scaling
         self.rows, self.hidden = x.shape
         self.vocab = w.shape[0]
         self.weight = None if weight is None else weight.detach()
@@ -401,7 +405,8 @@ class _Chunked:
         The gradients are those of Σ_i g_i·(s_ce·ce_i + s_z·zl_i) with ``[s_ce, s_z] = scale`` (None: ones) and
         ``g = grad_output`` (None: ones, else (rows,)), as ``cross_entropy_loss_and_grad`` defines them. With
         ``need_pred``, also each row's predicted token (int64 argmax of its logits, taken before the kernel
-        overwrites them), else None.
+        overwrites them), else None. With token scaling, each row's losses and upstream gradient are multiplied
+        by its detached p_y, which a loss-only launch on the chunk computes first.
         """
         x, rows, vocab, dtype = self.x, self.rows, self.vocab, self.x.dtype
         want_grad = need_dx or need_dw or need_db
@@ -427,12 +432,23 @@ class _Chunked:
             if pred is not None:  # softcap is monotone: the capped logits have the same argmax
                 torch.argmax(logits, dim=-1, out=pred[start:end])
             grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
+            target_c = self.target[start:end]
+            g_c = None if grad_output is None else grad_output[start:end]
+            if self.token_scaling:  # the chunk's p_y from a loss-only pass (which leaves the logits as they are)
+                loss_c, zl_c, lse_c = loss_and_grad_unchecked(logits, target_c, None, self.weight, self.options,
+                                                              None, None, self.ce_config)
+                p = target_probability(logits, target_c, lse_c, self.options.softcap, self.options.ignore_index)
+                loss_rows[start:end] = loss_c * p
+                zl_rows[start:end] = zl_c * p
+                if not want_grad:
+                    continue
+                g_c = p if g_c is None else g_c.float() * p
             # the arguments were validated once by the public function: the unchecked entry point, per chunk
-            loss_c, zl_c, _ = loss_and_grad_unchecked(
-                logits, self.target[start:end], grad, self.weight, self.options, scale,
-                None if grad_output is None else grad_output[start:end], self.ce_config, scratch=True)
-            loss_rows[start:end] = loss_c
-            zl_rows[start:end] = zl_c
+            loss_c, zl_c, _ = loss_and_grad_unchecked(logits, target_c, grad, self.weight, self.options, scale,
+                                                      g_c, self.ce_config, scratch=True)
+            if not self.token_scaling:
+                loss_rows[start:end] = loss_c
+                zl_rows[start:end] = zl_c
             if not want_grad:
                 continue
             if need_db:
@@ -454,7 +470,7 @@ class _Chunked:
 
 
 def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db, plan=None,
-              need_pred: bool = False):
+              need_pred: bool = False, token_scaling: bool = False):
     """(loss, z_loss, pred, dx_unscaled, grad_scale, dW, db) of a 2-D x; losses and grad_scale fp32, pred the
     (rows,) int64 predicted tokens with ``need_pred`` (else empty).
 
@@ -467,7 +483,7 @@ def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx,
     # in the op, so that it also runs where torch.compile or torch.jit.trace recorded the op (no host sync on CUDA)
     reduction = options.reduction
     check_targets("fused_linear_cross_entropy", target, w.shape[0], options.ignore_index)
-    run = _Chunked(x, w, target, bias, weight, options, plan)
+    run = _Chunked(x, w, target, bias, weight, options, plan, token_scaling)
     one = torch.ones((), dtype=torch.float32, device=x.device)
 
     def empty():  # distinct tensors: a custom op's outputs may not alias each other
@@ -508,9 +524,9 @@ def _fwd_impl(x, w, target, bias, weight, options: CrossEntropyOptions, need_dx,
 
 
 def _bwd_none_impl(grad_rows, x, w, target, bias, weight, options: CrossEntropyOptions, need_dx, need_dw, need_db,
-                   plan=None):
+                   plan=None, token_scaling: bool = False):
     """(dx, dW, db) of reduction "none" for a per-row upstream gradient: recomputes each chunk's logits."""
-    run = _Chunked(x, w, target, bias, weight, options, plan)
+    run = _Chunked(x, w, target, bias, weight, options, plan, token_scaling)
     _, _, dx, dw, db, _ = run.run(None, grad_rows, need_dx, need_dw, need_db)
     del run
     return (x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw.to(w.dtype),
@@ -641,7 +657,7 @@ SPECS = {SPEC.name: SPEC}
 # ------------------------------------------------------------------------------------------------ binding
 
 def _fwd_fake(x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-              softcap, need_dx, need_dw, need_db, need_pred):
+              softcap, need_dx, need_dw, need_db, need_pred, token_scaling):
     rows, hidden = x.shape
     loss_shape = (rows,) if reduction == "none" else ()
     grads = reduction != "none"
@@ -654,7 +670,7 @@ def _fwd_fake(x, lm_head_weight, target, bias, weight, ignore_index, reduction, 
 
 
 def _bwd_fake(grad_rows, x, lm_head_weight, target, bias, weight, ignore_index, label_smoothing, lse_square_scale,
-              softcap, need_dx, need_dw, need_db):
+              softcap, need_dx, need_dw, need_db, token_scaling):
     return (x.new_empty(x.shape if need_dx else (0,)),
             lm_head_weight.new_empty(lm_head_weight.shape if need_dw else (0,)),
             x.new_empty((0,)) if bias is None or not need_db else bias.new_empty(bias.shape))
@@ -670,22 +686,22 @@ def _scale_grads_op_impl(grad_loss: torch.Tensor, dx_unscaled: torch.Tensor, gra
 def _fwd_op_impl(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
                  weight: torch.Tensor | None, ignore_index: int, reduction: str, label_smoothing: float,
                  lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool, need_db: bool,
-                 need_pred: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 need_pred: bool, token_scaling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor]:
     """(loss, z_loss, pred, dx_unscaled, grad_scale, dW, db) for a 2-D x with the tuned plan; see ``_fwd_impl``."""
     return _fwd_impl(x, lm_head_weight, target, bias, weight,
                      CrossEntropyOptions(ignore_index, reduction, label_smoothing, lse_square_scale, softcap),
-                     need_dx, need_dw, need_db, need_pred=need_pred)
+                     need_dx, need_dw, need_db, need_pred=need_pred, token_scaling=token_scaling)
 
 
 def _bwd_op_impl(grad_rows: torch.Tensor, x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
                  bias: torch.Tensor | None, weight: torch.Tensor | None, ignore_index: int, label_smoothing: float,
                  lse_square_scale: float, softcap: float | None, need_dx: bool, need_dw: bool,
-                 need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 need_db: bool, token_scaling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db) of reduction "none" for per-row upstream gradients (recomputes the logits per chunk)."""
     return _bwd_none_impl(grad_rows, x, lm_head_weight, target, bias, weight,
                           CrossEntropyOptions(ignore_index, "none", label_smoothing, lse_square_scale, softcap),
-                          need_dx, need_dw, need_db)
+                          need_dx, need_dw, need_db, token_scaling=token_scaling)
 
 
 fused_linear_cross_entropy_fwd = Kernel("fused_linear_cross_entropy_fwd", _fwd_op_impl, _fwd_fake)
@@ -698,12 +714,13 @@ fused_linear_cross_entropy_scale_grads = Kernel(
 
 def _save(ctx, inputs, output):
     (x, w, target, bias, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-     need_dx, need_dw, need_db, _) = inputs
+     need_dx, need_dw, need_db, _, token_scaling) = inputs
     ctx.mark_non_differentiable(*output[1:])
     ctx.reduction, ctx.has_bias, ctx.used = reduction, bias is not None, False
     if reduction == "none":  # the backward recomputes the logits chunk by chunk
         saved(ctx, x, w, target, bias, weight)
-        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db)
+        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, need_dx, need_dw, need_db,
+                       token_scaling)
     else:  # the forward computed the gradients for an upstream gradient of 1
         _, _, _, dx_u, grad_scale, dw, db = output
         saved(ctx, dx_u, grad_scale, dw, db)
@@ -725,7 +742,7 @@ def _backward(ctx, grad_loss, *_unused):
         ctx.used = True
         dx, dw, db = _scale_grads(grad_loss, *ctx.saved_tensors, in_place=True)
     return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None,
-            db if ctx.has_bias and ctx.needs_input_grad[3] else None) + (None,) * 10
+            db if ctx.has_bias and ctx.needs_input_grad[3] else None) + (None,) * 11
 
 
 _fused_linear_cross_entropy_2d = Differentiable(
@@ -734,7 +751,7 @@ _fused_linear_cross_entropy_2d = Differentiable(
 
 
 def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, options: CrossEntropyOptions,
-                                  need_pred: bool = False):
+                                  need_pred: bool = False, token_scaling: bool = False):
     """(loss, z_loss, pred) of a 2-D x, differentiable in x, lm_head_weight and bias; pred the (rows,) int64
     predicted tokens with ``need_pred``, else an empty tensor."""
     if torch.jit.is_tracing():
@@ -751,10 +768,10 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, optio
             # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd
             # node)
             out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False,
-                            need_pred=need_pred)
+                            need_pred=need_pred, token_scaling=token_scaling)
             return out[0], out[1], out[2]
     out = _fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, *options, need_dx, need_dw,
-                                         need_db, need_pred)
+                                         need_db, need_pred, token_scaling)
     return out[0], out[1], out[2]
 
 
@@ -818,7 +835,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
                                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                                lse_square_scale: float = 0.0, softcap: float | None = None,
                                return_z_loss: bool = False, return_token_accuracy: bool = False,
-                               return_predicted_tokens: bool = False):
+                               return_predicted_tokens: bool = False, use_token_scaling: bool = False):
     """Cross-entropy of a linear layer's output without materialising the logits (the LM head and its loss).
 
     Equal to ``torch.nn.functional.cross_entropy(x @ lm_head_weight.T + bias, target, weight, ignore_index=...,
@@ -855,6 +872,10 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
             row's logits, each chunk's taken before its gradient overwrites it) is the target: 0-dim float32,
             NaN when every row is ignored; not differentiable (what trainers log as token accuracy).
         return_predicted_tokens: also return those argmax classes, int64 of x's leading shape (every row).
+        use_token_scaling: multiply each row's loss terms (and so its gradient) by its target probability
+            p_y = softmax(z)_y, detached, as ``cross_entropy`` defines it (the Dynamic Fine-Tuning loss of Wu et
+            al. 2025 with the plain loss; TRL's ``loss_type="dft"``). Costs one more pass of the cross-entropy
+            kernel over each chunk's logits (the GEMMs are not repeated).
 
     Returns:
         loss, float32 (float64 for float64 inputs on the plain path): a scalar, or of x's leading shape for
@@ -888,8 +909,11 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     options = _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
                             lse_square_scale, softcap, return_z_loss)
     need_pred = check_prediction_flags(op, return_token_accuracy, return_predicted_tokens)
+    if not isinstance(use_token_scaling, bool):
+        raise TypeError(f"{op}: use_token_scaling must be a bool, got {type(use_token_scaling).__name__}")
     if x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused float64 reference
-        out = fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, *options, return_z_loss)
+        out = fused_linear_cross_entropy_torch(x, lm_head_weight, target, bias, weight, *options, return_z_loss,
+                                               use_token_scaling)
         if not need_pred:
             return out
         with torch.no_grad():
@@ -901,7 +925,8 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     if x2d.stride(0) != 1 and x2d.stride(1) != 1:  # GEMMs take row- or column-major operands without a copy
         x2d = x2d.contiguous()
     target1d = target.reshape(-1).contiguous()
-    loss, z, pred = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, options, need_pred)
+    loss, z, pred = fused_linear_cross_entropy_2d(x2d, lm_head_weight, target1d, bias, weight, options, need_pred,
+                                                  use_token_scaling)
     if reduction == "none":
         loss, z = loss.view(x.shape[:-1]), z.view(x.shape[:-1])
     if not need_pred:
