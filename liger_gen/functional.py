@@ -4,6 +4,7 @@ Each function is defined in its op's module under ``liger_gen/ops`` (with its do
 formula it follows and the errors it raises) and re-exported here.
 """
 
+from liger_gen.ops.clamped_swiglu import clamped_swiglu, clamped_swiglu_gate_up
 from liger_gen.ops.cross_entropy import cross_entropy
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm
 from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -15,5 +16,5 @@ from liger_gen.ops.rms_norm import rms_norm
 from liger_gen.ops.rope import rope
 from liger_gen.ops.glu import swiglu, swiglu_gate_up
 
-__all__ = ["cross_entropy", "fused_add_rms_norm", "fused_linear_cross_entropy", "geglu", "geglu_gate_up", "jsd",
+__all__ = ["clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fused_add_rms_norm", "fused_linear_cross_entropy", "geglu", "geglu_gate_up", "jsd",
            "kl_div", "layer_norm", "rms_norm", "rope", "swiglu", "swiglu_gate_up"]

@@ -98,6 +98,8 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("llama3.2-3b", 3072, 8192, 24, 8, 128, 128256, 1e-5),
         ModelShape("qwen2.5-7b", 3584, 18944, 28, 4, 128, 152064, 1e-6),
         ModelShape("mistral-7b", 4096, 14336, 32, 8, 128, 32768, 1e-5),
+        # openai/gpt-oss-20b: 32 experts of width 2880 (intermediate_size is one expert's)
+        ModelShape("gpt-oss-20b", 2880, 2880, 64, 8, 64, 201088, 1e-5),
         *(a.shape() for a in ARCHITECTURES.values()),
     )
 }

@@ -3,6 +3,8 @@
 Each op's references are defined in its module under ``liger_gen/ops``; this module gathers them.
 """
 
+from liger_gen.ops.clamped_swiglu import (clamped_swiglu_float64, clamped_swiglu_gate_up_torch,
+                                          clamped_swiglu_torch)
 from liger_gen.ops.cross_entropy import cross_entropy_float64, cross_entropy_torch
 from liger_gen.ops.fused_add_rms_norm import fused_add_rms_norm_float64, fused_add_rms_norm_torch
 from liger_gen.ops.fused_linear_cross_entropy import (fused_linear_cross_entropy_float64,
@@ -16,7 +18,8 @@ from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
 from liger_gen.ops.glu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
 
-__all__ = ["CASTING_MODES", "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64",
+__all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_torch", "clamped_swiglu_torch",
+           "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64",
            "fused_add_rms_norm_torch",
            "fused_linear_cross_entropy_float64", "fused_linear_cross_entropy_float64_chunked",
            "fused_linear_cross_entropy_torch", "geglu_float64", "geglu_torch",

@@ -62,3 +62,58 @@ def test_compile_fullgraph_and_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_y, y_eager)
+
+
+@pytest.mark.parametrize("rows", [2048, 16384, 5])
+def test_clamped_swiglu_tuned_and_heuristic_match_float64(rows):
+    """gpt-oss's expert gate at its width (2880) on the interleaved projection, bf16, both clamps active."""
+    from liger_gen.reference import clamped_swiglu_float64
+
+    gate_up = (4.0 * torch.randn(rows, 2 * 2880, device="cuda")).bfloat16().requires_grad_()
+    dy = torch.randn(rows, 2880, device="cuda", dtype=torch.bfloat16)
+    gu64 = gate_up.detach().double().requires_grad_()
+    ref = clamped_swiglu_float64(gu64[:, ::2], gu64[:, 1::2])
+    ref.backward(dy.double())
+    for heuristic in (False, True):
+        with tables.heuristic_only() if heuristic else _nothing():
+            y = liger_gen.functional.clamped_swiglu_gate_up(gate_up)
+            (d,) = torch.autograd.grad(y, gate_up, dy)
+        assert rel_l2(y, ref) < REL_TOL[torch.bfloat16] and rel_l2(d, gu64.grad) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_token_scaling_matches_float64_at_llm_shapes(reduction):
+    """use_token_scaling on the tuned kernels: cross_entropy (4096 x 32000 bf16 logits) and FLCE (4096 x 2048
+    -> 32000, bf16) against float64."""
+    from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_float64_chunked
+    from liger_gen.reference import cross_entropy_float64
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = (2 * torch.randn(4096, 32000, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    target = torch.randint(0, 32000, (4096,), device="cuda", generator=gen)
+    target[::7] = -100
+    loss = liger_gen.functional.cross_entropy(logits, target, reduction=reduction, use_token_scaling=True,
+                                              lse_square_scale=1e-4)
+    g = torch.randn(loss.shape, device="cuda", generator=gen) if loss.dim() else torch.tensor(1.0, device="cuda")
+    (dlogits,) = torch.autograd.grad(loss, logits, g)
+    x64 = logits.detach().double().requires_grad_()
+    ref, _ = cross_entropy_float64(x64, target, reduction=reduction, lse_square_scale=1e-4, use_token_scaling=True)
+    ref.backward(g.double())
+    assert rel_l2(loss, ref) < 1e-4 and rel_l2(dlogits, x64.grad) < REL_TOL[torch.bfloat16]
+    del logits, x64, dlogits
+    x = torch.randn(4096, 2048, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(32000, 2048, device="cuda", generator=gen) / 2048 ** 0.5).bfloat16().requires_grad_()
+    loss = liger_gen.functional.fused_linear_cross_entropy(x, w, target, reduction=reduction, use_token_scaling=True)
+    dx, dw = torch.autograd.grad(loss, (x, w), g)
+    ref_loss, _, ref_dx, ref_dw, _ = fused_linear_cross_entropy_float64_chunked(
+        x, w, target, reduction=reduction, grad_output=g, use_token_scaling=True)
+    from liger_gen.ops.fused_linear_cross_entropy import loss_tolerance
+
+    assert rel_l2(loss, ref_loss) < loss_tolerance(torch.bfloat16)
+    assert rel_l2(dx, ref_dx) < REL_TOL[torch.bfloat16] and rel_l2(dw, ref_dw) < REL_TOL[torch.bfloat16]
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -33,8 +33,9 @@ from liger_gen import functional as lg
 from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
-from liger_gen.reference import (cross_entropy_torch, fused_add_rms_norm_torch, geglu_torch, jsd_torch, kl_div_torch,
-                                 layer_norm_torch, rms_norm_torch, rope_torch, swiglu_torch)
+from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
+                                 geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch, rms_norm_torch, rope_torch,
+                                 swiglu_torch)
 
 # A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
 TINY = PRESETS["tiny"]
@@ -193,6 +194,14 @@ def _lk_geglu():
     return lambda t, o: (LigerGELUMulFunction.apply(t["gate"], t["up"]),)
 
 
+def _clamped_swiglu_eager(t, o):
+    return (clamped_swiglu_gate_up_torch(t["gate_up"], o["alpha"], o["limit"]),)
+
+
+def _clamped_swiglu_lg(t, o):
+    return (lg.clamped_swiglu_gate_up(t["gate_up"], o["alpha"], o["limit"]),)
+
+
 def _ce_eager(t, o):
     return (cross_entropy_torch(t["logits"], t["target"]),)
 
@@ -282,6 +291,9 @@ CASES: dict[str, Case] = {c.op: c for c in (
          "LigerSiLUMulFunction: writes dgate and dup into gate and up (in place)"),
     Case("geglu", _geglu_eager, "gelu(gate, approximate='tanh') * up (transformers' GemmaMLP)", _geglu_lg, _lk_geglu,
          "LigerGELUMulFunction (tanh approximation): writes dgate and dup into gate and up (in place)"),
+    Case("clamped_swiglu", _clamped_swiglu_eager,
+         "transformers' GptOssExperts._apply_gate on the interleaved gate_up (alpha 1.702, limit 7)",
+         _clamped_swiglu_lg),
     Case("cross_entropy", _ce_eager, "F.cross_entropy of the fp32-upcast logits, mean (transformers' loss)", _ce_lg,
          _lk_ce,
          "LigerCrossEntropyFunction(reduction='mean'): the loss is returned in the logits' dtype (bf16 sum of bf16 "

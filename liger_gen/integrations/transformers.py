@@ -16,7 +16,9 @@
 - **MoE experts** (transformers' fused ``*Experts`` modules): the gate ``act(gate) * up`` that their grouped and
   batched implementations call (``_apply_gate``) runs the packed GLU kernel; the router, the expert GEMMs and the
   auxiliary loss are transformers'. Under ``config._experts_implementation = "eager"`` the experts loop computes
-  the gate inline and is left as it is; experts with their own gate (GPT-OSS's clamped SwiGLU) too.
+  the gate inline and is left as it is. GPT-OSS's experts call their own clamped SwiGLU gate (on the interleaved
+  projection) in every implementation: it runs ``liger_gen.functional.clamped_swiglu_gate_up`` with their
+  ``alpha`` and ``limit``.
 - **RoPE**: a family whose ``apply_rotary_pos_emb`` uses the rotate-half layout (full or partial rotary) has it
   routed to ``liger_gen.functional.rope`` (wrapped to keep transformers' signature). Attention modules call that
   function through their modeling module's globals, so this patch is process-wide: every model of that family in
@@ -76,7 +78,8 @@ class ModelFamily:
     patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
     ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
     ``config.logits_scaling``, "multiply" by the model's ``logit_scale``, "lm_head_multiplier" by the base
-    model's ``lm_head_multiplier``). note: what stays transformers' own.
+    model's ``lm_head_multiplier``). experts_gate: the family's own experts gate that a liger-gen op computes
+    ("clamped_swiglu": GPT-OSS's, from the experts' ``alpha`` and ``limit``). note: what stays transformers' own.
     """
 
     model_type: str
@@ -91,6 +94,7 @@ class ModelFamily:
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
     logits: str | None = None
+    experts_gate: str | None = None
     module: str | None = None
     note: str = ""
 
@@ -134,7 +138,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("glm4", "Glm4", rope_pairs=True),
     _F("smollm3", "SmolLM3"),
     _F("deepseek_v3", "DeepseekV3", interleaved_rope="apply_rotary_pos_emb_interleave"),
-    _F("gpt_oss", "GptOss", norm="fp32", rope_tables="half", note="the experts' clamped SwiGLU stays"),
+    _F("gpt_oss", "GptOss", norm="fp32", rope_tables="half", experts_gate="clamped_swiglu"),
     _F("cohere2", "Cohere2", norm="layer", norm_classes=("Cohere2LayerNorm",), rope_pairs=True,
        rope_tables="interleaved", rope_keeps_dtype=True, logits="multiply", note="per-head q/k norms stay"),
     _F("exaone4", "Exaone4"),
@@ -228,27 +232,40 @@ def _replace_mlp(module: nn.Module) -> tuple[nn.Module | None, str]:
 
 
 class ExpertsGate:
-    """The ``_apply_gate`` of a fused experts module: ``act(gate) * up`` of the packed (tokens, 2·I) projection
-    output by liger-gen's packed GLU kernel. A plain object so that a patched model pickles."""
+    """The ``_apply_gate`` of a fused experts module, computed by a liger-gen kernel: ``act(gate) * up`` of the
+    packed (tokens, 2·I) projection (gate first) by the packed GLU kernel, or, for activation
+    "clamped_swiglu", GPT-OSS's clamped SwiGLU of its interleaved projection with the experts' alpha and
+    limit. A plain object so that a patched model pickles."""
 
-    def __init__(self, activation: str):
-        self.activation = activation
+    def __init__(self, activation: str, alpha: float | None = None, limit: float | None = None):
+        self.activation, self.alpha, self.limit = activation, alpha, limit
 
     def __call__(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        if self.activation == "clamped_swiglu":
+            from liger_gen.ops.clamped_swiglu import clamped_swiglu_gate_up
+
+            return clamped_swiglu_gate_up(gate_up_out, self.alpha, self.limit)
         from liger_gen.ops.glu import glu_gate_up_product
 
         return glu_gate_up_product(gate_up_out, self.activation)
 
 
-def _experts_gate(module: nn.Module) -> tuple[ExpertsGate | None, str]:
+def _experts_gate(module: nn.Module, family: ModelFamily) -> tuple[ExpertsGate | None, str]:
     """(the liger-gen gate for a fused experts module, "") or (None, why it stays)."""
+    own = getattr(type(module), "_apply_gate", None)
+    if family.experts_gate == "clamped_swiglu" and callable(own):
+        # GPT-OSS: its experts call their own _apply_gate on the interleaved projection in every implementation
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
+            return None, "experts: no swiglu alpha/limit on the experts module"
+        return ExpertsGate("clamped_swiglu", float(alpha), float(limit)), ""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:
         return None, "experts: this transformers release has no experts gate hook"
     if not hasattr(module, "_apply_gate"):
         return None, "experts: no gate hook (the experts loop computes the gate inline)"
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+    if own is not _default_apply_gate:
         return None, "experts: the family's own gate"
     if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)):
         return None, "experts: not a packed gate/up layout"
@@ -567,7 +584,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             elif swiglu and cls.endswith("Experts"):
                 if isinstance(child.__dict__.get("_apply_gate"), ExpertsGate):
                     continue
-                gate, why = _experts_gate(child) if isinstance(getattr(child, "gate_up_proj", None), nn.Parameter) \
+                gate, why = _experts_gate(child, family) if isinstance(getattr(child, "gate_up_proj", None), nn.Parameter) \
                     else (None, "experts: not a packed gate/up layout")
                 if gate is None:
                     left.append((cls, why))

@@ -26,6 +26,7 @@ OP_MODULES: dict[str, str] = {
     "rope": "liger_gen.ops.rope",
     "swiglu": "liger_gen.ops.glu",
     "geglu": "liger_gen.ops.glu",
+    "clamped_swiglu": "liger_gen.ops.clamped_swiglu",
     "cross_entropy": "liger_gen.ops.cross_entropy",
     "fused_linear_cross_entropy": "liger_gen.ops.fused_linear_cross_entropy",
     "kl_div": "liger_gen.ops.kl_div",

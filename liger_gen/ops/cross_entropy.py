@@ -258,7 +258,7 @@ def target_probability(logits: torch.Tensor, target: torch.Tensor, lse: torch.Te
     with torch.no_grad():
         t = target.reshape(-1).long()
         valid = t != ignore_index
-        idx = torch.where(valid, t, 0)
+        idx = torch.where(valid, t, 0).clamp_(0, logits.shape[-1] - 1)  # out-of-range targets: NaN loss anyway
         x_y = logits.gather(-1, idx.view(*logits.shape[:-1], 1)).reshape(-1)
         x_y = x_y.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         z_y = x_y if softcap is None else softcap * torch.tanh(x_y / softcap)
@@ -417,15 +417,16 @@ class CrossEntropySpace(Space):
 def _launch_forward(module, logits, target, weight, options: CrossEntropyOptions, *, loss_rows, zl_rows, lse, q,
                     scale, dlogits, loss, zl, token_scaling: bool = False):
     """The forward as training runs it: mean denominators, the row kernel (writing dlogits when given), the
-    reduction. ``loss``/``zl`` are 0-dim outputs (ignored for reduction="none"). ``token_scaling`` (q given,
-    dlogits None) multiplies each row's terms by p_y = 1 − q before the reduction."""
+    reduction. ``loss``/``zl`` are 0-dim outputs (ignored for reduction="none"). ``token_scaling`` (dlogits
+    None) multiplies each row's terms by p_y = exp(z_y − lse) before the reduction (not 1 − q, which loses p_y's
+    digits when it is small)."""
     mean = options.reduction == "mean"
     if mean:
         module.mean_scale(target, weight, scale, logits.shape[-1], options.ignore_index)
     module.forward(logits, target, weight, loss_rows, zl_rows, lse, q, dlogits, scale if mean else None, None,
                    *options.row)
-    if token_scaling:  # q = 1 for rows without a target: their p is 0
-        p = 1.0 - q
+    if token_scaling:
+        p = target_probability(logits, target, lse, options.softcap, options.ignore_index)
         loss_rows.mul_(p)
         zl_rows.mul_(p)
     if options.reduction != "none":
@@ -433,11 +434,8 @@ def _launch_forward(module, logits, target, weight, options: CrossEntropyOptions
 
 
 def _launch_backward(module, grad_loss, logits, target, weight, lse, q, scale, options: CrossEntropyOptions,
-                     dlogits, token_scaling: bool = False):
-    """The recompute backward: dlogits (rows, V) from logits, lse and q; ``token_scaling`` multiplies each row's
-    upstream gradient by its p_y = 1 − q."""
-    if token_scaling:
-        grad_loss = grad_loss.float() * (1.0 - q)
+                     dlogits):
+    """The recompute backward: dlogits (rows, V) from logits, lse and q."""
     module.backward(logits, target, weight, lse, q, scale if options.reduction == "mean" else None, grad_loss,
                     dlogits, *options.row)
 
@@ -690,12 +688,12 @@ def _bwd_impl(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tenso
               lse: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, options: CrossEntropyOptions,
               token_scaling: bool = False) -> torch.Tensor:
     """dlogits of logits' shape (contiguous, logits' dtype), recomputed from lse and q (with ``token_scaling``,
-    each row's upstream gradient times its p_y = 1 − q)."""
+    each row's upstream gradient times its p_y = exp(z_y − lse))."""
     rows, n_cols = target.shape[0], logits.shape[-1]
     dlogits = torch.empty((rows, n_cols), dtype=logits.dtype, device=logits.device)
     g = grad_loss.reshape(-1) if options.reduction == "none" else grad_loss.reshape(())
-    if token_scaling:
-        g = g.float() * (1.0 - q)
+    if token_scaling and rows:
+        g = g.float() * target_probability(logits, target, lse, options.softcap, options.ignore_index)
     if rows == 0:
         pass
     elif uses_triton(logits):
