@@ -104,7 +104,11 @@ def _compare(model_type: str, steps: int):
             # its exact gradient is 0 (softmax ignores a per-query constant), so both runs' updates of it are
             # AdamW-normalised roundoff: nothing to compare
             continue
-        assert _rel_l2(p.detach(), params[name].detach()) <= PARAM_RTOL, (model_type, name)
+        # Qwen 3.5's decay projection of the gated delta rule gets a gradient ~100x smaller than the other
+        # projections' (agreeing to 1e-6 relative at the first step); AdamW normalises the roundoff-sized
+        # differences of such a gradient into full-sized updates, so its weights drift apart faster
+        tol = 10 * PARAM_RTOL if name.endswith("linear_attn.in_proj_a.weight") else PARAM_RTOL
+        assert _rel_l2(p.detach(), params[name].detach()) <= tol, (model_type, name, _rel_l2(p, params[name]))
     # per held-out position: the top-k tokens and their log-probabilities. A router's top-k choice is a step
     # function, so a roundoff-sized difference may pick another expert at an isolated token of an MoE model
     # (seen once in Llama 4's top-1 routing); ties between nearly equal log-probabilities may swap too. At most

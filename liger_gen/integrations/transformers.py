@@ -126,6 +126,10 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("qwen3_moe", "Qwen3Moe"),
     _F("qwen3_next", "Qwen3Next", norm="gemma",
        note="the gated linear-attention layers' gated RMSNorm is transformers' own"),
+    _F("qwen3_5_text", "Qwen3_5", norm="gemma", module="transformers.models.qwen3_5.modeling_qwen3_5",
+       note="the gated linear-attention layers' gated RMSNorm is transformers' own"),
+    _F("qwen3_5_moe_text", "Qwen3_5Moe", norm="gemma", module="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+       note="the gated linear-attention layers' gated RMSNorm is transformers' own"),
     _F("gemma", "Gemma", norm="gemma"),
     _F("gemma2", "Gemma2", norm="gemma", logits="softcap"),
     _F("gemma3_text", "Gemma3", norm="gemma", logits="softcap", module="transformers.models.gemma3.modeling_gemma3"),
@@ -530,9 +534,9 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     """Replace the supported parts of a transformers model in place and return the model.
 
     Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
-    mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, phi3, phimoe, granite,
-    granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2, exaone4, falcon_h1, seed_oss); the module
-    docstring says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before
+    mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text, gemma, gemma2,
+    gemma3_text, phi3, phimoe, granite, granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2,
+    exaone4, falcon_h1, seed_oss); the module docstring says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before
     still updates them) and the devices are unchanged; meta-device and half-precision models are patched alike.
     Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as
     ``model.liger_gen_report`` (a ``PatchReport``). Calling it again on a patched model changes nothing already
