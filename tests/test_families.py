@@ -35,7 +35,7 @@ PARAM_RTOL = 1e-4  # relative L2 of each parameter after the 20 updates
 LOGPROB_ATOL = 1e-3  # held-out top-k log-probabilities (nats)
 
 # one family per distinct block, run through the kernels (Triton's interpreter)
-INTERPRETER_FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "olmo2", "cohere2", "granite", "gpt_oss")
+INTERPRETER_FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "olmo2", "cohere2", "granite", "gpt_oss", "llama4_text")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -236,13 +236,18 @@ def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch
     position_ids = torch.arange(12)[None]
     takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
     extra = {"layer_type": model.config.layer_types[-1]} if takes_layer_type else {}
-    cos, sin = rotary(torch.randn(1, 12, 8, generator=gen), position_ids, **extra)
+    tables = rotary(torch.randn(1, 12, 8, generator=gen), position_ids, **extra)
     head_dim = getattr(model.config, "qk_rope_head_dim", None) or model.config.head_dim
-    q, k = torch.randn(2, 4, 12, head_dim, generator=gen), torch.randn(2, 2, 12, head_dim, generator=gen)
+    if family.rope_tables == "complex":  # Llama 4: (xq, xk, freqs_cis), q and k as (batch, seq, heads, dim)
+        args = (torch.randn(2, 12, 4, head_dim, generator=gen), torch.randn(2, 12, 2, head_dim, generator=gen),
+                tables)
+    else:
+        args = (torch.randn(2, 4, 12, head_dim, generator=gen), torch.randn(2, 2, 12, head_dim, generator=gen),
+                *tables)
     try:
         liger_gen.apply_to(model)
         for name, original in originals.items():
-            got, want = getattr(modeling, name)(q, k, cos, sin), original(q, k, cos, sin)
+            got, want = getattr(modeling, name)(*args), original(*args)
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and g.shape == w.shape, (model_type, name)
                 torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)

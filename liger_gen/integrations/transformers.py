@@ -18,14 +18,16 @@
   auxiliary loss are transformers'. Under ``config._experts_implementation = "eager"`` the experts loop computes
   the gate inline and is left as it is. GPT-OSS's experts call their own clamped SwiGLU gate (on the interleaved
   projection) in every implementation: it runs ``liger_gen.functional.clamped_swiglu_gate_up`` with their
-  ``alpha`` and ``limit``.
+  ``alpha`` and ``limit``. Llama 4's experts (two ``bmm`` over tokens grouped per expert, the gate computed
+  inline) get a ``forward`` that runs the same ``bmm`` with the packed GLU kernel between them.
 - **RoPE**: a family whose ``apply_rotary_pos_emb`` uses the rotate-half layout (full or partial rotary) has it
   routed to ``liger_gen.functional.rope`` (wrapped to keep transformers' signature). Attention modules call that
   function through their modeling module's globals, so this patch is process-wide: every model of that family in
   the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
   functions back. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
   pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back
-  after the rotation). Llama 4's complex rotation is left unpatched.
+  after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same
+  rotation of interleaved pairs: its real and imaginary parts are the cos/sin tables.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
@@ -70,16 +72,21 @@ class ModelFamily:
     norm_classes: the classes to swap (default ``<prefix>RMSNorm``). rope: whether its ``apply_rotary_pos_emb``
     is the rotate-half layout ``liger_gen.functional.rope`` computes; rope_keeps_dtype: whether that function
     casts its outputs back to q's and k's dtypes (OLMo 2/3) rather than promoting them with cos/sin's;
-    rope_tables: "full" (cos/sin hold cat(freqs, freqs), as Llama's), "half" (one angle per pair, GPT-OSS) or
-    "interleaved" (each angle twice in a row, Cohere); rope_pairs: the function rotates interleaved pairs
-    (x0, x1), (x2, x3), ... of the rotary dims and returns them in that layout (GLM-4, Cohere 2);
+    rope_tables: "full" (cos/sin hold cat(freqs, freqs), as Llama's), "half" (one angle per pair, GPT-OSS),
+    "interleaved" (each angle twice in a row, Cohere) or "complex" (one complex table ``freqs_cis`` of
+    cos + i·sin per pair, passed as ``(xq, xk, freqs_cis)`` with q and k as (batch, seq, heads, head_dim):
+    Llama 4's ``apply_rotary_emb``); rope_function: the name of the replaced function; rope_pairs: the function
+    rotates interleaved pairs (x0, x1), (x2, x3), ... of the rotary dims and returns them in that layout (GLM-4,
+    Cohere 2, Llama 4);
     interleaved_rope: the name of a second function that rotates interleaved pairs of a de-interleavable layout
-    (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP modules are
-    patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
+    (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP
+    modules are patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
     ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
     ``config.logits_scaling``, "multiply" by the model's ``logit_scale``, "lm_head_multiplier" by the base
-    model's ``lm_head_multiplier``). experts_gate: the family's own experts gate that a liger-gen op computes
-    ("clamped_swiglu": GPT-OSS's, from the experts' ``alpha`` and ``limit``). note: what stays transformers' own.
+    model's ``lm_head_multiplier``). experts_gate: how the family's experts compute their gate where it is not
+    transformers' shared hook: "clamped_swiglu" (GPT-OSS's own ``_apply_gate``, from the experts' ``alpha`` and
+    ``limit``) or "batched" (Llama 4: ``bmm`` over experts of pre-grouped tokens, gate and up as the two halves
+    of ``gate_up_proj``'s output, computed inline). note: what stays transformers' own.
     """
 
     model_type: str
@@ -89,6 +96,7 @@ class ModelFamily:
     rope: bool = True
     rope_keeps_dtype: bool = False
     rope_tables: str = "full"
+    rope_function: str = "apply_rotary_pos_emb"
     rope_pairs: bool = False
     interleaved_rope: str | None = None
     mlp: bool = True
@@ -114,9 +122,9 @@ class ModelFamily:
 _F = ModelFamily
 MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("llama", "Llama"),
-    _F("llama4_text", "Llama4Text", module="transformers.models.llama4.modeling_llama4",
-       causal_lm=("Llama4ForCausalLM",), rope=False,
-       note="RoPE: Llama 4 rotates by complex multiplication (not patched)"),
+    _F("llama4_text", "Llama4Text", module="transformers.models.llama4.modeling_llama4", experts_gate="batched",
+       causal_lm=("Llama4ForCausalLM",), rope_function="apply_rotary_emb", rope_tables="complex", rope_pairs=True,
+       rope_keeps_dtype=True),
     _F("mistral", "Mistral"),
     _F("ministral", "Ministral"),
     _F("mixtral", "Mixtral"),
@@ -254,9 +262,41 @@ class ExpertsGate:
         return glu_gate_up_product(gate_up_out, self.activation)
 
 
-def _experts_gate(module: nn.Module, family: ModelFamily) -> tuple[ExpertsGate | None, str]:
-    """(the liger-gen gate for a fused experts module, "") or (None, why it stays)."""
+class BatchedExpertsForward:
+    """The ``forward`` of Llama 4's experts (tokens already grouped per expert, (E·n, H) in, (E·n, H) out): the
+    same two ``bmm`` over the experts' ``gate_up_proj`` (E, H, 2·I) and ``down_proj`` (E, I, H), with the gate
+    ``act(gate) * up`` of the first's output (gate and up its two halves) by liger-gen's packed GLU kernel. A
+    plain object so that a patched model pickles."""
+
+    def __init__(self, module: nn.Module, activation: str):
+        self.module, self.activation = module, activation
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from liger_gen.ops.glu import glu_gate_up_product
+
+        m = self.module
+        x = hidden_states.view(m.gate_up_proj.shape[0], -1, m.gate_up_proj.shape[1])
+        gated = glu_gate_up_product(torch.bmm(x, m.gate_up_proj), self.activation)
+        return torch.bmm(gated, m.down_proj).view(-1, m.down_proj.shape[-1])
+
+
+def _is_patched_experts(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("_apply_gate"), ExpertsGate) or isinstance(
+        module.__dict__.get("forward"), BatchedExpertsForward)
+
+
+def _experts_gate(module: nn.Module, family: ModelFamily) -> tuple[ExpertsGate | BatchedExpertsForward | None, str]:
+    """(the liger-gen gate, or experts forward, for a fused experts module, "") or (None, why it stays)."""
     own = getattr(type(module), "_apply_gate", None)
+    if family.experts_gate == "batched" and not hasattr(module, "_apply_gate"):
+        up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter) and up.dim() == down.dim() == 3
+                and up.shape[2] == 2 * down.shape[1] and up.shape[0] == down.shape[0]):
+            return None, "experts: not the batched (E, H, 2·I) / (E, I, H) layout"
+        activation = activation_name(getattr(module, "act_fn", None))
+        if activation is None:
+            return None, f"experts: activation {type(getattr(module, 'act_fn', None)).__name__}"
+        return BatchedExpertsForward(module, activation), ""
     if family.experts_gate == "clamped_swiglu" and callable(own):
         # GPT-OSS: its experts call their own _apply_gate on the interleaved projection in every implementation
         alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
@@ -433,6 +473,18 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
         rot = torch.stack((y[..., :width // 2], y[..., width // 2:width]), dim=-1).flatten(-2)
         return rot if width == y.shape[-1] else torch.cat((rot, y[..., width:]), dim=-1)
 
+    if tables == "complex":  # Llama 4: complex multiplication of interleaved pairs, in fp32, cast back
+        @functools.wraps(original)
+        def apply_rotary_emb(xq, xk, freqs_cis):
+            cos, sin = freqs_cis.real, freqs_cis.imag
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            width = cos.shape[-1]
+            q_out, k_out = rope(halves(xq, width), halves(xk, width), cos, sin, unsqueeze_dim=2)
+            return pairs_of(q_out, width).to(xq.dtype), pairs_of(k_out, width).to(xk.dtype)
+
+        apply_rotary_emb.liger_gen = True
+        return apply_rotary_emb
+
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
@@ -457,7 +509,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
 
 def _rope_functions(family: ModelFamily) -> tuple[tuple[str, bool], ...]:
     """(function name, interleaved) of every rotary function of the family that liger-gen replaces."""
-    names = (("apply_rotary_pos_emb", False),) if family.rope else ()
+    names = ((family.rope_function, False),) if family.rope else ()
     return names + (((family.interleaved_rope, True),) if family.interleaved_rope else ())
 
 
@@ -568,7 +620,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     # a refused call leaves the model and the process as they were
     left: list[tuple[str, str]] = []
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    gates: list[tuple[nn.Module, ExpertsGate]] = []
+    gates: list[tuple[nn.Module, ExpertsGate | BatchedExpertsForward]] = []
     norm_swaps = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -586,7 +638,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             elif rms_norm and cls.endswith("NormGated"):
                 left.append((cls, "a gated norm (no liger-gen op)"))
             elif swiglu and cls.endswith("Experts"):
-                if isinstance(child.__dict__.get("_apply_gate"), ExpertsGate):
+                if _is_patched_experts(child):
                     continue
                 gate, why = _experts_gate(child, family) if isinstance(getattr(child, "gate_up_proj", None), nn.Parameter) \
                     else (None, "experts: not a packed gate/up layout")
@@ -617,7 +669,10 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     for parent, name, new in swaps:
         setattr(parent, name, new)
     for module, gate in gates:
-        module._apply_gate = gate
+        if isinstance(gate, BatchedExpertsForward):
+            module.forward = gate
+        else:
+            module._apply_gate = gate
     if rope and _rope_functions(family):
         _patch_rope(model, modeling, family)
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
@@ -625,7 +680,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     # the report counts what the model holds now, so a second call reports the same model
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
     report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
-    report.experts = sum(isinstance(m.__dict__.get("_apply_gate"), ExpertsGate) for m in model.modules())
+    report.experts = sum(_is_patched_experts(m) for m in model.modules())
     report.rope = bool(_rope_functions(family)) and all(
         getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in _rope_functions(family))
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
