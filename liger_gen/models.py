@@ -100,6 +100,8 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("mistral-7b", 4096, 14336, 32, 8, 128, 32768, 1e-5),
         # openai/gpt-oss-20b: 32 experts of width 2880 (intermediate_size is one expert's)
         ModelShape("gpt-oss-20b", 2880, 2880, 64, 8, 64, 201088, 1e-5),
+        # Qwen/Qwen3-30B-A3B: 128 experts of width 768 (intermediate_size is one expert's), 8 per token
+        ModelShape("qwen3-30b-a3b", 2048, 768, 32, 4, 128, 151936, 1e-6),
         *(a.shape() for a in ARCHITECTURES.values()),
     )
 }

@@ -14,6 +14,7 @@ from liger_gen.ops.glu import geglu_float64, geglu_torch
 from liger_gen.ops.jsd import jsd_float64, jsd_torch
 from liger_gen.ops.kl_div import kl_div_float64, kl_div_torch
 from liger_gen.ops.layer_norm import layer_norm_float64, layer_norm_torch
+from liger_gen.ops.moe import moe_experts_torch, moe_permute_torch, moe_unpermute_torch
 from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out_dtype, rms_norm_torch
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
 from liger_gen.ops.glu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
@@ -25,5 +26,6 @@ __all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_to
            "fused_linear_cross_entropy_torch", "geglu_float64", "geglu_torch",
            "glu_float64", "glu_gate_up_torch", "glu_torch", "jsd_float64", "jsd_torch",
            "kl_div_float64", "kl_div_torch", "layer_norm_float64", "layer_norm_torch",
+           "moe_experts_torch", "moe_permute_torch", "moe_unpermute_torch",
            "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch", "rope_float64", "rope_out_dtype",
            "rope_torch", "rotate_half", "swiglu_float64", "swiglu_torch"]

@@ -34,8 +34,8 @@ from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
-                                 geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch, rms_norm_torch, rope_torch,
-                                 swiglu_torch)
+                                 geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch, moe_permute_torch,
+                                 moe_unpermute_torch, rms_norm_torch, rope_torch, swiglu_torch)
 
 # A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
 TINY = PRESETS["tiny"]
@@ -202,6 +202,14 @@ def _clamped_swiglu_lg(t, o):
     return (lg.clamped_swiglu_gate_up(t["gate_up"], o["alpha"], o["limit"]),)
 
 
+def _moe_permute_eager(t, o):
+    return (moe_permute_torch(t["x"], t["token"]), moe_unpermute_torch(t["ys"], t["pos"], t["w"]))
+
+
+def _moe_permute_lg(t, o):
+    return (lg.moe_permute(t["x"], t["token"], t["pos"]), lg.moe_unpermute(t["ys"], t["pos"], t["w"]))
+
+
 def _ce_eager(t, o):
     return (cross_entropy_torch(t["logits"], t["target"]),)
 
@@ -294,6 +302,9 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("clamped_swiglu", _clamped_swiglu_eager,
          "transformers' GptOssExperts._apply_gate on the interleaved gate_up (alpha 1.702, limit 7)",
          _clamped_swiglu_lg),
+    Case("moe_permute", _moe_permute_eager,
+         "x[token] and the routing-weighted sum of ys[pos] (transformers' grouped experts: index and index_add_)",
+         _moe_permute_lg),
     Case("cross_entropy", _ce_eager, "F.cross_entropy of the fp32-upcast logits, mean (transformers' loss)", _ce_lg,
          _lk_ce,
          "LigerCrossEntropyFunction(reduction='mean'): the loss is returned in the logits' dtype (bf16 sum of bf16 "

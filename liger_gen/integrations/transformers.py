@@ -280,13 +280,52 @@ class BatchedExpertsForward:
         return torch.bmm(gated, m.down_proj).view(-1, m.down_proj.shape[-1])
 
 
+class FusedExpertsForward:
+    """The ``forward(hidden_states, top_k_index, top_k_weights)`` of a fused experts module with transformers'
+    standard layout (``gate_up_proj`` (E, 2·I, H) with gate then up, ``down_proj`` (E, H, I), no bias):
+    ``liger_gen.functional.moe_experts`` — deterministic permutations around the grouped GEMMs and the GLU
+    kernel between them. A plain object so that a patched model pickles."""
+
+    def __init__(self, module: nn.Module, activation: str):
+        self.module, self.activation = module, activation
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        from liger_gen.ops.moe import moe_experts
+
+        m = self.module
+        return moe_experts(hidden_states, m.gate_up_proj, m.down_proj, top_k_index, top_k_weights, self.activation)
+
+
 def _is_patched_experts(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("_apply_gate"), ExpertsGate) or isinstance(
-        module.__dict__.get("forward"), BatchedExpertsForward)
+        module.__dict__.get("forward"), (BatchedExpertsForward, FusedExpertsForward))
 
 
-def _experts_gate(module: nn.Module, family: ModelFamily) -> tuple[ExpertsGate | BatchedExpertsForward | None, str]:
+def _fused_experts(module: nn.Module) -> FusedExpertsForward | None:
+    """A ``FusedExpertsForward`` for experts in transformers' standard fused layout, else None."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return None
+    up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    standard = (getattr(type(module), "_apply_gate", None) is _default_apply_gate
+                and getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+                and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
+                and isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter) and up.dim() == down.dim() == 3
+                and up.shape[0] == down.shape[0] and up.shape[1] == 2 * down.shape[2] and up.shape[2] == down.shape[1]
+                and list(inspect.signature(type(module).forward).parameters)[1:] == ["hidden_states", "top_k_index",
+                                                                                   "top_k_weights"])
+    activation = activation_name(getattr(module, "act_fn", None)) if standard else None
+    return None if activation is None else FusedExpertsForward(module, activation)
+
+
+def _experts_gate(module: nn.Module, family: ModelFamily
+                  ) -> tuple[ExpertsGate | BatchedExpertsForward | FusedExpertsForward | None, str]:
     """(the liger-gen gate, or experts forward, for a fused experts module, "") or (None, why it stays)."""
+    fused = _fused_experts(module)
+    if fused is not None:
+        return fused, ""
     own = getattr(type(module), "_apply_gate", None)
     if family.experts_gate == "batched" and not hasattr(module, "_apply_gate"):
         up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -566,7 +605,7 @@ class PatchReport:
     note: str = ""
 
     def summary(self) -> str:
-        done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts gates"] if self.experts
+        done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts"] if self.experts
                                                                  else [])
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
@@ -620,7 +659,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     # a refused call leaves the model and the process as they were
     left: list[tuple[str, str]] = []
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
-    gates: list[tuple[nn.Module, ExpertsGate | BatchedExpertsForward]] = []
+    gates: list[tuple[nn.Module, ExpertsGate | BatchedExpertsForward | FusedExpertsForward]] = []
     norm_swaps = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -669,7 +708,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     for parent, name, new in swaps:
         setattr(parent, name, new)
     for module, gate in gates:
-        if isinstance(gate, BatchedExpertsForward):
+        if isinstance(gate, (BatchedExpertsForward, FusedExpertsForward)):
             module.forward = gate
         else:
             module._apply_gate = gate

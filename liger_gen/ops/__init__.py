@@ -27,6 +27,7 @@ OP_MODULES: dict[str, str] = {
     "swiglu": "liger_gen.ops.glu",
     "geglu": "liger_gen.ops.glu",
     "clamped_swiglu": "liger_gen.ops.clamped_swiglu",
+    "moe_permute": "liger_gen.ops.moe",
     "cross_entropy": "liger_gen.ops.cross_entropy",
     "fused_linear_cross_entropy": "liger_gen.ops.fused_linear_cross_entropy",
     "kl_div": "liger_gen.ops.kl_div",

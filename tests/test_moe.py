@@ -1,0 +1,152 @@
+"""Mixture-of-experts experts: routing, the permutation kernels (Triton interpreter on the CPU) and
+``moe_experts`` against float64 and transformers' experts modules, determinism and bad input."""
+
+import zlib
+
+import pytest
+import torch
+
+from liger_gen.codegen.problems import REL_TOL, rel_l2
+from liger_gen.ops.moe import (MoEPermuteProblem, MoEPermuteSpace, moe_experts, moe_experts_torch, moe_permute,
+                               moe_routing, moe_unpermute)
+
+from conftest import CPU_PATHS
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _gen(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _routing(tokens, experts, k, gen, skip_expert=None):
+    """Top-k of random scores (distinct experts per token); ``skip_expert`` is never chosen."""
+    scores = torch.rand(tokens, experts, generator=gen)
+    if skip_expert is not None:
+        scores[:, skip_expert] = -1.0
+    weights, index = scores.softmax(-1).topk(k, dim=-1)
+    return index, weights / weights.sum(-1, keepdim=True)
+
+
+def _experts(experts, hidden, width, dtype, gen):
+    gate_up = torch.randn(experts, 2 * width, hidden, generator=gen) * hidden ** -0.5
+    down = torch.randn(experts, hidden, width, generator=gen) * width ** -0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def test_routing_is_a_stable_sort_by_expert_and_its_inverse():
+    gen = _gen("routing")
+    index, _ = _routing(37, 6, 3, gen, skip_expert=2)
+    token, pos, offsets = moe_routing(index, 6)
+    flat = index.reshape(-1)
+    experts_of_rows = flat[pos.reshape(-1).argsort()]
+    assert torch.equal(experts_of_rows, flat.sort(stable=True).values)  # rows grouped by expert
+    assert torch.equal(token[pos], torch.arange(37)[:, None].expand(37, 3))  # pos is token's inverse
+    assert torch.equal(offsets.long(), torch.bincount(flat, minlength=6).cumsum(0))
+    assert offsets.dtype == torch.int32 and offsets[1] == offsets[2]  # expert 2 has no rows
+    # stable: within an expert, rows follow the (token, choice) order
+    order = pos.reshape(-1).argsort()
+    for e in range(6):
+        rows = order[(experts_of_rows == e)]
+        assert torch.equal(rows, rows.sort().values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_moe_experts_matches_float64(dtype, interpret, monkeypatch):
+    """Output and the gradients of x, both weight tensors and the routing weights against float64 autograd of
+    transformers' eager expert loop, with an expert that no token chose."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("experts", dtype, interpret)
+    tokens, hidden, width, experts, k = 13, 24, 16, 5, 2
+    index, weights = _routing(tokens, experts, k, gen, skip_expert=3)
+    gate_up, down = _experts(experts, hidden, width, dtype, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, gate_up, down, weights.to(dtype))]
+    out = moe_experts(leaves[0], leaves[1], leaves[2], index, leaves[3])
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = moe_experts_torch(ref_leaves[0], ref_leaves[1], ref_leaves[2], index, ref_leaves[3])
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    tol = 2 * REL_TOL[dtype]  # two GEMMs and the GLU, each rounded to the dtype as transformers' loop rounds
+    assert out.dtype == dtype and rel_l2(out, ref) < tol
+    for name, g, r in zip(("dx", "dgate_up", "ddown", "dweights"), grads, ref_grads):
+        assert g.dtype == dtype and rel_l2(g, r) < tol, name
+    assert (grads[1][3] == 0).all() and (grads[2][3] == 0).all()  # the unchosen expert gets no gradient
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+def test_equals_transformers_experts_module(activation, monkeypatch):
+    """The plain CPU path equals transformers' Qwen3-MoE experts module (fp32), whatever its implementation."""
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[activation]
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=6,
+                                         num_hidden_layers=1, hidden_act=act)
+    module = modeling.Qwen3MoeExperts(config)
+    gen = _gen("transformers", activation)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) * 0.2)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * 0.2)
+    x = torch.randn(11, 32, generator=gen)
+    index, weights = _routing(11, 6, 2, gen)
+    ours = moe_experts(x, module.gate_up_proj, module.down_proj, index, weights, activation)
+    torch.testing.assert_close(ours, module(x, index, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_permutations_are_deterministic_and_sum_in_order():
+    """The interpreter kernels give bit-identical results on repeated runs (each token's k rows are added in a
+    fixed order, no atomics), equal to the fp32 reference sum."""
+    gen = _gen("determinism")
+    index, weights = _routing(29, 8, 4, gen)
+    token, pos, _ = moe_routing(index, 8)
+    ys = torch.randn(29 * 4, 40, generator=gen).bfloat16().requires_grad_()
+    w = weights.bfloat16().requires_grad_()
+    runs = []
+    for _ in range(2):
+        out = moe_unpermute(ys, pos, w)
+        runs.append((out, *torch.autograd.grad(out, (ys, w), torch.ones_like(out))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    want = (ys.detach().double()[pos] * w.detach().double()[..., None]).sum(1)
+    assert rel_l2(runs[0][0], want) < REL_TOL[torch.bfloat16]
+
+
+def test_problem_and_space(device):
+    space = MoEPermuteSpace({"hidden": 2048}, torch.bfloat16)
+    assert not space.violations(space.heuristic())
+    from liger_gen.codegen.build import load_variant
+
+    problem = MoEPermuteProblem(torch.float32, 48, 10, device, seed=2)
+    module = load_variant("moe_permute", problem.space.heuristic().to_dict())
+    for phase in problem.phases:
+        problem.launcher(module, phase)()
+        assert problem.check(module, phase) is None
+    problem.buffers["pos"][0, 0] = problem.buffers["pos"][0, 1]  # a wrong permutation must fail the check
+    assert problem.check(module, "fwd") is not None
+
+
+def test_bad_input_names_argument():
+    gen = _gen("bad")
+    index, weights = _routing(4, 3, 2, gen)
+    gate_up, down = _experts(3, 8, 6, torch.float32, gen)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"top_k_index holds indices outside \[0, 3\)"):
+        moe_experts(x, gate_up, down, index + 1, weights)
+    with pytest.raises(ValueError, match="gate_up_proj must be"):
+        moe_experts(x, gate_up[:, :11], down, index, weights)
+    with pytest.raises(TypeError, match="down_proj must have x's dtype"):
+        moe_experts(x, gate_up, down.double(), index, weights)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        moe_experts(x, gate_up, down, index, weights, "relu")
+    with pytest.raises(ValueError, match="top_k_weights must be"):
+        moe_experts(x, gate_up, down, index, weights[:, :1])
+    with pytest.raises(TypeError, match="top_k_index must be an int64 or int32"):
+        moe_experts(x, gate_up, down, index.float(), weights)
+    token, pos, _ = moe_routing(index, 3)
+    with pytest.raises(ValueError, match="token holds indices outside"):
+        moe_permute(x, token + 4, pos)
+    with pytest.raises(ValueError, match="pos must be"):
+        moe_unpermute(torch.randn(9, 8), pos)
