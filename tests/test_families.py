@@ -236,7 +236,10 @@ def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch
     position_ids = torch.arange(12)[None]
     takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
     extra = {"layer_type": model.config.layer_types[-1]} if takes_layer_type else {}
-    tables = rotary(torch.randn(1, 12, 8, generator=gen), position_ids, **extra)
+    try:
+        tables = rotary(torch.randn(1, 12, 8, generator=gen), position_ids, **extra)
+    except (IndexError, RuntimeError):  # multimodal RoPE (Qwen 3.5 in some releases): (3, batch, seq) positions
+        tables = rotary(torch.randn(1, 12, 8, generator=gen), position_ids[None].expand(3, -1, -1), **extra)
     head_dim = getattr(model.config, "qk_rope_head_dim", None) or model.config.head_dim
     if family.rope_tables == "complex":  # Llama 4: (xq, xk, freqs_cis), q and k as (batch, seq, heads, dim)
         args = (torch.randn(2, 12, 4, head_dim, generator=gen), torch.randn(2, 12, 2, head_dim, generator=gen),

@@ -13,10 +13,11 @@
   (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
   own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's
   residual dropout and Falcon-H1's gate and output multipliers are kept. An MLP with another activation stays.
-- **MoE experts** (transformers' fused ``*Experts`` modules): the gate ``act(gate) * up`` that their grouped and
-  batched implementations call (``_apply_gate``) runs the packed GLU kernel; the router, the expert GEMMs and the
-  auxiliary loss are transformers'. Under ``config._experts_implementation = "eager"`` the experts loop computes
-  the gate inline and is left as it is. GPT-OSS's experts call their own clamped SwiGLU gate (on the interleaved
+- **MoE experts** (transformers' fused ``*Experts`` modules): in the standard layout (``gate_up_proj`` (E, 2·I,
+  H), ``down_proj`` (E, H, I), no biases) their ``forward`` becomes ``liger_gen.functional.moe_experts``, whatever
+  ``config._experts_implementation`` says; other layouts that call transformers' shared gate hook
+  (``_apply_gate``) under the grouped and batched implementations get the packed GLU kernel there. The router and
+  the auxiliary loss stay transformers'. GPT-OSS's experts call their own clamped SwiGLU gate (on the interleaved
   projection) in every implementation: it runs ``liger_gen.functional.clamped_swiglu_gate_up`` with their
   ``alpha`` and ``limit``. Llama 4's experts (two ``bmm`` over tokens grouped per expert, the gate computed
   inline) get a ``forward`` that runs the same ``bmm`` with the packed GLU kernel between them.
