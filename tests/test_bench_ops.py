@@ -59,6 +59,15 @@ def _expected_bytes(op, t, up, rows):
         return 2 * per_pass
     if op in ("swiglu", "geglu"):
         return (_nb(t["gate"]) + _nb(t["up"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["gate"]) + 2 * _nb(t["up"]))
+    if op == "clamped_swiglu":  # interleaved gate_up in, y out; dy and gate_up in, the interleaved gradient out
+        return (_nb(t["gate_up"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["gate_up"]))
+    if op == "moe_permute":
+        index = _nb(t["token"]) + _nb(t["pos"])
+        fwd = 2 * _nb(t["ys"]) + _nb(t["token"]) + _nb(t["ys"]) + _nb(t["pos"]) + _nb(t["w"]) + _nb(t["x"])
+        bwd = (_nb(t["x"]) + _nb(t["ys"]) + _nb(t["pos"]) + _nb(t["w"]) + _nb(t["ys"]) + 4 * t["w"].numel()
+               + _nb(t["ys"]) + _nb(t["pos"]) + _nb(t["x"]))
+        assert index == 2 * 8 * t["w"].numel()
+        return fwd + bwd
     if op == "cross_entropy":
         return 2 * _nb(t["logits"]) + _nb(t["target"])
     if op == "fused_linear_cross_entropy":

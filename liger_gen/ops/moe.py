@@ -151,7 +151,7 @@ class MoEPermuteProblem(Problem):
     SPACE = MoEPermuteSpace
     OUTPUTS = ("xs", "out")
     DEFAULT_ROWS = 8192
-    BYTES_FORMULA = "R·H·s·(4k + 4) + index bytes"
+    BYTES_FORMULA = "(6k + 3)·R·H·s + R·k·(36 + 2s)"
 
     @classmethod
     def shape(cls, model) -> dict[str, int]:
@@ -187,10 +187,11 @@ class MoEPermuteProblem(Problem):
     def phase_bytes(cls, dims, s: int) -> dict[str, int]:
         r, h, k = dims["rows"], dims["hidden"], dims.get("k", TUNING_TOP_K)
         idx = 8 * r * k
-        # fwd: permute (read R·k·H, write R·k·H) + unpermute (read R·k·H, write R·H); bwd: unpermute's backward
-        # (read R·H + R·k·H, write R·k·H) + the input gradient's sum (read R·k·H, write R·H)
+        # fwd: permute (read R·k·H, write R·k·H; token) + unpermute (read R·k·H, pos and w, write R·H); bwd: the
+        # unpermute's backward (read R·H + R·k·H, pos and w; write R·k·H and the fp32 dw) + the input gradient's
+        # sum (read R·k·H and pos, write R·H)
         return {"fwd": s * r * h * (3 * k + 1) + 2 * idx + s * r * k,
-                "bwd": s * r * h * (3 * k + 2) + 2 * idx + s * r * k}
+                "bwd": s * r * h * (3 * k + 2) + 2 * idx + s * r * k + 4 * r * k}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, seed: int = 0, limits=None):
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
