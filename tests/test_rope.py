@@ -568,3 +568,30 @@ def test_llama3_8b_shape_on_gpu():
         a = rope(q, k, table_cos[0], table_sin[0], pos)
         b = rope(q, k, table_cos[0][pos], table_sin[0][pos])
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_tables_rotate_every_dim_with_one_angle_per_pair(dtype, interpret, monkeypatch):
+    """half_tables=True: (…, r/2) tables (one angle per rotated pair, GPT-OSS's layout) equal the duplicated
+    (…, r) tables of the same angles, forward and backward, on both CPU paths; a non-bool flag is an error."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(91)
+    q = torch.randn(2, 4, 9, 32, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(2, 2, 9, 32, generator=gen).to(dtype).requires_grad_()
+    angles = torch.rand(2, 9, 16, generator=gen) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    got = rope(q, k, cos, sin, half_tables=True)
+    want = rope(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+    g = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in got]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ga = torch.autograd.grad(got, (q, k), g)
+    gb = torch.autograd.grad(want, (q, k), g)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    q64, k64 = q.detach().double(), k.detach().double()
+    ref = rope_float64(q64, k64, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+    assert rel_l2(got[0], ref[0]) < REL_TOL[dtype]
+    with pytest.raises(TypeError, match="half_tables must be a bool"):
+        rope(q, k, cos, sin, half_tables=1)

@@ -529,16 +529,16 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
         dtypes = q.dtype, k.dtype
-        if tables == "half":
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        elif tables == "interleaved":
+        half = tables == "half"
+        if tables == "interleaved":
             cos, sin = torch.cat((cos[..., 0::2],) * 2, dim=-1), torch.cat((sin[..., 0::2],) * 2, dim=-1)
-        width = cos.shape[-1]
+        width = cos.shape[-1] * (2 if half else 1)
         if interleaved or pairs:
             q, k = halves(q, width), halves(k, width)
         # (seq, dim) tables with position_ids (older releases gather per position inside this function)
         position_ids = arguments.get("position_ids") if cos.dim() == 2 else None
-        q_out, k_out = rope(q, k, cos, sin, position_ids, unsqueeze_dim=arguments.get("unsqueeze_dim", 1))
+        q_out, k_out = rope(q, k, cos, sin, position_ids, unsqueeze_dim=arguments.get("unsqueeze_dim", 1),
+                            half_tables=half)
         if pairs:
             q_out, k_out = pairs_of(q_out, width), pairs_of(k_out, width)
         return (q_out.to(dtypes[0]), k_out.to(dtypes[1])) if keeps_dtype else (q_out, k_out)

@@ -432,7 +432,8 @@ k, cos and sin."""
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+         position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1,
+         half_tables: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of q and k (Su et al., 2021, RoFormer): transformers' ``apply_rotary_pos_emb``.
 
     ``out = x·cos + rotate_half(x)·sin`` with ``rotate_half(x) = cat(−x2, x1)`` (x1, x2 the two halves of the
@@ -454,6 +455,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             used). Negative positions count from the end of the table, like PyTorch indexing.
         unsqueeze_dim: 1 for (batch, heads, seq, head_dim) q/k, 2 for (batch, seq, heads, head_dim); -3 and -2
             are the same dims counted from the end (transformers unsqueezes cos/sin at this dim).
+        half_tables: cos and sin hold one angle per rotated pair (last dim r/2, as GPT-OSS's rotary embedding
+            returns them) rather than ``cat(freqs, freqs)``: they are widened to r first (a copy of the tables,
+            which are small next to q and k). r is then twice their last dim.
 
     Returns:
         (q_out, k_out): new tensors of q's and k's shapes, in the dtype PyTorch's promotion gives
@@ -472,7 +476,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
     Raises:
         TypeError: an argument is not a tensor; q/k or cos/sin are not floating or differ in dtype; float64 on
-            the kernel path; position_ids is not int32/int64.
+            the kernel path; position_ids is not int32/int64; half_tables is not a bool.
         ValueError: q or k is not 4-D; k's batch, seq or head_dim differs from q's; cos and sin differ in
             shape; r is odd, zero or larger than head_dim; cos's seq differs from q's or its batch is neither
             1 nor q's batch; with position_ids, cos is not a 2-D table or position_ids is not (batch or 1,
@@ -486,6 +490,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     op = "rope"
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(op, name, t)
+    if not isinstance(half_tables, bool):
+        raise TypeError(f"{op}: half_tables must be a bool, got {type(half_tables).__name__}")
+    if half_tables and cos.dim() and sin.dim():
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     if position_ids is not None:
         check_tensor(op, "position_ids", position_ids)
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
