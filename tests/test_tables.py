@@ -81,7 +81,6 @@ def test_user_dir_comes_before_packaged(user_dir, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("override,reason", [
     ({"gpu": "a100"}, "tuned on GPU"),
-    ({"triton_version": "2.1.0"}, "Triton"),
     ({"template_hashes": {"rms_norm": "0123456789abcdef"}}, "template hashes differ for rms_norm"),
     ({"template_hashes": {"rms_norm": tables.template_hash("rms_norm"), "cross_entropy": "0123456789abcdef"}},
      "cross_entropy"),
@@ -92,6 +91,33 @@ def test_foreign_table_warns_and_falls_back(user_dir, override, reason):
     with pytest.warns(tables.TunedTableWarning, match=reason):
         found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
     assert found["source"] == "heuristic"
+
+
+def test_table_of_another_triton_version_is_used_with_one_notice_unless_strict(user_dir, monkeypatch):
+    """A Triton upgrade does not drop the tables: the entry is used with one notice naming both versions; with
+    LIGER_GEN_STRICT_TABLES=1 the table is refused (heuristic, one warning saying why)."""
+    import warnings
+
+    import triton
+
+    _write(user_dir, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))], triton_version="2.1.0"))
+    with pytest.warns(tables.TunedTableWarning, match=f"using tuned table .*Triton 2.1.0, running Triton "
+                                                      f"{triton.__version__}") as record:
+        found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
+    assert found["source"] == "user" and found["config"].BLOCK_M_FWD == 8
+    assert len([w for w in record if issubclass(w.category, tables.TunedTableWarning)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the notice is given once per table
+        tables.lookup(SPACE, torch.bfloat16, N, 16384, GPU)
+    for value, used in (("1", False), ("true", False), ("0", True), ("", True)):
+        monkeypatch.setenv(tables.STRICT_TABLES_ENV, value)
+        tables.clear_caches()
+        tables.reset_warnings()
+        with pytest.warns(tables.TunedTableWarning, match="Triton 2.1.0"):
+            found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
+        assert (found["source"] == "user") is used, value
+    assert tables.foreign_reasons(tables.load_table(tables.table_path(user_dir, GPU, OP)), space=SPACE, gpu=GPU,
+                                  strict=True)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"format_version": 1}', "", "[" * 100000 + "]" * 100000,

@@ -16,8 +16,11 @@ the runtime never reads (``liger-gen show --trials`` does).
 
 The runtime is handed the op's space class (``spec.space``), never an op name to look up. Lookup contract
 (``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables packaged in ``liger_gen/tuned``, then the space's
-analytic heuristic. A table is used only if its op, GPU, template hashes and Triton major.minor version match the
-running ones; otherwise it is skipped with one warning and the next source is tried. Feature
+analytic heuristic. A table is used only if its op, GPU and template hashes match the running ones; otherwise it
+is skipped with one warning and the next source is tried. A table tuned under another Triton major.minor version
+is still used, with one notice (its configs are re-checked against the constraints like every config, and every
+valid config computes the right answer; only its speed was measured under the other version), unless
+``LIGER_GEN_STRICT_TABLES=1`` makes that a reason to skip it too. Feature
 dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype must match exactly; entries tuned with the same render-time
 options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance.
 A corrupt, ill-formed, unreadable or oversized file (over ``MAX_TABLE_BYTES``, or not a regular file) warns and is
@@ -207,9 +210,24 @@ def load_table(path: Path, space: type[Space] | None = None) -> dict[str, Any]:
     return data
 
 
-def foreign_reasons(table: dict[str, Any], *, space: type[Space], gpu: str) -> list[str]:
-    """Why a table does not belong to ``space``'s op, this GPU, the current templates and Triton version (empty
-    when it does)."""
+STRICT_TABLES_ENV = "LIGER_GEN_STRICT_TABLES"
+
+
+def strict_tables() -> bool:
+    """Whether ``$LIGER_GEN_STRICT_TABLES`` asks to refuse tables tuned under another Triton version."""
+    return os.environ.get(STRICT_TABLES_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def triton_mismatch(table: dict[str, Any]) -> str | None:
+    """"tuned with Triton X, running Triton Y" when the table's Triton major.minor is not the running one."""
+    if triton_major_minor(str(table["triton_version"])) != triton_major_minor():
+        return f"tuned with Triton {table['triton_version']}, running Triton {triton.__version__}"
+    return None
+
+
+def foreign_reasons(table: dict[str, Any], *, space: type[Space], gpu: str, strict: bool | None = None) -> list[str]:
+    """Why a table does not belong to ``space``'s op, this GPU and the current templates (empty when it does).
+    Another Triton major.minor version is a reason only when ``strict`` (None: ``strict_tables()``)."""
     reasons = []
     if table["op"] != space.op:
         reasons.append(f"op {table['op']!r} != {space.op!r}")
@@ -222,8 +240,9 @@ def foreign_reasons(table: dict[str, Any], *, space: type[Space], gpu: str) -> l
         reasons.append("template hashes differ for " + ", ".join(
             f"{n} ({table['template_hashes'].get(n, 'absent')} != current {current.get(n, 'absent')})"
             for n in changed) + " (template changed)")
-    if triton_major_minor(str(table["triton_version"])) != triton_major_minor():
-        reasons.append(f"tuned with Triton {table['triton_version']}, running Triton {triton.__version__}")
+    mismatch = triton_mismatch(table)
+    if mismatch and (strict_tables() if strict is None else strict):
+        reasons.append(mismatch + f" (${STRICT_TABLES_ENV} is set)" if strict is None else mismatch)
     return reasons
 
 
@@ -387,6 +406,11 @@ def _load_for(path: str, space: type[Space], gpu: str) -> dict[str, Any] | None:
     if reasons:
         _warn_once(f"liger-gen: ignoring tuned table {p}: " + "; ".join(reasons))
         return None
+    mismatch = triton_mismatch(table)
+    if mismatch:
+        _warn_once(f"liger-gen: using tuned table {p}, {mismatch}: its configs are valid here (each is re-checked "
+                   f"against the constraints) but were timed under the other version; re-tune with `liger-gen "
+                   f"tune` for this one, or set {STRICT_TABLES_ENV}=1 to refuse such tables")
     return table
 
 

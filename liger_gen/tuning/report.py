@@ -285,8 +285,10 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) ->
             line.append(f" ({source}) — {safe_text(table.get('device_name', '?'))}, Triton "
                         f"{safe_text(table['triton_version'])}, torch {safe_text(table.get('torch_version', '?'))}, "
                         f"created {safe_text(table.get('created', '?'))}; ")
-            line.append("in use" if not reasons else "not used: " + safe_text("; ".join(reasons)),
-                        style="green" if not reasons else "yellow")
+            mismatch = tables.triton_mismatch(table) if not reasons else None
+            status = "not used: " + "; ".join(reasons) if reasons else (
+                f"in use ({mismatch}; ${tables.STRICT_TABLES_ENV}=1 would refuse it)" if mismatch else "in use")
+            line.append(safe_text(status), style="green" if not reasons else "yellow")
             console.print(line)
             if table["entries"] and "timing_ms" in table["entries"][0]:
                 console.print(summary_table(safe_text(table["op"]), table["entries"]))

@@ -462,7 +462,7 @@ def write_entries(space, entries: list[dict[str, Any]], out_root, *, gpu: str, d
     with tables.locked(path):
         try:
             old = tables.load_table(path, space)
-            if not tables.foreign_reasons(old, space=space, gpu=gpu):
+            if not tables.foreign_reasons(old, space=space, gpu=gpu, strict=True):
                 table["entries"] = tables.with_trials(path, old)["entries"]
         except tables.TableError:  # missing, corrupt or foreign: replaced
             pass
