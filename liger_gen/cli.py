@@ -77,7 +77,9 @@ def main() -> None:
 @click.option("--trials", default=24, show_default=True, type=click.IntRange(1, 10_000),
               help="Optuna trials per kernel (forward and backward each) and shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Table root; writes OUT/<gpu>/<op>.json. Default: the package's tuned/ folder.")
+              help="Table root; writes OUT/<gpu>/<op>.json. Default: the package's tuned/ folder in a source "
+                   "checkout, else ~/.local/share/liger-gen/tuned ($XDG_DATA_HOME/liger-gen/tuned), which the "
+                   "runtime also reads.")
 @click.option("--polish", default=None, type=click.IntRange(0, 10_000),
               help="Variants measured by the local polish after the search, per kernel and shape "
                    "(default: a quarter of --trials).")
@@ -98,6 +100,13 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
     """Search launch settings on this GPU (or several of the same kind) and write the tuned tables."""
     import torch
 
+    from liger_gen.optional import MissingExtraError, require
+
+    try:
+        require("optuna", "liger-gen tune")
+    except MissingExtraError as exc:
+        raise click.ClickException(str(exc)) from None
+
     if devices is not None:
         text = devices
         try:
@@ -111,7 +120,7 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
     from liger_gen.codegen.spaces import dtype_from_name
     from liger_gen.models import resolve_model
     from liger_gen.runtime.devices import current_gpu
-    from liger_gen.runtime.tables import packaged_root
+    from liger_gen.runtime.tables import default_tune_root, packaged_root
 
     try:
         model = resolve_model(model_name)
@@ -151,15 +160,19 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
             torch.cuda.set_device(devices[0])
     from liger_gen.tuning.tuner import JournalError
 
+    out_root = out_dir or default_tune_root()
     try:
         result = run_tuning(specs=[get_spec(op) for op in ops], model=model, rows=rows, dtypes=dtype_list, trials=trials,
-                            out_root=out_dir or packaged_root(), storage=storage, seed=seed, polish=polish,
+                            out_root=out_root, storage=storage, seed=seed, polish=polish,
                             budget_s=budget_s or None,
                             devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
                             device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu,
                             device_name=visible[1])
     except JournalError as exc:
         raise click.ClickException(str(exc)) from None
+    if Path(out_root).resolve() != packaged_root().resolve():
+        click.echo(f"tables written under {out_root}/{gpu}/. To ship them, copy that folder into the image as "
+                   f"<DIR>/{gpu}/ and set LIGER_GEN_TUNED_DIR=<DIR>; check with `liger-gen show --gpu {gpu}`.")
     if result.unfinished or result.errors:
         raise click.ClickException(f"{len(result.unfinished)} unit(s) not tuned; see the messages above.")
 

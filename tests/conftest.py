@@ -1,7 +1,7 @@
 """Test set-up: kernels run in Triton's interpreter on the CPU unless a GPU test asks for CUDA.
 
 TRITON_INTERPRET must be set before Triton decorates any kernel, so it is set here, at collection time.
-The kernel cache and the tuned-table directory are redirected to temporary folders for the whole session.
+The kernel cache and the user tables folder are redirected to temporary folders for the whole session.
 """
 
 import os
@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LIGER_GEN_CACHE_DIR", tempfile.mkdtemp(prefix="liger_gen_kernels_"))
 os.makedirs(os.environ["LIGER_GEN_CACHE_DIR"], mode=0o700, exist_ok=True)
+# the user tables folder (``tables.user_tables_root``) of the person running the tests must not take part
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="liger_gen_data_")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -229,3 +229,20 @@ def test_show_survives_a_subnormal_time_and_marks_a_misnamed_copy_unused(runner,
     result = runner.invoke(main, ["show", "--gpu", "h200"], terminal_width=300)
     lines = [line for line in result.output.splitlines() if "rms_norm.backup.json" in line]
     assert lines and "reads only rms_norm.json" in result.output, result.output
+
+
+def test_tune_without_optuna_says_what_to_install(monkeypatch):
+    """A training-only install (no Optuna): `liger-gen tune` exits with the pip command of the [tune] extra, and
+    importing the runtime, the tables and `show` does not need Optuna."""
+    import sys
+
+    from liger_gen.optional import MissingExtraError, require
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
+    result = CliRunner().invoke(main, ["tune", "--gpu", "h200"])
+    assert result.exit_code != 0
+    assert "liger-gen tune needs optuna" in result.output and "pip install 'liger-gen[tune]'" in result.output
+    with pytest.raises(MissingExtraError, match=r"needs matplotlib.*liger-gen\[bench\]"):
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+        require("matplotlib", "plotting")
+    assert CliRunner().invoke(main, ["show", "--gpu", "h200"]).exit_code == 0

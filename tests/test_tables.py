@@ -359,3 +359,33 @@ def test_concurrent_writers_keep_every_entry(tmp_path):
         assert w.exitcode == 0
     table = tables.load_table(tables.table_path(tmp_path, GPU, OP))
     assert sorted(e["rows"] for e in table["entries"]) == sorted(1 + 1000 * k + i for k in range(4) for i in range(50))
+
+
+def test_user_tables_folder_is_read_when_private_and_tune_writes_there_when_installed(tmp_path, monkeypatch):
+    """``liger-gen tune`` writes to $XDG_DATA_HOME/liger-gen/tuned when the package is installed (site-packages)
+    or not writable, and the runtime reads that folder (after $LIGER_GEN_TUNED_DIR, before the packaged tables)
+    only while it is yours and not writable by others."""
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    root = tables.user_tables_root()
+    assert root == tmp_path / "data" / "liger-gen" / "tuned"
+    assert all(p != root for _, p in tables.table_roots())  # absent: not a root
+    _write(root, _table([_entry(4096, _tuned_config(BLOCK_M_FWD=8))]))
+    os.chmod(root, 0o700)
+    tables.clear_caches()
+    found = tables.lookup(SPACE, torch.bfloat16, N, 4096, GPU)
+    assert found["source"] == "user" and found["path"].startswith(str(root))
+    os.chmod(root, 0o777)  # others may write there: refused, with a warning
+    tables.clear_caches()
+    tables.reset_warnings()
+    with pytest.warns(tables.TunedTableWarning, match="writable by group or others"):
+        assert all(p != root for _, p in tables.table_roots())
+    os.chmod(root, 0o700)
+    installed = tmp_path / "venv" / "lib" / "site-packages" / "liger_gen" / "tuned"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(tables, "packaged_root", lambda: installed)
+    assert tables.default_tune_root() == root
+    checkout = tmp_path / "src" / "liger_gen" / "tuned"
+    checkout.mkdir(parents=True)
+    monkeypatch.setattr(tables, "packaged_root", lambda: checkout)
+    assert tables.default_tune_root() == checkout

@@ -144,8 +144,14 @@ _MODELING_MODULES = {"llama": "transformers.models.llama.modeling_llama",
                      "qwen2": "transformers.models.qwen2.modeling_qwen2"}
 
 
+def _transformers():
+    from liger_gen.optional import require
+
+    return require("transformers", "the training-step benchmark")
+
+
 def _transformers_major() -> int:
-    import transformers
+    transformers = _transformers()
 
     return int(transformers.__version__.split(".")[0])
 
@@ -156,7 +162,7 @@ def build_config(name: str, attn_implementation: str = "sdpa"):
     Raises ValueError for an unknown name (listing the known ones).
     """
     spec = _step_model(name)
-    import transformers
+    transformers = _transformers()
 
     config_cls = getattr(transformers, _FAMILY_CLASSES[spec.family][0])
     kwargs = dict(spec.fields)
@@ -184,7 +190,7 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype, seed:
     the same (seed, device) gives the same weights.
     """
     spec = _step_model(name)
-    import transformers
+    transformers = _transformers()
 
     config = build_config(name, attn_implementation)
     model_cls = getattr(transformers, _FAMILY_CLASSES[spec.family][1])

@@ -15,8 +15,8 @@ trial logs (``trials``, ``search``, ``retime`` of each entry) go to ``<op>.trial
 the runtime never reads (``liger-gen show --trials`` does).
 
 The runtime is handed the op's space class (``spec.space``), never an op name to look up. Lookup contract
-(``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then the tables packaged in ``liger_gen/tuned``, then the space's
-analytic heuristic. A table is used only if its op, GPU and template hashes match the running ones; otherwise it
+(``lookup``): ``$LIGER_GEN_TUNED_DIR`` first, then ``user_tables_root()`` (where ``liger-gen tune`` writes in an
+installed package), then the tables packaged in ``liger_gen/tuned``, then the space's analytic heuristic. A table is used only if its op, GPU and template hashes match the running ones; otherwise it
 is skipped with one warning and the next source is tried. A table tuned under another Triton major.minor version
 is still used, with one notice (its configs are re-checked against the constraints like every config, and every
 valid config computes the right answer; only its speed was measured under the other version), unless
@@ -116,12 +116,53 @@ def packaged_root() -> Path:
     return Path(str(resources.files("liger_gen") / "tuned"))
 
 
+def user_tables_root() -> Path:
+    """``$XDG_DATA_HOME/liger-gen/tuned`` (default ``~/.local/share/liger-gen/tuned``): where ``liger-gen tune``
+    writes when the package folder is an installed one (site-packages) or not writable."""
+    base = os.environ.get("XDG_DATA_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".local" / "share")
+        except RuntimeError:  # no $HOME and no passwd entry
+            return Path(os.devnull) / "liger-gen" / "tuned"
+    return Path(base) / "liger-gen" / "tuned"
+
+
+def default_tune_root() -> Path:
+    """Where ``liger-gen tune`` writes without ``--out``: the package's ``tuned/`` folder in a source checkout
+    that can be written, else ``user_tables_root()`` (never into site-packages)."""
+    root = packaged_root()
+    installed = any(part in ("site-packages", "dist-packages") for part in root.resolve().parts)
+    if not installed and os.access(root, os.W_OK):
+        return root
+    return user_tables_root()
+
+
+def _private_dir(path: Path) -> bool:
+    """A folder that exists, belongs to this user and that others cannot write (as the kernel cache)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        _warn_once(f"liger-gen: ignoring the tables folder {path}: it must belong to you and not be writable by "
+                   f"group or others (mode {oct(st.st_mode & 0o777)}, owner uid {st.st_uid})")
+        return False
+    return True
+
+
 def table_roots() -> list[tuple[str, Path]]:
-    """Where tables are looked for, in order: ('user', $LIGER_GEN_TUNED_DIR) if set, then ('packaged', ...)."""
+    """Where tables are looked for, in order: ('user', $LIGER_GEN_TUNED_DIR) if set; ('user',
+    ``user_tables_root()``) if that folder exists, is yours and is not writable by others; ('packaged', ...)."""
     roots = []
     env = os.environ.get(ENV_TUNED_DIR)
     if env:
         roots.append(("user", Path(env)))
+    default = user_tables_root()
+    if (not env or Path(env) != default) and _private_dir(default):
+        roots.append(("user", default))
     roots.append(("packaged", packaged_root()))
     return roots
 

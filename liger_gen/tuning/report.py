@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import optuna
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -40,6 +39,9 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     Tuner and the ops' ``tuning_problems`` (tests). Returns the ``TuneResult``; the caller decides how to fail
     when ``unfinished`` or ``errors`` is not empty.
     """
+    from liger_gen.optional import require
+
+    optuna = require("optuna", "liger-gen tune")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     device = torch.device(device)
     cc = compute_capability or (".".join(map(str, torch.cuda.get_device_capability(device)))

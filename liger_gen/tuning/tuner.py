@@ -50,9 +50,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import optuna
-from optuna.study import StudyDirection
-from optuna.trial import TrialState
+try:
+    import optuna
+    from optuna.study import StudyDirection
+    from optuna.trial import TrialState
+except ImportError:  # a training-only install: ``Tuner`` and ``liger-gen tune`` say what to install
+    optuna = StudyDirection = TrialState = None
 
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.render import template_hash
@@ -61,7 +64,7 @@ from liger_gen.codegen.spec import OpSpec
 from liger_gen.tuning.timing import Timer, events_timer, gpu_timer, timing_method
 
 Builder = Callable[[str, Mapping[str, Any]], Any]
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED) if TrialState is not None else ()
 
 
 class _TrialFailed(Exception):
@@ -105,6 +108,9 @@ class Tuner:
                  retime_margin: float = 0.01, polish_trials: int | None = None, search_share: float = 0.8,
                  fallback_timer: Timer | None = None, on_trial: Callable[[], None] | None = None,
                  clock: Callable[[], float] | None = None):
+        from liger_gen.optional import require
+
+        require("optuna", "liger-gen's tuner")
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise ValueError(f"n_trials must be an int >= 1, got {n_trials!r}")
         if retime_rounds < 1 or retime_top < 0:
