@@ -195,6 +195,49 @@ def show(gpu, show_trials) -> None:
 
 
 @main.command()
+@click.option("--gpu", callback=_gpu_name, default=None,
+              help="GPU short name (h200, ...); default: the visible GPU. Required without a GPU.")
+@click.option("--model", "model_name", default="llama3-8b", show_default=True,
+              help="Model preset or a path to a Hugging Face config.json: the shapes to check.")
+@click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=_csv_ints,
+              help="Token counts to check (capped per op as the tuner caps them).")
+@click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
+              help="Comma-separated activation dtypes.")
+@click.option("--ops", default="rms_norm,rope,swiglu,fused_linear_cross_entropy", show_default=True,
+              callback=_csv_ops,
+              help="Comma-separated ops the model runs (default: what apply_to uses on a Llama-like model; add "
+                   "geglu, layer_norm, moe_permute, clamped_swiglu, ... for other families).")
+@click.option("--allow-heuristic", is_flag=True,
+              help="Exit 0 even when some shapes would run the analytic heuristic (no tuned entry).")
+def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic) -> None:
+    """Say which tuned tables this machine would use for a model's shapes, which not and why.
+
+    Exits 1 when a table file or entry is unusable, or when a shape would run the heuristic (unless
+    --allow-heuristic): run it in an image build to fail early. Without a GPU it checks the files against the
+    named GPU and says what it could not check.
+    """
+    from liger_gen.codegen.spaces import dtype_from_name
+    from liger_gen.models import resolve_model
+    from liger_gen.runtime.devices import current_gpu
+    from liger_gen.verify import check, print_report
+
+    if gpu is None:
+        visible = current_gpu()
+        if visible is None:
+            raise click.ClickException("no CUDA GPU is visible: name the GPU to check for with --gpu (e.g. "
+                                       "--gpu h200)")
+        gpu = visible[0]
+    try:
+        model = resolve_model(model_name)
+        dtype_list = [dtype_from_name(d.strip()) for d in dtypes.split(",") if d.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    report = check(gpu, model, rows, dtype_list, ops)
+    print_report(report, gpu, model_name)
+    sys.exit(report.exit_code(allow_heuristic))
+
+
+@main.command()
 @click.option("--model", "model_name", default="llama3-8b", show_default=True,
               help="Model preset, a Hugging Face config.json, or 'tiny' (a toy model for --device cpu).")
 @click.option("--ops", default=",".join(OPS), show_default=True, callback=_csv_ops, help="Comma-separated ops.")

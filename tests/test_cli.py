@@ -246,3 +246,51 @@ def test_tune_without_optuna_says_what_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, "matplotlib", None)
         require("matplotlib", "plotting")
     assert CliRunner().invoke(main, ["show", "--gpu", "h200"]).exit_code == 0
+
+
+def _verify(*args, env=None):
+    return CliRunner().invoke(main, ["verify", *args], env={"COLUMNS": "200", **(env or {})})
+
+
+def test_verify_reports_the_tables_a_model_would_use(tmp_path, monkeypatch):
+    """`liger-gen verify` on a CPU machine: the packaged H200 tables cover llama3-8b's default ops (exit 0), a
+    model whose shapes are not tuned exits 1 unless --allow-heuristic, and it says what it could not check."""
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    ok = _verify("--gpu", "h200", "--model", "llama3-8b")
+    assert ok.exit_code == 0, ok.output
+    assert "packaged" in ok.output and "not checked" in ok.output and "unusable:" not in ok.output
+    tiny = _verify("--gpu", "h200", "--model", "tiny")
+    assert tiny.exit_code == 1 and "heuristic" in tiny.output
+    assert _verify("--gpu", "h200", "--model", "tiny", "--allow-heuristic").exit_code == 0
+    if not torch.cuda.is_available():
+        assert "--gpu" in _verify("--model", "tiny").output
+
+
+def test_verify_fails_on_an_unusable_table(tmp_path, monkeypatch):
+    """A corrupt table file, an entry whose config breaks the constraints, and (under LIGER_GEN_STRICT_TABLES=1)
+    a table of another Triton version are each reported as unusable, with exit 1."""
+    from liger_gen.ops.rms_norm import RMSNormSpace
+
+    user = tmp_path / "tuned"
+    env = {tables.ENV_TUNED_DIR: str(user)}
+    path = tables.table_path(user, "h200", "rms_norm")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    bad = _verify("--gpu", "h200", "--model", "llama3-8b", "--ops", "rms_norm", env=env)
+    assert bad.exit_code == 1 and "unusable:" in bad.output and "corrupt" in bad.output
+    space = RMSNormSpace({"n_cols": 4096}, torch.bfloat16)
+    config = space.heuristic().to_dict() | {"num_warps_fwd": 3}
+    table = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
+    table["entries"] = [{"dtype": "bfloat16", "dims": {"n_cols": 4096}, "rows": 4096, "config": config,
+                         "variant": {"casting_mode": "llama"}}]
+    tables.write_table(path, table)
+    invalid = _verify("--gpu", "h200", "--model", "llama3-8b", "--ops", "rms_norm", env=env)
+    assert invalid.exit_code == 1 and "num_warps_fwd" in invalid.output
+    table["entries"][0]["config"] = space.heuristic().to_dict()
+    table["triton_version"] = "2.1.0"
+    tables.write_table(path, table)
+    old = _verify("--gpu", "h200", "--model", "llama3-8b", "--ops", "rms_norm", env=env)
+    assert old.exit_code == 0 and "Triton 2.1.0" in old.output
+    strict = _verify("--gpu", "h200", "--model", "llama3-8b", "--ops", "rms_norm",
+                     env={**env, tables.STRICT_TABLES_ENV: "1"})
+    assert strict.exit_code == 1 and "Triton 2.1.0" in strict.output

@@ -427,32 +427,49 @@ def heuristic_only_enabled() -> bool:
     return _heuristic_only_depth > 0
 
 
-@functools.lru_cache(maxsize=64)
-def _load_for(path: str, space: type[Space], gpu: str) -> dict[str, Any] | None:
-    """Cached: the table at ``path`` if it exists, parses and belongs to (space's op and templates, gpu,
-    triton); else None."""
-    p = Path(path)
+def check_table_file(path: Path, space: type[Space], gpu: str) -> tuple[dict[str, Any] | None, str | None, str]:
+    """(table, problem, notice) of the file at ``path`` for ``space``'s op on ``gpu``: the table when it is there,
+    parses and belongs here (else None); ``problem`` why it is not used (None: usable, or no file at all);
+    ``notice`` a non-blocking remark (another Triton version) or ""."""
     try:
-        table = load_table(p, space)
+        table = load_table(path, space)
     except TableError as exc:
         cause = exc.__cause__
         if isinstance(cause, (FileNotFoundError, NotADirectoryError)):
-            return None  # no table here: the next source is tried
+            return None, None, ""  # no table here: the next source is tried
         if isinstance(cause, OSError):  # permission denied, a name too long, an I/O error: never fatal
-            _warn_once(f"liger-gen: ignoring unreadable tuned table location {p}: {type(cause).__name__}: {cause}")
-        else:
-            _warn_once(f"liger-gen: ignoring corrupt tuned table: {exc}")
-        return None
+            return None, f"unreadable tuned table location {path}: {type(cause).__name__}: {cause}", ""
+        return None, f"corrupt tuned table: {exc}", ""
     reasons = foreign_reasons(table, space=space, gpu=gpu)
     if reasons:
-        _warn_once(f"liger-gen: ignoring tuned table {p}: " + "; ".join(reasons))
-        return None
-    mismatch = triton_mismatch(table)
-    if mismatch:
-        _warn_once(f"liger-gen: using tuned table {p}, {mismatch}: its configs are valid here (each is re-checked "
+        return None, f"tuned table {path}: " + "; ".join(reasons), ""
+    return table, None, triton_mismatch(table) or ""
+
+
+@functools.lru_cache(maxsize=64)
+def _load_for(path: str, space: type[Space], gpu: str) -> dict[str, Any] | None:
+    """Cached: the table at ``path`` if it exists, parses and belongs to (space's op and templates, gpu); else
+    None. Warns once about a table it skips, and once about one tuned under another Triton version."""
+    p = Path(path)
+    table, problem, notice = check_table_file(p, space, gpu)
+    if problem:
+        _warn_once(f"liger-gen: ignoring {problem}")
+    if notice:
+        _warn_once(f"liger-gen: using tuned table {p}, {notice}: its configs are valid here (each is re-checked "
                    f"against the constraints) but were timed under the other version; re-tune with `liger-gen "
                    f"tune` for this one, or set {STRICT_TABLES_ENV}=1 to refuse such tables")
     return table
+
+
+def entry_config(space: Space, entry: dict[str, Any]) -> tuple[Any, list[str]]:
+    """(config, problems) of a table entry for ``space`` (an instance at the call's dims): the problems are the
+    constraint violations, or the error a hand-edited entry raised; the config is None then."""
+    try:
+        config = space.config_cls.from_dict(entry["config"])
+        problems = space.violations(config)
+    except Exception as exc:  # whatever a hand-edited entry holds, it must not reach training
+        return None, [f"{type(exc).__name__}: {exc}"]
+    return (None if problems else config), problems
 
 
 def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None,
@@ -476,11 +493,7 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
             entry = nearest_entry(table, dtype, dims, rows, variant)
             if entry is None:
                 continue
-            try:
-                config = space.config_cls.from_dict(entry["config"])
-                problems = space.violations(config)
-            except Exception as exc:  # whatever a hand-edited entry holds, it must not reach training
-                problems = [f"{type(exc).__name__}: {exc}"]
+            config, problems = entry_config(space, entry)
             if problems:
                 _warn_once(f"liger-gen: ignoring entry {dtype_name(dtype)}/{dims}/{entry['rows']} of {path}: "
                            + "; ".join(problems))

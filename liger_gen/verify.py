@@ -1,0 +1,153 @@
+"""``liger-gen verify``: which tuned tables this machine would use for a model's shapes, which not and why.
+
+For every op, activation dtype, feature dims of the model and token count the tuner tunes at, it walks the same
+sources as the runtime (``$LIGER_GEN_TUNED_DIR``, the user tables folder, the packaged tables) and reports the
+table entry that would be used, or that the heuristic would run and why. Every table file in those sources for
+the GPU is checked as the runtime checks it (format, op, GPU, template hashes, Triton version under
+``LIGER_GEN_STRICT_TABLES``), and every entry's config against the op's constraints: the visible GPU's limits
+when it is the named one, otherwise the defaults, which is said. The exit status is 1 when a table file is
+unusable, or when a shape the model needs would run the heuristic (unless ``allow_heuristic``), so an image
+build can fail early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from liger_gen.codegen.spaces import DeviceLimits, dtype_name
+from liger_gen.runtime import tables
+
+
+@dataclass
+class Finding:
+    op: str
+    dtype: str
+    dims: dict[str, int]
+    rows: int
+    source: str  # "user" / "packaged" / "heuristic"
+    detail: str
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    file_problems: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    roots: list[tuple[str, str]] = field(default_factory=list)  # (source, folder) in lookup order
+
+    def exit_code(self, allow_heuristic: bool) -> int:
+        heuristic = any(f.source == "heuristic" for f in self.findings)
+        return 1 if self.file_problems or (heuristic and not allow_heuristic) else 0
+
+
+def _limits_for(gpu: str) -> tuple[DeviceLimits | None, str | None]:
+    """The visible GPU's limits when it is ``gpu``; else None and what could not be checked."""
+    from liger_gen.runtime.devices import current_gpu
+
+    visible = current_gpu()
+    if visible is not None and visible[0] == gpu:
+        return DeviceLimits.from_device(), None
+    where = "no GPU is visible" if visible is None else f"the visible GPU is {visible[1]!r}"
+    return None, (f"{where}: configs were checked against the default device limits, not {gpu}'s own (shared "
+                  f"memory, registers); run verify on a {gpu} machine for that check")
+
+
+def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list[str] | None = None) -> Report:
+    """The findings for ``model``'s shapes on ``gpu`` for ``ops`` (None: every op); see the module docstring."""
+    from liger_gen.ops import all_specs
+
+    report = Report()
+    limits, unchecked = _limits_for(gpu)
+    if unchecked:
+        report.unchecked.append(unchecked)
+    report.unchecked.append("compiled kernels: Triton compiles each kernel at its first use in a process "
+                            "(its own cache keeps them); no compiled-kernel files are shipped with the tables")
+    specs = {spec.name: spec for spec in all_specs()}
+    roots = tables.table_roots()
+    report.roots = [(source, str(root)) for source, root in roots]
+    loaded: dict[tuple[str, str], dict | None] = {}
+    for source, root in roots:  # every table file of this GPU, whether or not the model needs its op
+        folder = Path(root) / gpu
+        try:
+            paths = sorted(p for p in folder.glob("*.json") if not p.name.endswith(".trials.json")) \
+                if folder.is_dir() else []
+        except OSError as exc:
+            report.file_problems.append(f"cannot list {folder}: {type(exc).__name__}: {exc}")
+            continue
+        for path in paths:
+            spec = specs.get(path.stem)
+            if spec is None:
+                report.notices.append(f"{path}: not an op of this installation (ignored by the runtime)")
+                continue
+            table, problem, notice = tables.check_table_file(path, spec.space, gpu)
+            loaded[(str(root), spec.name)] = table
+            if problem:
+                report.file_problems.append(problem)
+            if notice:
+                report.notices.append(f"{path}: {notice}; used (set {tables.STRICT_TABLES_ENV}=1 to refuse it)")
+    for name, spec in specs.items():
+        if ops is not None and name not in ops:
+            continue
+        try:
+            dims = spec.problem.shape(model)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            report.notices.append(f"{name}: no shape for this model ({type(exc).__name__}: {exc})")
+            continue
+        for dtype in dtypes:
+            space = spec.space(dims, dtype, limits)
+            for r in spec.tuning_rows(model, rows):
+                report.findings.append(_find(report, spec, space, dtype, r, roots, loaded))
+    return report
+
+
+def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loaded) -> Finding:
+    why = []
+    for source, root in roots:
+        table = loaded.get((str(root), spec.name))
+        if table is None:
+            continue
+        entry = tables.nearest_entry(table, dtype, space.dims, rows)
+        if entry is None:
+            why.append(f"{source} table has no {dtype_name(dtype)} entry for {space.dims}")
+            continue
+        config, problems = tables.entry_config(space, entry)
+        if problems:
+            message = f"{tables.table_path(root, table['gpu'], spec.name)}: entry rows={entry['rows']} for " \
+                      f"{space.dims} is invalid here: {'; '.join(problems)}"
+            report.file_problems.append(message)
+            why.append(message)
+            continue
+        return Finding(spec.name, dtype_name(dtype), space.dims, rows, source,
+                       f"{tables.table_path(root, table['gpu'], spec.name)} (tuned at {entry['rows']} rows)")
+    return Finding(spec.name, dtype_name(dtype), space.dims, rows, "heuristic",
+                   "; ".join(why) or "no table for this op")
+
+
+def print_report(report: Report, gpu: str, model_name: str, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"liger-gen verify: {model_name} on {gpu}")
+    for column in ("op", "dtype", "dims", "rows", "source", "detail"):
+        table.add_column(column, overflow="fold")
+    for f in report.findings:
+        style = "green" if f.source != "heuristic" else "yellow"
+        table.add_row(f.op, f.dtype, " ".join(f"{k}={v}" for k, v in f.dims.items()), str(f.rows),
+                      Text(f.source, style=style), f.detail)
+    console.print(table)
+    for problem in report.file_problems:
+        console.print(Text(f"unusable: {problem}", style="red"))
+    for notice in report.notices:
+        console.print(Text(f"notice: {notice}", style="yellow"))
+    for line in report.unchecked:
+        console.print(Text(f"not checked: {line}"))
+    for source, root in report.roots:
+        console.print(Text(f"tables looked up in ({source}): {root}"), soft_wrap=True)
+    used = sum(f.source != "heuristic" for f in report.findings)
+    console.print(f"{used} of {len(report.findings)} shapes use a tuned table; "
+                  f"{len(report.file_problems)} unusable table file(s) or entries")
