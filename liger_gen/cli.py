@@ -95,8 +95,12 @@ def main() -> None:
               help="Tune on this many GPUs (0..N-1) in parallel, one worker process each, sharing --storage.")
 @click.option("--devices", default=None,
               help="Comma-separated GPU indices to tune on in parallel (e.g. 0,1,2,3); overrides --workers.")
+@click.option("--refresh", is_flag=True,
+              help="No search: re-time each existing entry's finalists (its best few and the heuristic) under "
+                   "the running Triton and rewrite the table (after a Triton upgrade). Shapes without an entry "
+                   "are skipped.")
 def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
-         devices) -> None:
+         devices, refresh) -> None:
     """Search launch settings on this GPU (or several of the same kind) and write the tuned tables."""
     import torch
 
@@ -167,7 +171,7 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                             budget_s=budget_s or None,
                             devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
                             device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu,
-                            device_name=visible[1])
+                            device_name=visible[1], refresh=refresh)
     except JournalError as exc:
         raise click.ClickException(str(exc)) from None
     if Path(out_root).resolve() != packaged_root().resolve():

@@ -251,3 +251,43 @@ def test_gain_summary_with_a_heuristic_that_could_not_be_retimed():
     assert "n/a" in text and "+25.0%" in text
     only = report.gain_summary({"rms_norm": [untimed]})
     assert only["median_gain"] is None and "no entry has a re-timed heuristic" in report.gain_verdict(only)
+
+
+def test_refresh_retimes_the_finalists_of_existing_entries(reference, tmp_path, monkeypatch):
+    """`tune --refresh`: each existing entry's finalists (its re-timed candidates and winner) and the heuristic
+    are checked and re-timed, no search runs, a table of another Triton version is rewritten as this one's,
+    and shapes without an entry are skipped."""
+    out = io.StringIO()
+    monkeypatch.setattr(report, "console", Console(file=out, width=240))
+    args = dict(model=MODEL, dtypes=[torch.float32], trials=6, out_root=tmp_path, storage=None, seed=0, device="cpu",
+                gpu="h200", device_name="fake GPU", compute_capability="9.0", make_problems=fake_problems)
+    tuner = Tuner(n_trials=6, timer=cost, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
+    report.run_tuning(specs=[get_spec("rms_norm")], rows=[16, 32], tuner=tuner, **args)
+    path = tmp_path / "h200" / "rms_norm.json"
+    old = tables.with_trials(path, tables.load_table(path))
+    stale = {**tables.load_table(path), "triton_version": "2.1.0"}
+    tables.write_table(path, stale)
+    calls = []
+
+    def counting(launch, params):
+        calls.append(1)
+        return cost(launch, params)
+
+    refresher = Tuner(n_trials=6, timer=counting, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
+    result = report.run_tuning(specs=[get_spec("rms_norm")], rows=[16, 32, 64], tuner=refresher, refresh=True,
+                               **args)
+    text = out.getvalue()
+    assert "rms_norm: 2 shape(s) refreshed in" in text and "no entry to refresh" in text  # 64 rows: no entry
+    new = tables.load_table(path)
+    import triton
+
+    assert new["triton_version"] == triton.__version__ and len(new["entries"]) == 2
+    for entry in result.entries["rms_norm"]:
+        before = next(e for e in old["entries"] if tables.entry_sort_key(e) == tables.entry_sort_key(entry))
+        for phase, search in entry["search"].items():
+            assert search["refresh"] and search["finalists"] <= len(before["retime"][phase]) + 1
+            assert [r["params"] for r in entry["retime"][phase]][0] == \
+                get_spec("rms_norm").space({"n_cols": entry["dims"]["n_cols"]}, torch.float32).phase_params(
+                    get_spec("rms_norm").space({"n_cols": entry["dims"]["n_cols"]}, torch.float32).heuristic(), phase)
+    searched = sum(s["trials"] + s["polish_trials"] for e in old["entries"] for s in e["search"].values())
+    assert len(calls) < searched  # no search: a few checks and the re-timing rounds only

@@ -17,7 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from liger_gen.codegen.spaces import dtype_name
-from liger_gen.tuning.tuner import TuneJob, TuneResult, Tuner, plan_units, prior_configs, tune_ops, write_entries
+from liger_gen.tuning.tuner import (TuneJob, TuneResult, Tuner, plan_units, prior_configs, prior_entries, tune_ops,
+                                    write_entries)
 from liger_gen.runtime.tables import entry_sort_key
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
@@ -28,7 +29,8 @@ TARGET_MEDIAN_GAIN = 0.10
 
 def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
                polish: int | None = None, budget_s: float | None = None, devices: Sequence[Any] | None = None,
-               compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None) -> TuneResult:
+               compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None,
+               refresh: bool = False) -> TuneResult:
     """Tune the ops of ``specs`` (``OpSpec``s) at the model's shapes, write one table per op as soon as the op is done, print the time each
     op took and, at the end, the summary per op and shape with the median gain over the heuristic.
 
@@ -53,9 +55,11 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     several = devices is not None and len(devices) > 1
     from liger_gen.runtime.tables import packaged_root
 
-    priors = prior_configs(specs, dict.fromkeys([Path(out_root), packaged_root()]), gpu)
+    roots = dict.fromkeys([Path(out_root), packaged_root()])
+    priors = prior_entries(specs, roots, gpu) if refresh else prior_configs(specs, roots, gpu)
     job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, specs=by_name, make_problems=make_problems,
-                  priors=priors, seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None)
+                  priors=priors, seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None,
+                  refresh=refresh)
     own_journal = None
     if several and storage is None:
         own_journal = Path(out_root) / gpu / f".tune-{job.run_id}.journal"
@@ -84,16 +88,22 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
                 running.pop(event["worker"], None)
             elif kind == "error":
                 console.print(f"[red]worker {event['worker']} failed: {event['error']}[/red]")
+            elif kind == "skip":
+                console.print(f"{event['op']} {event['key']}: no entry to refresh (tune it without --refresh)")
             if kind in ("start", "done"):
                 progress.update(task, description="tuning " + (", ".join(sorted(set(running.values())))
                                                                  or "...") + f" on {device_name}")
 
         def on_op_done(op: str, entries: list[dict], seconds: dict[str, float]) -> None:
+            if not entries:
+                console.print(f"{op}: no shape {'refreshed' if refresh else 'tuned'}; its table is left as it is")
+                return
             paths[op] = write_entries(by_name[op].space, entries, Path(out_root), gpu=gpu, device_name=device_name,
                                       compute_capability=cc)
             cut = sum(1 for e in entries for s in e.get("search", {}).values() if s.get("cut"))
             busy = f" ({seconds['busy']:.1f} s of worker time)" if several else ""
-            console.print(f"{op}: {len(entries)} shape(s) tuned in {seconds['wall']:.1f} s{busy}"
+            console.print(f"{op}: {len(entries)} shape(s) {'refreshed' if refresh else 'tuned'} in "
+                          f"{seconds['wall']:.1f} s{busy}"
                           + (f", {cut} search(es) cut by the time budget" if cut else "") + f"; wrote {paths[op]}")
 
         start = time.monotonic()

@@ -338,6 +338,55 @@ class Tuner:
             raise RuntimeError(f"{problem.op} {phase}: no candidate (the heuristic included) could be re-timed")
         return medians, times, methods
 
+    def refresh(self, problem, old: Mapping[str, Any]) -> dict[str, Any]:
+        """Re-time an existing entry's finalists under the running Triton and return the new entry: per phase,
+        the heuristic, the configs the old entry re-timed (its best few) and its winner, each re-checked
+        against the constraints and the float64 gate, re-timed in alternation like ``tune``'s finalists, and the
+        fastest kept if it beats the heuristic by the margin. No search: a small fraction of a tune's cost."""
+        space = problem.space
+        heuristic = space.heuristic()
+        best = heuristic
+        try:
+            old_config = space.config_cls.from_dict(old["config"])
+        except (KeyError, TypeError, ValueError):
+            old_config = heuristic
+        timing: dict[str, dict[str, float]] = {}
+        methods: dict[str, str] = {}
+        retimes: dict[str, list] = {}
+        searches: dict[str, dict] = {}
+        for phase in problem.phases:
+            params = [r.get("params") for r in old.get("retime", {}).get(phase, [])]
+            params.append(space.phase_params(old_config, phase))
+            candidates, seen, dropped = [heuristic], {_key(space.phase_params(heuristic, phase))}, 0
+            for p in params:
+                if not isinstance(p, Mapping) or _key(p) in seen:
+                    continue
+                seen.add(_key(p))
+                try:
+                    config = dataclasses.replace(heuristic, **p)
+                    self._evaluate(problem, config, phase)  # constraints, build, float64 gate (and one timing)
+                except (TypeError, _TrialFailed):
+                    dropped += 1
+                    continue
+                candidates.append(config)
+            medians, rounds, used = self._retime(problem, phase, candidates)
+            method = used.pop() if len(used) == 1 else "mixed"
+            fastest = min(range(len(candidates)), key=lambda i: (medians[i], i))
+            winner = fastest if medians[fastest] < medians[0] * (1 - self.retime_margin) else 0
+            best = dataclasses.replace(best, **space.phase_params(candidates[winner], phase))
+            timing[phase] = {"tuned": medians[winner], "heuristic": medians[0] if math.isfinite(medians[0]) else None}
+            methods[phase] = method
+            retimes[phase] = [{"params": space.phase_params(c, phase), "ms": rounds[i], "median": medians[i]}
+                              for i, c in enumerate(candidates)]
+            searches[phase] = {"refresh": True, "finalists": len(candidates), "dropped": dropped, "cut": None}
+        return {
+            "dtype": dtype_name(problem.dtype), "dims": dict(problem.dims), "rows": problem.rows,
+            "variant": dict(problem.variant), "config": best.to_dict(), "heuristic": heuristic.to_dict(),
+            "timing_ms": timing, "timing_method": methods,
+            "bytes": {phase: problem.bytes_moved(phase) for phase in problem.phases},
+            "search": searches, "retime": retimes, "trials": old.get("trials", {}),
+        }
+
     def tune(self, problem, budget_s: float | None = None, prior: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Tune every phase of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``).
 
@@ -441,6 +490,28 @@ def prior_configs(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> di
                 continue
             for entry in table["entries"]:
                 found.setdefault(tables.entry_sort_key(entry), entry["config"])
+        out[spec.name] = found
+    return out
+
+
+def prior_entries(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> dict[str, dict[tuple, dict]]:
+    """op → entry key → the whole entry (with its trial-log fields) of the tables for ``gpu`` under ``roots``
+    (the first root holding an entry wins): what ``Tuner.refresh`` re-times."""
+    from liger_gen.runtime import tables
+
+    out: dict[str, dict[tuple, dict]] = {}
+    for spec in specs:
+        found: dict[tuple, dict] = {}
+        for root in roots:
+            path = tables.table_path(root, gpu, spec.name)
+            try:
+                table = tables.with_trials(path, tables.load_table(path, spec.space))
+            except tables.TableError:
+                continue
+            if table["op"] != spec.name:
+                continue
+            for entry in table["entries"]:
+                found.setdefault(tables.entry_sort_key(entry), entry)
         out[spec.name] = found
     return out
 
@@ -678,6 +749,7 @@ class TuneJob:
     seed: int = 0
     device: str = "cuda"
     gpu: str | None = None
+    refresh: bool = False  # re-time each problem's existing entry (``priors`` holds whole entries) instead of tuning
 
 
 @dataclasses.dataclass
@@ -721,9 +793,13 @@ def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: 
             problem_id = claim(storage, _problem_claim(job.run_id, unit.op, problem.key()))
             if problem_id is None:  # the same problem from another row count (capped rows): tuned once
                 continue
+            prior = job.priors.get(unit.op, {}).get(problem_key(problem))
+            if job.refresh and prior is None:  # nothing to refresh at this shape
+                report({"kind": "skip", "unit": unit.index, "op": unit.op, "key": problem.key(), "worker": worker})
+                continue
             report({"kind": "problem", "unit": unit.index, "op": unit.op, "phases": len(problem.phases),
                     "worker": worker})
-            entry = tuner.tune(problem, budget_s=share, prior=job.priors.get(unit.op, {}).get(problem_key(problem)))
+            entry = tuner.refresh(problem, prior) if job.refresh else tuner.tune(problem, budget_s=share, prior=prior)
             storage.set_study_user_attr(problem_id, "unit", unit.index)
             storage.set_study_user_attr(problem_id, "pos", pos)
             storage.set_study_user_attr(problem_id, "entry", entry)
