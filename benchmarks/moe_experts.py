@@ -14,10 +14,9 @@ longer than this benchmark's budget (``LIGER_AT``: the shapes it runs at).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+
+from target_check_cost import wall_ms  # the same timing loop (this folder's scripts run as `python benchmarks/...`)
 
 SHAPES = (  # name, hidden, expert width, experts, top-k, tokens
     ("Qwen3-30B-A3B", 2048, 768, 128, 8, 8192),
@@ -27,19 +26,6 @@ SHAPES = (  # name, hidden, expert width, experts, top-k, tokens
 
 
 LIGER_AT = ("Qwen3-30B-A3B",)
-
-
-def wall_ms(step, calls=10, rounds=5):
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
 
 
 def rel(a, b):
@@ -121,7 +107,7 @@ def main() -> None:
             step()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
             module.zero_grad(set_to_none=True)
-            ms = wall_ms(step)
+            ms = wall_ms(step, calls=10)
             module.zero_grad(set_to_none=True)
             print(f"| {name} (T={tokens}, H={hidden}, I={width}, E={experts}, k={k}) | {provider} | {ms:.3f} | "
                   f"{peak:.2f} | {d_out:.1e} | {d_dx:.1e} |", flush=True)
