@@ -175,9 +175,18 @@ def test_patched_model_pickles_and_loads(device):
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert loaded.forward.module is loaded
+    assert loaded.forward.module is loaded and loaded.liger_gen_report.rope
     a, b = model(input_ids=ids, labels=ids), loaded(input_ids=ids, labels=ids)
     assert b.logits is None and rel_l2(b.loss.detach(), a.loss.detach()) < 1e-6
+    # as in a new process: the RoPE routing is process-wide and not part of the pickle; the report says so
+    from liger_gen.integrations.transformers import restore_rope
+
+    restore_rope()
+    buffer.seek(0)
+    fresh = torch.load(buffer, weights_only=False)
+    assert not fresh.liger_gen_report.rope and "apply_to" in fresh.liger_gen_report.note
+    assert liger_gen.apply_to(fresh).liger_gen_report.rope
+    restore_rope()
 
 
 def test_use_cache_in_training_runs_the_original_forward(device):

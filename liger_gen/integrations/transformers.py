@@ -582,6 +582,18 @@ def _patch_rope(model: nn.Module, modeling, family: ModelFamily) -> bool:
     return done
 
 
+def _rope_is_patched(family: ModelFamily) -> bool:
+    """Whether every rotary function of the family is routed to liger-gen in this process now."""
+    functions = _rope_functions(family)
+    if not functions:
+        return False
+    try:
+        modeling = importlib.import_module(family.modeling_module)
+    except ImportError:
+        return False
+    return all(getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in functions)
+
+
 def restore_rope() -> None:
     """Undo the process-wide RoPE patch of every family ``apply_to`` patched."""
     for (name, function_name), function in _original_rope.items():
@@ -604,6 +616,16 @@ class PatchReport:
     loss: bool = False
     left: list[str] | None = None
     note: str = ""
+
+    def __setstate__(self, state: dict) -> None:
+        # a model loaded in another process (torch.load) carries its modules but not the process-wide RoPE
+        # routing: the report says what holds here; ``apply_to`` on the loaded model routes RoPE again
+        self.__dict__.update(state)
+        family = MODEL_FAMILIES.get(self.family)
+        if self.rope and family is not None and not _rope_is_patched(family):
+            self.rope = False
+            self.note = "; ".join(filter(None, [self.note, "RoPE is not routed in this process: call "
+                                                "liger_gen.apply_to(model) on the loaded model"]))
 
     def summary(self) -> str:
         done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts"] if self.experts
@@ -721,8 +743,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
     report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
     report.experts = sum(_is_patched_experts(m) for m in model.modules())
-    report.rope = bool(_rope_functions(family)) and all(
-        getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in _rope_functions(family))
+    report.rope = _rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.left = _group(left)
     model.liger_gen_report = report
