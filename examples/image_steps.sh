@@ -14,7 +14,14 @@ MODEL="${MODEL:-llama3-8b}"
 TUNED="${TUNED:-liger_gen/tuned}"
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$WORK"
-"$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" .
+# build from a copy of the sources, so that the build leaves nothing (build/, *.egg-info) in the checkout
+rm -rf "$WORK/src" && mkdir -p "$WORK/src"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z | xargs -0 cp --parents -t "$WORK/src"
+else
+    cp -r pyproject.toml README.md LICENSE liger_gen "$WORK/src"/
+fi
+"$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src"
 "$PYTHON" -m pip install -q --no-deps --no-index --target "$WORK/site" "$WORK"/dist/liger_gen-*.whl
 rm -rf "$WORK/tuned" && cp -r "$TUNED" "$WORK/tuned" && chmod -R go-w "$WORK/tuned"
 SITE="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

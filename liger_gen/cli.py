@@ -56,7 +56,23 @@ def _packaged_gpus() -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.json"))) if root.is_dir() else []
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The command group: a missing optional dependency ends a command with the pip command that installs it,
+    not a traceback."""
+
+    def invoke(self, ctx):
+        from liger_gen.optional import missing_extra_message
+
+        try:
+            return super().invoke(ctx)
+        except ImportError as exc:
+            message = missing_extra_message(exc)
+            if message is None:
+                raise
+            raise click.ClickException(message) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__, prog_name="liger-gen")
 def main() -> None:
     """liger-gen: Triton kernels for LLM training, generated from templates and tuned per GPU."""
@@ -104,12 +120,9 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
     """Search launch settings on this GPU (or several of the same kind) and write the tuned tables."""
     import torch
 
-    from liger_gen.optional import MissingExtraError, require
+    from liger_gen.optional import require
 
-    try:
-        require("optuna", "liger-gen tune")
-    except MissingExtraError as exc:
-        raise click.ClickException(str(exc)) from None
+    require("optuna", "liger-gen tune")  # a training-only install: the group turns this into the pip command
 
     if devices is not None:
         text = devices
@@ -223,7 +236,7 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic) -> None:
     from liger_gen.codegen.spaces import dtype_from_name
     from liger_gen.models import resolve_model
     from liger_gen.runtime.devices import current_gpu
-    from liger_gen.verify import check, print_report
+    from liger_gen.verify import check, print_report, print_verdict
 
     if gpu is None:
         visible = current_gpu()
@@ -238,6 +251,7 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic) -> None:
         raise click.BadParameter(str(exc)) from None
     report = check(gpu, model, rows, dtype_list, ops)
     print_report(report, gpu, model_name)
+    print_verdict(report, allow_heuristic)
     sys.exit(report.exit_code(allow_heuristic))
 
 

@@ -17,13 +17,31 @@ class MissingExtraError(ImportError):
     """An optional dependency is not installed; the message names the pip command that installs it."""
 
 
+def install_hint(module: str) -> str:
+    """How to install the optional dependency ``module`` (its liger-gen extra when it has one)."""
+    top = module.split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return f"pip install {top}"
+    return f"pip install 'liger-gen[{extra}]' (from a source checkout: pip install -e '.[{extra}]')"
+
+
 def require(module: str, purpose: str) -> ModuleType:
     """Import ``module`` or raise ``MissingExtraError`` saying that ``purpose`` needs it and how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         top = module.split(".")[0]
-        extra = EXTRAS.get(top)
-        hint = f"pip install 'liger-gen[{extra}]'" if extra else f"pip install {top}"
         raise MissingExtraError(f"{purpose} needs {top}, which is not installed ({exc}); install it with: "
-                                f"{hint}") from exc
+                                f"{install_hint(top)}") from exc
+
+
+def missing_extra_message(exc: BaseException) -> str | None:
+    """For an ImportError of an optional dependency (``MissingExtraError``, or a ``ModuleNotFoundError`` of a
+    module in ``EXTRAS``), the message that says what to install; None for any other error."""
+    if isinstance(exc, MissingExtraError):
+        return str(exc)
+    name = getattr(exc, "name", None)
+    if isinstance(exc, ModuleNotFoundError) and name and name.split(".")[0] in EXTRAS:
+        return f"{name.split('.')[0]} is not installed; install it with: {install_hint(name)}"
+    return None

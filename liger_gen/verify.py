@@ -56,7 +56,7 @@ def _limits_for(gpu: str) -> tuple[DeviceLimits | None, str | None]:
         return DeviceLimits.from_device(), None
     where = "no GPU is visible" if visible is None else f"the visible GPU is {visible[1]!r}"
     return None, (f"{where}: configs were checked against the default device limits, not {gpu}'s own (shared "
-                  f"memory, registers); run verify on a {gpu} machine for that check")
+                  f"memory, registers); run verify on a machine with that GPU for that check")
 
 
 def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list[str] | None = None) -> Report:
@@ -151,3 +151,18 @@ def print_report(report: Report, gpu: str, model_name: str, console: Console | N
     used = sum(f.source != "heuristic" for f in report.findings)
     console.print(f"{used} of {len(report.findings)} shapes use a tuned table; "
                   f"{len(report.file_problems)} unusable table file(s) or entries")
+
+
+def print_verdict(report: Report, allow_heuristic: bool, console: Console | None = None) -> None:
+    """One line saying why the exit status is what it is."""
+    console = console or Console()
+    heuristic = sum(f.source == "heuristic" for f in report.findings)
+    if report.file_problems:
+        console.print(Text(f"exit 1: {len(report.file_problems)} unusable table file(s) or entries (above)",
+                           style="red"))
+    elif heuristic and not allow_heuristic:
+        console.print(Text(f"exit 1: {heuristic} shape(s) would run the heuristic (no tuned entry); tune them, or "
+                           f"pass --allow-heuristic to accept that", style="red"))
+    else:
+        console.print("exit 0: every table found is usable" + (
+            f"; {heuristic} shape(s) run the heuristic (--allow-heuristic)" if heuristic else ""))

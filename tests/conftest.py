@@ -6,6 +6,7 @@ The kernel cache and the user tables folder are redirected to temporary folders 
 
 import os
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -32,6 +33,12 @@ def pytest_collection_modifyitems(config, items):
 CPU_PATHS = [pytest.param("1", id="interpreter", marks=pytest.mark.skipif(
                  torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")),
              pytest.param("0", id="plain")]
+
+
+def seeded(*key) -> torch.Generator:
+    """A CPU generator seeded from ``key`` (the test's parameters): the same inputs in every run and process
+    (Python's ``hash`` of strings changes from process to process), different ones between cases."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 @pytest.fixture

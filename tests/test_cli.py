@@ -294,3 +294,14 @@ def test_verify_fails_on_an_unusable_table(tmp_path, monkeypatch):
     strict = _verify("--gpu", "h200", "--model", "llama3-8b", "--ops", "rms_norm",
                      env={**env, tables.STRICT_TABLES_ENV: "1"})
     assert strict.exit_code == 1 and "Triton 2.1.0" in strict.output
+
+
+def test_a_missing_extra_ends_any_command_with_its_pip_command(monkeypatch):
+    """Without transformers, `liger-gen bench-step` ends with one line naming the [transformers] extra, not a
+    traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--steps", "1"])
+    assert result.exit_code == 1, result.output
+    assert "liger-gen[transformers]" in result.output and "Traceback" not in result.output

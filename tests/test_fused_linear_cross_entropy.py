@@ -21,7 +21,7 @@ from liger_gen.ops.fused_linear_cross_entropy import (FusedLinearCrossEntropyCon
                                                       fused_linear_cross_entropy_torch, tuning_problems)
 from liger_gen.runtime.ops import clear_caches
 
-from conftest import CPU_PATHS
+from conftest import CPU_PATHS, seeded
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -50,7 +50,7 @@ def _case(rows, hidden, vocab, dtype, device, gen, *, bias=False, ignore_every=5
     return x, w, b, target.to(device)
 
 
-def _check_against_float64(x, w, b, target, *, grad=None, **opts):
+def _check_against_float64(x, w, b, target, *, grad=None, loss_tol=None, **opts):
     """Forward (loss and z_loss) and every gradient against the unfused float64 reference."""
     loss, z = OP(x, w, target, bias=b, return_z_loss=True, **opts)
     if grad is None:
@@ -65,8 +65,9 @@ def _check_against_float64(x, w, b, target, *, grad=None, **opts):
     loss64, z64 = fused_linear_cross_entropy_float64(x64, w64, target, bias=b64, return_z_loss=True, **opts)
     loss64.backward(grad)
     tol = REL_TOL[x.dtype]
-    assert rel_l2(loss, loss64) < flce_mod.loss_tolerance(x.dtype), "loss"
-    assert rel_l2(z, z64) < flce_mod.loss_tolerance(x.dtype), "z_loss"
+    loss_tol = loss_tol or flce_mod.loss_tolerance(x.dtype)
+    assert rel_l2(loss, loss64) < loss_tol, "loss"
+    assert rel_l2(z, z64) < loss_tol, "z_loss"
     assert rel_l2(x.grad, x64.grad) < tol, "dx"
     assert rel_l2(w.grad, w64.grad) < tol, "dW"
     if b is not None:
@@ -92,7 +93,7 @@ OPTIONS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_option_matches_float64(option, reduction, dtype, device, small_chunks):
     """37 rows in chunks of 16 (ragged last chunk); reduction "none" with a random per-row upstream gradient."""
-    gen = torch.Generator().manual_seed(hash((option, reduction, str(dtype))) % 2**31)
+    gen = seeded(option, reduction, str(dtype))
     opts = dict(OPTIONS[option])
     vocab = 50
     x, w, b, target = _case(37, 24, vocab, dtype, device, gen, bias=opts.pop("bias", False))
@@ -676,7 +677,7 @@ def test_token_scaling_matches_float64(option, reduction, dtype, interpret, monk
     """use_token_scaling (each row weighed by its detached target probability) over several chunks, with every
     option: loss, z-loss, dx, dW and db against the unfused float64 reference on both CPU paths."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = torch.Generator().manual_seed(hash(("token-scaling", option, reduction, str(dtype), interpret)) % 2**31)
+    gen = seeded("token-scaling", option, reduction, str(dtype), interpret)
     opts = dict(OPTIONS[option])
     vocab = 50
     x, w, b, target = _case(37, 24, vocab, dtype, "cpu", gen, bias=opts.pop("bias", False))
@@ -686,7 +687,10 @@ def test_token_scaling_matches_float64(option, reduction, dtype, interpret, monk
         opts["weight"] = 0.25 + torch.rand(vocab, generator=gen)
     if "ignore_index" in opts:
         target[target == -100] = opts["ignore_index"]
-    _check_against_float64(x, w, b, target, reduction=reduction, use_token_scaling=True, **opts)
+    # each row's weight p_y = exp(z_y − lse) comes from the same logits as its loss: with 16-bit logits it
+    # carries their rounding too, so the per-row values may differ by twice the loss's own tolerance
+    tol = flce_mod.loss_tolerance(dtype) * (2 if dtype != torch.float32 else 1)
+    _check_against_float64(x, w, b, target, reduction=reduction, use_token_scaling=True, loss_tol=tol, **opts)
 
 
 @pytest.mark.parametrize("interpret", CPU_PATHS)

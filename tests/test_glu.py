@@ -13,6 +13,8 @@ from liger_gen.ops.glu import (GeGLUProblem, GeGLUSpace, GLUConfig, GLUProblem, 
                                geglu, geglu_gate_up, glu_float64, glu_torch, swiglu, swiglu_gate_up)
 from liger_gen.runtime import tables
 
+from conftest import seeded
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (template activation, approximate for geglu or None for swiglu)
 ACTIVATIONS = [("silu", None), ("gelu", "none"), ("gelu_tanh", "tanh")]
@@ -57,7 +59,7 @@ def _assert_matches_float64(activation, approximate, gate, up, tol=None):
 @pytest.mark.parametrize("shape", [(1, 123), (7, 64), (2, 3, 96), (33, 3), (4, 1100)])
 @pytest.mark.parametrize("activation,approximate", ACTIVATIONS, ids=ACT_IDS)
 def test_kernel_matches_float64(activation, approximate, shape, dtype, device):
-    gen = torch.Generator().manual_seed(hash((shape, str(dtype), activation)) % 2**31)
+    gen = seeded(shape, str(dtype), activation)
     gate = _leaf(_randn(shape, dtype, device, gen, scale=2.0))
     up = _leaf(_randn(shape, dtype, device, gen))
     _assert_matches_float64(activation, approximate, gate, up)
@@ -67,7 +69,7 @@ def test_kernel_matches_float64(activation, approximate, shape, dtype, device):
 @pytest.mark.parametrize("shape", [(1, 246), (3, 5, 80), (9, 2)])
 @pytest.mark.parametrize("activation,approximate", ACTIVATIONS, ids=ACT_IDS)
 def test_gate_up_matches_float64(activation, approximate, shape, dtype, device):
-    gen = torch.Generator().manual_seed(hash((shape, str(dtype), activation, "packed")) % 2**31)
+    gen = seeded(shape, str(dtype), activation, "packed")
     gate_up = _leaf(_randn(shape, dtype, device, gen, scale=2.0))
     y = _glu_packed(activation, approximate, gate_up)
     assert y.shape == (*shape[:-1], shape[-1] // 2) and y.dtype == dtype

@@ -14,6 +14,8 @@ from liger_gen.models import PRESETS
 from liger_gen.ops.rope import (RoPEConfig, RoPEProblem, RoPESpace, rope, rope_float64, rope_torch,
                                 tuning_problems)
 
+from conftest import seeded
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 # tests that run the kernels in the interpreter on CPU tensors: it must be on before the kernels are defined
@@ -77,7 +79,7 @@ def _assert_matches_float64(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, 
     (1, 5, 5, 4, 16, 8, 1),        # five heads: the head loop's tail
 ])
 def test_kernel_matches_float64(batch, n_q, n_kv, seq, head_dim, rotary_dim, cos_batch, dtype, tables, device):
-    gen = torch.Generator().manual_seed(hash((batch, n_q, n_kv, seq, head_dim, rotary_dim, str(dtype))) % 2**31)
+    gen = seeded(batch, n_q, n_kv, seq, head_dim, rotary_dim, str(dtype))
     q, k = _qk(batch, n_q, n_kv, seq, head_dim, dtype, device, gen)
     cos, sin = _cos_sin(cos_batch, seq, rotary_dim, dtype, device, gen, tables=tables)
     _assert_matches_float64(q, k, cos, sin)

@@ -539,7 +539,15 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
 
 def main() -> None:
     """Console entry point: run with ``sys.argv`` and exit non-zero if any loss is not finite."""
-    results = run()
+    from liger_gen.optional import missing_extra_message
+
+    try:
+        results = run()
+    except ImportError as exc:
+        message = missing_extra_message(exc)
+        if message is None:
+            raise
+        raise SystemExit(f"train_llama: {message}") from None
     finite = all(math.isfinite(x) for r in results["runs"].values() for x in r["losses"])
     sys.exit(0 if finite else 1)
 
