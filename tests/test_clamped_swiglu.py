@@ -184,3 +184,19 @@ def test_reference_is_the_formula():
     g, u = torch.minimum(gate, torch.tensor(7.0, dtype=torch.float64)), up.clamp(-7.0, 7.0)
     want = (u + 1) * g / (1 + torch.exp(-1.702 * g))
     torch.testing.assert_close(clamped_swiglu_torch(gate, up), want, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_nan_and_inf_propagate_as_in_torch(interpret, monkeypatch):
+    """A NaN gate or up gives NaN (the clamps must not turn it into ±limit); ±inf are clamped like any value."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    nan, inf = float("nan"), float("inf")
+    gate_up = torch.tensor([[nan, 1.0, 1.0, nan, inf, 2.0, -inf, 3.0, 2.0, inf, 2.0, -inf]], requires_grad=True)
+    y = clamped_swiglu_gate_up(gate_up)
+    ref = clamped_swiglu_torch(gate_up.detach()[..., ::2], gate_up.detach()[..., 1::2])
+    torch.testing.assert_close(y, ref, equal_nan=True)
+    assert torch.isnan(y[0, :2]).all()  # (a -inf gate gives -inf · σ(-inf) = NaN in torch too)
+    (d,) = torch.autograd.grad(y.sum(), gate_up)
+    g = gate_up.detach().clone().requires_grad_()
+    (ref_d,) = torch.autograd.grad(clamped_swiglu_torch(g[..., ::2], g[..., 1::2]).sum(), g)
+    torch.testing.assert_close(d, ref_d, equal_nan=True)
