@@ -128,6 +128,9 @@ def test_bad_input_names_argument():
         clamped_swiglu_gate_up(x, alpha=0.0)
     with pytest.raises(ValueError, match="limit must be a finite number > 0, got inf"):
         clamped_swiglu_gate_up(x, limit=float("inf"))
+    with pytest.raises(ValueError, match="within float32's range"):
+        clamped_swiglu_gate_up(x, limit=1e300)
+    assert clamped_swiglu(x.t(), x.t()).is_contiguous()
     with pytest.raises(TypeError, match="limit must be a real number"):
         clamped_swiglu_gate_up(x, limit="7")
     with pytest.raises(TypeError, match="alpha must be a real number"):

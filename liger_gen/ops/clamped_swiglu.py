@@ -27,6 +27,7 @@ from liger_gen.ops.glu import GLUConfig, GLUProblem, GLUSpace, as_rows, check_ga
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import kernel_module, uses_triton
 
+_FP32_MAX = 3.4028234663852886e38
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
 
@@ -254,8 +255,9 @@ def _check_float(op: str, name: str, value, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0.0):
-        raise ValueError(f"{op}: {name} must be a finite number{' > 0' if positive else ''}, got {value}")
+    if not math.isfinite(value) or (positive and value <= 0.0) or abs(value) > _FP32_MAX:
+        raise ValueError(f"{op}: {name} must be a finite number{' > 0' if positive else ''} within float32's "
+                         f"range (the kernels compute in fp32), got {value}")
     return value
 
 
@@ -295,13 +297,13 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = GPT_OSS_
         TypeError: gate or up not a floating tensor, their dtypes differ, float64 on the kernel path, alpha or
             limit not a real number.
         ValueError: gate is 0-dim, the shapes differ, the tensors are on different devices, alpha or limit not
-            finite and > 0.
+            finite, > 0 and within float32's range.
     """
     op = "clamped_swiglu"
     kernel = check_glu_inputs(op, gate, up)
     alpha, limit = _check_float(op, "alpha", alpha, True), _check_float(op, "limit", limit, True)
     if not kernel:
-        return clamped_swiglu_torch(gate, up, alpha, limit)
+        return clamped_swiglu_torch(gate, up, alpha, limit).contiguous()
     g, u = _shared_column_stride(gate, up)
     return clamped_swiglu_2d(g, u, alpha, limit).view(gate.shape)
 
@@ -328,6 +330,6 @@ def clamped_swiglu_gate_up(gate_up: torch.Tensor, alpha: float = GPT_OSS_ALPHA,
     kernel = check_gate_up_input(op, gate_up)
     alpha, limit = _check_float(op, "alpha", alpha, True), _check_float(op, "limit", limit, True)
     if not kernel:
-        return clamped_swiglu_gate_up_torch(gate_up, alpha, limit)
+        return clamped_swiglu_gate_up_torch(gate_up, alpha, limit).contiguous()
     width = gate_up.shape[-1]
     return clamped_swiglu_gate_up_2d(as_rows(gate_up, width), alpha, limit).view(*gate_up.shape[:-1], width // 2)
