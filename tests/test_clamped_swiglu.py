@@ -126,7 +126,7 @@ def test_bad_input_names_argument():
         clamped_swiglu_gate_up(torch.randn(4, 5))
     with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
         clamped_swiglu_gate_up(x, alpha=0.0)
-    with pytest.raises(ValueError, match="limit must be a finite number > 0, got inf"):
+    with pytest.raises(ValueError, match="limit must be a finite number > 0 .*got inf"):
         clamped_swiglu_gate_up(x, limit=float("inf"))
     with pytest.raises(ValueError, match="within float32's range"):
         clamped_swiglu_gate_up(x, limit=1e300)
