@@ -246,9 +246,14 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic) -> None:
         gpu = visible[0]
     try:
         model = resolve_model(model_name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    try:
         dtype_list = [dtype_from_name(d.strip()) for d in dtypes.split(",") if d.strip()]
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint="--dtype") from None
+    if not dtype_list:
+        raise click.BadParameter("name at least one dtype (bfloat16, float16, float32)", param_hint="--dtype")
     report = check(gpu, model, rows, dtype_list, ops)
     print_report(report, gpu, model_name)
     print_verdict(report, allow_heuristic)

@@ -108,21 +108,25 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def from_hf_config(path: str | Path) -> ModelShape:
-    """Read a Hugging Face ``config.json``; ValueError names the missing or ill-typed field."""
+    """Read a Hugging Face ``config.json``; ValueError names the missing or ill-typed field. For a
+    mixture-of-experts config (a ``moe_intermediate_size`` field), ``intermediate_size`` is that width: the one
+    its experts' GLU runs at."""
     path = Path(path)
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read model config {path}: {exc}") from exc
     cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
-    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+    width_field = "moe_intermediate_size" if isinstance(cfg.get("moe_intermediate_size"), int) \
+        else "intermediate_size"
+    for field in ("hidden_size", width_field, "num_attention_heads", "vocab_size"):
         if not isinstance(cfg.get(field), int):
             raise ValueError(f"model config {path}: field {field!r} missing or not an integer")
     heads = cfg["num_attention_heads"]
     return ModelShape(
         name=path.stem if path.stem != "config" else path.parent.name or "config",
         hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=cfg[width_field],
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,

@@ -4,7 +4,8 @@ For every op, activation dtype, feature dims of the model and token count the tu
 sources as the runtime (``$LIGER_GEN_TUNED_DIR``, the user tables folder, the packaged tables) and reports the
 table entry that would be used, or that the heuristic would run and why. Every table file in those sources for
 the GPU is checked as the runtime checks it (format, op, GPU, template hashes, Triton version under
-``LIGER_GEN_STRICT_TABLES``), and every entry's config against the op's constraints: the visible GPU's limits
+``LIGER_GEN_STRICT_TABLES``), and the config of every entry the model's shapes would use against the op's
+constraints: the visible GPU's limits
 when it is the named one, otherwise the defaults, which is said. The exit status is 1 when a table file is
 unusable, or when a shape the model needs would run the heuristic (unless ``allow_heuristic``), so an image
 build can fail early.
@@ -12,6 +13,7 @@ build can fail early.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +72,19 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
     report.unchecked.append("compiled kernels: Triton compiles each kernel at its first use in a process "
                             "(its own cache keeps them); no compiled-kernel files are shipped with the tables")
     specs = {spec.name: spec for spec in all_specs()}
-    roots = tables.table_roots()
+    env = os.environ.get(tables.ENV_TUNED_DIR)
+    if env and not Path(env).is_dir():
+        report.notices.append(f"${tables.ENV_TUNED_DIR}={env} is not a folder: the runtime finds no tables there")
+    user = tables.user_tables_root()
+    if user.exists() and all(Path(root) != user for _, root in tables.table_roots()):
+        report.file_problems.append(f"the user tables folder {user} is not used: it must belong to you and not be "
+                                    f"writable by group or others")
+    roots, seen_roots = [], set()
+    for source, root in tables.table_roots():  # the same folder twice (a symlink) is read once
+        resolved = Path(root).resolve()
+        if resolved not in seen_roots:
+            seen_roots.add(resolved)
+            roots.append((source, root))
     report.roots = [(source, str(root)) for source, root in roots]
     loaded: dict[tuple[str, str], dict | None] = {}
     for source, root in roots:  # every table file of this GPU, whether or not the model needs its op

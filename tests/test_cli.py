@@ -305,3 +305,27 @@ def test_a_missing_extra_ends_any_command_with_its_pip_command(monkeypatch):
     result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--steps", "1"])
     assert result.exit_code == 1, result.output
     assert "liger-gen[transformers]" in result.output and "Traceback" not in result.output
+
+
+def test_moe_config_json_gives_the_experts_width(tmp_path):
+    """A mixture-of-experts config.json: the GLU width to tune and verify is its experts' (moe_intermediate_size)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                                "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                                "vocab_size": 151936}))
+    assert resolve_model(str(path)).intermediate_size == 768
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                 "vocab_size": 256}))
+    assert resolve_model(str(dense)).intermediate_size == 128
+
+
+def test_verify_reports_an_unusable_user_tables_folder(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    root = tmp_path / "data" / "liger-gen" / "tuned"
+    root.mkdir(parents=True)
+    os.chmod(root, 0o777)
+    result = _verify("--gpu", "h200", "--model", "llama3-8b", env={"XDG_DATA_HOME": str(tmp_path / "data")})
+    assert result.exit_code == 1 and "user tables folder" in result.output and "not used" in result.output

@@ -969,3 +969,19 @@ def test_token_scaling_under_torch_compile(interpret, monkeypatch):
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(x1.grad, x2.grad)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+@pytest.mark.parametrize("opts", [{"use_token_scaling": True}, {"lse_square_scale": 0.1},
+                                  {"use_token_scaling": True, "lse_square_scale": 0.1, "weighted": True}],
+                         ids=["token_scaling", "z_loss", "both_weighted"])
+def test_every_row_ignored_gives_a_nan_mean_and_a_zero_gradient(opts, interpret, monkeypatch):
+    """A batch of only ignored rows (e.g. prompt tokens): the mean is NaN, as torch's, and the gradient is zero
+    on both CPU paths, as torch's cross-entropy gives it (not NaN, which would poison the weights)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("all-ignored", opts, interpret)
+    x = torch.randn(5, 12, generator=gen, requires_grad=True)
+    t = torch.full((5,), -100)
+    loss = cross_entropy(x, t, **_options(opts, 12, "cpu", gen))
+    (grad,) = torch.autograd.grad(loss, x)
+    assert torch.isnan(loss) and torch.equal(grad, torch.zeros_like(grad))

@@ -389,3 +389,10 @@ def test_user_tables_folder_is_read_when_private_and_tune_writes_there_when_inst
     checkout.mkdir(parents=True)
     monkeypatch.setattr(tables, "packaged_root", lambda: checkout)
     assert tables.default_tune_root() == checkout
+
+
+@pytest.mark.parametrize("value,strict", [("1", True), ("true", True), ("on", True), ("YES", True), ("0", False),
+                                          ("off", False), ("none", False), ("", False), ("disabled", False)])
+def test_strict_tables_values(value, strict, monkeypatch):
+    monkeypatch.setenv(tables.STRICT_TABLES_ENV, value)
+    assert tables.strict_tables() is strict

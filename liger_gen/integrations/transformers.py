@@ -295,6 +295,8 @@ class FusedExpertsForward:
         from liger_gen.ops.moe import moe_experts
 
         m = self.module
+        if getattr(m, "_is_expert_parallel", False):  # sentinel ids of remote experts: transformers' own forward
+            return type(m).forward(m, hidden_states, top_k_index, top_k_weights)
         return moe_experts(hidden_states, m.gate_up_proj, m.down_proj, top_k_index, top_k_weights, self.activation)
 
 

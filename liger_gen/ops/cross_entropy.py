@@ -223,7 +223,12 @@ def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, weight: torc
         lse = torch.logsumexp(x if softcap is None else softcap * torch.tanh(x / softcap), dim=-1)
         zl_rows = lse_square_scale * lse.square() * (t != ignore_index)
         p = target_probability(x, t, lse, softcap, ignore_index)
-        scale = cross_entropy_mean_scale(t, x.shape[-1], weight, ignore_index) if reduction == "mean" else None
+        scale = None
+        if reduction == "mean":  # the denominators in x's dtype (float64 stays float64)
+            valid = t != ignore_index
+            w_y = (weight.to(x.dtype)[torch.where(valid, t.long(), 0)] * valid) if weight is not None \
+                else valid.to(x.dtype)
+            scale = torch.stack([1.0 / w_y.sum(), 1.0 / valid.sum().to(x.dtype)])
         loss, zl = token_scaled_reduce(ce_rows, zl_rows, p, reduction, scale)
         if reduction == "none":
             loss, zl = loss.view(target.shape), zl.view(target.shape)
@@ -244,7 +249,10 @@ def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, weight: torc
         return loss
     valid = t != ignore_index
     zl = lse_square_scale * torch.logsumexp(x, dim=-1).square() * valid
-    zl = zl.sum() / valid.sum() if reduction == "mean" else zl.sum() if reduction == "sum" else zl.view(target.shape)
+    if reduction == "mean":
+        zl = finite_mean(zl.sum(), 1.0 / valid.sum().to(zl.dtype))
+    else:
+        zl = zl.sum() if reduction == "sum" else zl.view(target.shape)
     if lse_square_scale != 0.0:
         loss = loss + zl
     return (loss, zl.detach()) if return_z_loss else loss
@@ -265,6 +273,15 @@ def target_probability(logits: torch.Tensor, target: torch.Tensor, lse: torch.Te
         return torch.where(valid, torch.exp(z_y - lse.to(z_y.dtype)), torch.zeros_like(z_y))
 
 
+def finite_mean(total: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``total · factor`` for a mean's 1/count ``factor``, whose gradient stays finite when nothing is counted:
+    factor inf (no non-ignored row) gives a NaN value, as torch's mean over nothing, with a zero gradient, as
+    torch's cross-entropy gives (0·inf would make it NaN); a NaN factor (out-of-range targets) stays NaN."""
+    finite = torch.isfinite(factor)
+    safe = torch.where(finite, factor, torch.zeros_like(factor))
+    return total * safe + torch.where(finite, torch.zeros_like(factor), torch.full_like(factor, float("nan")))
+
+
 def token_scaled_reduce(ce_rows: torch.Tensor, zl_rows: torch.Tensor, p: torch.Tensor, reduction: str,
                         scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, z_loss)`` of per-row cross-entropy and z-loss terms weighted by p (token scaling): p·(ce + zl)
@@ -276,8 +293,8 @@ def token_scaled_reduce(ce_rows: torch.Tensor, zl_rows: torch.Tensor, p: torch.T
     if reduction == "sum":
         return ce_rows.sum() + zl_rows.sum(), zl_rows.sum()
     s = scale.to(ce_rows.dtype)
-    total_z = zl_rows.sum() * s[1]
-    return ce_rows.sum() * s[0] + total_z, total_z
+    total_z = finite_mean(zl_rows.sum(), s[1])
+    return finite_mean(ce_rows.sum(), s[0]) + total_z, total_z
 
 
 # ------------------------------------------------------------------------------------------------ search space

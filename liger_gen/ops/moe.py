@@ -126,9 +126,18 @@ class MoEPermuteSpace(Space):
 
 
 def moe_routing(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, pos, offsets) of the (T, k) expert choices, without a host sync: ``token`` (T·k,) int64 the token
+    """(token, pos, offsets) of the (T, k) expert choices (int64/int32 in [0, num_experts): ValueError otherwise,
+    checked on the CPU at once and on CUDA by a device-side assertion), without a host sync: ``token`` (T·k,) int64 the token
     of each sorted row (rows sorted by expert, stable), ``pos`` (T, k) int64 the sorted row of each choice, and
     ``offsets`` (E,) int32 the end row of each expert's group (``torch._grouped_mm``'s ``offs``)."""
+    op = "moe_routing"
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2:
+        raise ValueError(f"{op}: top_k_index must be a 2-D (tokens, k) tensor; got "
+                         + (describe("top_k_index", top_k_index) if isinstance(top_k_index, torch.Tensor)
+                            else type(top_k_index).__name__))
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{op}: num_experts must be an int >= 1, got {num_experts!r}")
+    _check_index(op, "top_k_index", top_k_index, None, num_experts)
     tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1).long()
     expert, order = torch.sort(flat, stable=True)
@@ -386,7 +395,10 @@ def moe_permute(x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor) -> torc
     """
     op = "moe_permute"
     _check_rows(op, "x", x)
-    _check_index(op, "pos", pos, None, max(1, token.shape[0]) if isinstance(token, torch.Tensor) else 1)
+    if not isinstance(token, torch.Tensor) or token.dtype not in INDEX_DTYPES or token.dim() != 1:
+        raise TypeError(f"{op}: token must be a 1-D int64 or int32 tensor; got "
+                        + (describe("token", token) if isinstance(token, torch.Tensor) else type(token).__name__))
+    _check_index(op, "pos", pos, None, max(1, token.shape[0]))
     if pos.dim() != 2 or pos.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: pos must be (T, k) with T = x's rows {x.shape[0]}; got {describe('pos', pos)}")
     _check_index(op, "token", token, (pos.numel(),), x.shape[0])
@@ -435,6 +447,15 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
     aligned = a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0
     if a.is_cuda and a.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(a, b, offs=offsets)
+    if torch.compiler.is_compiling():
+        # a traced graph cannot read the offsets on the host: every expert's GEMM over all rows, each row kept
+        # from its own expert (E times the FLOPs; only where the grouped GEMM cannot take the operands)
+        expert = torch.searchsorted(offsets, torch.arange(a.shape[0], device=a.device, dtype=offsets.dtype),
+                                    right=True)
+        out = a.new_zeros((a.shape[0], b.shape[2]))
+        for e in range(b.shape[0]):
+            out = torch.where((expert == e)[:, None], a @ b[e], out)
+        return out
     bounds = [0] + offsets.tolist()
     parts = [a[start:end] @ b[e] for e, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))]
     return torch.cat(parts) if parts else a.new_empty((0, b.shape[2]))
@@ -470,6 +491,9 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
 
     op = "moe_experts"
     _check_rows(op, "x", x)
+    if uses_triton(x) and x.dtype == torch.float64:
+        raise TypeError(f"{op}: the kernel path supports float32, bfloat16 and float16; got {describe('x', x)} "
+                        f"(float64 runs only on the plain-PyTorch CPU path)")
     for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise TypeError(f"{op}: {name} must be a 3-D tensor (experts, out, in); got "

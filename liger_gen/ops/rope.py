@@ -493,6 +493,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if not isinstance(half_tables, bool):
         raise TypeError(f"{op}: half_tables must be a bool, got {type(half_tables).__name__}")
     if half_tables and cos.dim() and sin.dim():
+        if cos.shape != sin.shape:
+            raise ValueError(f"{op}: cos and sin must have the same shape; got {describe('cos', cos)} and "
+                             f"{describe('sin', sin)}")
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     if position_ids is not None:
         check_tensor(op, "position_ids", position_ids)

@@ -255,8 +255,9 @@ STRICT_TABLES_ENV = "LIGER_GEN_STRICT_TABLES"
 
 
 def strict_tables() -> bool:
-    """Whether ``$LIGER_GEN_STRICT_TABLES`` asks to refuse tables tuned under another Triton version."""
-    return os.environ.get(STRICT_TABLES_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    """Whether ``$LIGER_GEN_STRICT_TABLES`` (1, true, yes or on) asks to refuse tables tuned under another Triton
+    version."""
+    return os.environ.get(STRICT_TABLES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def triton_mismatch(table: dict[str, Any]) -> str | None:
