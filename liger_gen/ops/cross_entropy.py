@@ -683,12 +683,9 @@ def _fwd_impl(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
         if grad_in_fwd:
             dlogits.copy_(z)
         del z
-        x_y = logits.reshape(rows, n_cols).gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1).float()
-        z_y = x_y if softcap is None else softcap * torch.tanh(x_y / softcap)
-        p_y = torch.exp(z_y - lse)
+        p_y = target_probability(logits.reshape(rows, n_cols), t, lse, softcap, ignore_index)  # 0 where ignored
         if token_scaling:
-            p = torch.where(valid, p_y, torch.zeros_like(p_y))
-            ce, zl = ce * p, zl * p
+            ce, zl = ce * p_y, zl * p_y
         out["loss_rows"].copy_(ce + zl)
         out["zl_rows"].copy_(zl)
         out["lse"].copy_(lse)
