@@ -138,6 +138,11 @@ def moe_routing(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"{op}: num_experts must be an int >= 1, got {num_experts!r}")
     _check_index(op, "top_k_index", top_k_index, None, num_experts)
+    return _routing(top_k_index, num_experts)
+
+
+def _routing(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_routing`` without its checks (for callers that validated ``top_k_index`` once)."""
     tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1).long()
     expert, order = torch.sort(flat, stable=True)
@@ -403,6 +408,11 @@ def moe_permute(x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor) -> torc
         raise ValueError(f"{op}: pos must be (T, k) with T = x's rows {x.shape[0]}; got {describe('pos', pos)}")
     _check_index(op, "token", token, (pos.numel(),), x.shape[0])
     check_same_device(op, x=x, token=token, pos=pos)
+    return _permute(x, token, pos)
+
+
+def _permute(x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``moe_permute`` without its checks."""
     if not uses_triton(x):
         return moe_permute_torch(x, token)
     return _permute_2d(_unit_columns(x), token.contiguous(), pos.contiguous())
@@ -435,6 +445,11 @@ def moe_unpermute(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | N
                              + (describe("weights", weights) if isinstance(weights, torch.Tensor)
                                 else type(weights).__name__))
     check_same_device(op, ys=ys, pos=pos, weights=weights)
+    return _unpermute(ys, pos, weights)
+
+
+def _unpermute(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``moe_unpermute`` without its checks."""
     if not uses_triton(ys):
         return moe_unpermute_torch(ys, pos, weights)
     return _unpermute_2d(_unit_columns(ys), pos.contiguous(), None if weights is None else weights.contiguous())
@@ -520,9 +535,10 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
                                                                  else type(top_k_weights).__name__))
     check_same_device(op, x=x, gate_up_proj=gate_up_proj, down_proj=down_proj, top_k_index=top_k_index,
                       top_k_weights=top_k_weights)
-    token, pos, offsets = moe_routing(top_k_index, experts)
-    xs = moe_permute(x, token, pos)
+    # top_k_index was validated above; token and pos come from it, so the permutations need no further checks
+    token, pos, offsets = _routing(top_k_index, experts)
+    xs = _permute(x, token, pos)
     gate_up = _grouped_mm(xs, gate_up_proj.transpose(1, 2), offsets)
     h = glu_gate_up_product(gate_up, activation)
     ys = _grouped_mm(h, down_proj.transpose(1, 2), offsets)
-    return moe_unpermute(ys, pos, top_k_weights.to(ys.dtype) if top_k_weights.dtype != ys.dtype else top_k_weights)
+    return _unpermute(ys, pos, top_k_weights.to(ys.dtype) if top_k_weights.dtype != ys.dtype else top_k_weights)
