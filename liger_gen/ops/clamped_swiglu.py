@@ -17,7 +17,6 @@ rounds after each op). The plain CPU path is transformers' expression itself.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -25,7 +24,7 @@ from liger_gen.codegen.problems import Inputs, Problem, chunk_rows, float64_grad
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.glu import GLUConfig, GLUProblem, GLUSpace, as_rows, check_gate_up_input, check_glu_inputs
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import kernel_module, uses_triton
+from liger_gen.runtime.ops import check_float_arg, kernel_module, uses_triton
 
 _FP32_MAX = 3.4028234663852886e38
 GPT_OSS_ALPHA = 1.702
@@ -252,9 +251,7 @@ clamped_swiglu_gate_up_2d = Differentiable(clamped_swiglu_gate_up_fwd, _save, _g
 
 
 def _check_float(op: str, name: str, value, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    value = check_float_arg(op, name, value)
     if not math.isfinite(value) or (positive and value <= 0.0) or abs(value) > _FP32_MAX:
         raise ValueError(f"{op}: {name} must be a finite number{' > 0' if positive else ''} within float32's "
                          f"range (the kernels compute in fp32), got {value}")
