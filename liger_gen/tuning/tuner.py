@@ -472,48 +472,36 @@ def problem_key(problem) -> tuple:
                            "variant": dict(problem.variant)})
 
 
-def prior_configs(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> dict[str, dict[tuple, dict]]:
-    """op → entry key → config of the tables for ``gpu`` found under ``roots`` (the first root holding an entry
-    wins), whatever template or Triton version they were tuned with: a re-tune starts from what won before, and
-    every prior is re-validated and re-measured like any other trial. Unreadable tables are skipped."""
+def prior_entries(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str, *,
+                  trials: bool = True) -> dict[str, dict[tuple, dict]]:
+    """op → entry key → the whole entry of the tables for ``gpu`` found under ``roots`` (the first root holding
+    an entry wins), whatever template or Triton version they were tuned with; with ``trials``, with their
+    trial-log fields (what ``Tuner.refresh`` re-times). Unreadable tables are skipped."""
     from liger_gen.runtime import tables
 
-    out: dict[str, dict[tuple, dict]] = {}
-    for spec in specs:
-        found: dict[tuple, dict] = {}
-        for root in roots:
-            try:
-                table = tables.load_table(tables.table_path(root, gpu, spec.name), spec.space)
-            except tables.TableError:
-                continue
-            if table["op"] != spec.name:
-                continue
-            for entry in table["entries"]:
-                found.setdefault(tables.entry_sort_key(entry), entry["config"])
-        out[spec.name] = found
-    return out
-
-
-def prior_entries(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> dict[str, dict[tuple, dict]]:
-    """op → entry key → the whole entry (with its trial-log fields) of the tables for ``gpu`` under ``roots``
-    (the first root holding an entry wins): what ``Tuner.refresh`` re-times."""
-    from liger_gen.runtime import tables
-
+    roots = list(roots)
     out: dict[str, dict[tuple, dict]] = {}
     for spec in specs:
         found: dict[tuple, dict] = {}
         for root in roots:
             path = tables.table_path(root, gpu, spec.name)
             try:
-                table = tables.with_trials(path, tables.load_table(path, spec.space))
+                table = tables.load_table(path, spec.space)
             except tables.TableError:
                 continue
             if table["op"] != spec.name:
                 continue
-            for entry in table["entries"]:
+            for entry in (tables.with_trials(path, table) if trials else table)["entries"]:
                 found.setdefault(tables.entry_sort_key(entry), entry)
         out[spec.name] = found
     return out
+
+
+def prior_configs(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> dict[str, dict[tuple, dict]]:
+    """op → entry key → config of ``prior_entries`` (no trial logs read): a re-tune starts from what won before,
+    and every prior is re-validated and re-measured like any other trial."""
+    return {op: {key: entry["config"] for key, entry in found.items()}
+            for op, found in prior_entries(specs, roots, gpu, trials=False).items()}
 
 
 def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
