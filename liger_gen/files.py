@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -33,3 +34,15 @@ def write_atomic(path: str | os.PathLike, text: str, *, mode: int | None = 0o644
             os.unlink(tmp)
         raise
     return path
+
+
+def not_private(st: os.stat_result) -> str | None:
+    """Why a file or folder with this ``os.stat`` result is not private to the current user (owned by another
+    uid, or writable by group or others), or None when it is (or the platform has no uids)."""
+    if not hasattr(os, "getuid"):
+        return None
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {oct(st.st_mode)})"
+    return None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import linecache
 import os
-import stat
 import sys
 import threading
 import warnings
@@ -26,7 +25,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from liger_gen.codegen.render import render, source_hash
-from liger_gen.files import write_atomic
+from liger_gen.files import not_private, write_atomic
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -59,13 +58,9 @@ def cache_dir() -> Path:
 
 def _check_owner(path: Path) -> None:
     """Refuse a cache directory that another user owns or that others may write: its files get imported."""
-    if not hasattr(os, "getuid"):
-        return
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"kernel cache {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PermissionError(f"kernel cache {path} is writable by group or others (mode {oct(st.st_mode)})")
+    reason = not_private(path.stat())
+    if reason:
+        raise PermissionError(f"kernel cache {path} is {reason}")
 
 
 def materialize(op: str, params: Mapping[str, Any]) -> tuple[Path, str]:

@@ -50,7 +50,7 @@ import triton
 
 from liger_gen.codegen.render import template_hash
 from liger_gen.codegen.spaces import DeviceLimits, Space, dtype_name, log_distance, template_names
-from liger_gen.files import write_atomic
+from liger_gen.files import not_private, write_atomic
 from liger_gen.runtime.devices import GPU_SLUG
 
 FORMAT_VERSION = 3
@@ -146,9 +146,10 @@ def _private_dir(path: Path) -> bool:
         return False
     if not stat.S_ISDIR(st.st_mode):
         return False
-    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
-        _warn_once(f"liger-gen: ignoring the tables folder {path}: it must belong to you and not be writable by "
-                   f"group or others (mode {oct(st.st_mode & 0o777)}, owner uid {st.st_uid})")
+    reason = not_private(st)
+    if reason:
+        _warn_once(f"liger-gen: ignoring the tables folder {path}: it is {reason}; it must belong to you and not "
+                   f"be writable by group or others")
         return False
     return True
 
