@@ -115,8 +115,10 @@ def main() -> None:
               help="No search: re-time each existing entry's finalists (its best few and the heuristic) under "
                    "the running Triton and rewrite the table (after a Triton upgrade). Shapes without an entry "
                    "are skipped.")
+@click.option("--build/--no-build", "build_kernels", default=True, show_default=True,
+              help="After tuning, compile the tuned variants into the compiled kernel cache (`liger-gen build`).")
 def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
-         devices, refresh) -> None:
+         devices, refresh, build_kernels) -> None:
     """Search launch settings on this GPU (or several of the same kind) and write the tuned tables."""
     import torch
 
@@ -192,6 +194,97 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                    f"<DIR>/{gpu}/ and set LIGER_GEN_TUNED_DIR=<DIR>; check with `liger-gen show --gpu {gpu}`.")
     if result.unfinished or result.errors:
         raise click.ClickException(f"{len(result.unfinished)} unit(s) not tuned; see the messages above.")
+    if build_kernels:
+        _build_after_tune(gpu, model_name, ops, rows, dtypes, out_root)
+
+
+def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int], dtypes: str, out_root) -> None:
+    """``liger-gen build`` for the tuned ops and rows, in a fresh process (it must compile into an empty Triton
+    cache, and this process has compiled the tuning variants)."""
+    import subprocess
+
+    for dtype in [d.strip() for d in dtypes.split(",") if d.strip()][:1]:
+        cmd = [sys.executable, "-m", "liger_gen.cli", "build", "--gpu", gpu, "--model", model_name,
+               "--ops", ",".join(o for o in ops if o != "moe_permute"), "--rows", ",".join(map(str, rows)),
+               "--dtype", dtype, "--out", str(out_root)]
+        click.echo("compiling the tuned variants: " + " ".join(cmd[2:]))
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise click.ClickException("the tables were written, but compiling their kernels failed (above); "
+                                       "rerun `liger-gen build` for them")
+
+
+@main.command()
+@click.option("--gpu", required=True, callback=_gpu_name,
+              help="GPU short name (h200, ...); must be the visible GPU: kernels are compiled for it.")
+@click.option("--model", "model_name", default="llama3.2-1b", show_default=True,
+              help="A whole model to run (llama3.2-1b, qwen2.5-0.5b, tiny, ... or a Hugging Face config.json), or "
+                   "with --rows a model preset whose ops run one by one (llama3-8b, ...).")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1),
+              help="Sequences per step of the whole-model run (the training batch shape).")
+@click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(1),
+              help="Tokens per sequence of the whole-model run.")
+@click.option("--rows", default=None, callback=lambda c, p, v: None if v is None else _csv_ints(c, p, v),
+              help="Run each op of --ops at these token counts instead of a whole model (for model presets and "
+                   "for the shapes a tune run tuned).")
+@click.option("--ops", default="rms_norm,rope,swiglu,fused_linear_cross_entropy", show_default=True,
+              callback=_csv_ops, help="The ops of a --rows run.")
+@click.option("--dtype", "dtype_name", default="bfloat16", show_default=True,
+              help="Activation and parameter dtype: bfloat16, float16 or float32.")
+@click.option("--layers", default=None, type=click.IntRange(1),
+              help="Decoder layers of the whole-model run (default: up to the first of each distinct layer type; "
+                   "layers of one type run the same kernels).")
+@click.option("--heuristic/--no-heuristic", default=True, show_default=True,
+              help="Also compile the heuristic configs (used where a table is refused at run time).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Tables root to write OUT/<gpu>/compiled/triton-<version>-<arch>/ under. Default: where "
+                   "`liger-gen tune` writes.")
+@click.option("--replace", is_flag=True,
+              help="Start the store afresh (default: add to it, so several models share one store).")
+def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, heuristic, out_dir, replace) -> None:
+    """Compile the kernels a model runs on this GPU into a compiled kernel cache beside the tables.
+
+    At run time a kernel found there is loaded without invoking the Triton compiler; ship the folder with the
+    tables (in the package's tuned/ or under $LIGER_GEN_TUNED_DIR).
+    """
+    import torch
+
+    from liger_gen.codegen.spaces import dtype_from_name
+    from liger_gen.runtime.devices import current_gpu
+    from liger_gen.runtime.tables import default_tune_root
+
+    visible = current_gpu()
+    if visible is None:
+        raise click.ClickException(f"no CUDA GPU is visible: compiled kernels are built on the GPU they are for. "
+                                   f"Run `liger-gen build --gpu {gpu} --model {model_name}` on a machine with it.")
+    if visible[0] != gpu:
+        raise click.ClickException(f"--gpu {gpu} does not match the visible GPU {visible[1]!r} ({visible[0]})")
+    try:
+        dtype = dtype_from_name(dtype_name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--dtype") from None
+    from liger_gen import prebuild
+    from liger_gen.runtime.compiled import store_summary
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if rows:
+        def steps():
+            return prebuild.op_steps(model_name, ops, rows, dtype, device)
+        what = {"model": model_name, "ops": ops, "rows": rows, "dtype": dtype_name}
+    else:
+        def steps():
+            try:
+                return [prebuild.model_step(model_name, batch_size, seq_len, dtype, device, layers)]
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--model") from None
+        what = {"model": model_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype_name,
+                "layers": layers}
+    out_root = out_dir or default_tune_root()
+    path = prebuild.build(steps, out_root, gpu, heuristic=heuristic, built_for=what, merge=not replace)
+    summary = store_summary(path)
+    click.echo(f"wrote {summary['kernels']} compiled kernels ({summary['files']} files, "
+               f"{summary['bytes'] / 2**20:.1f} MiB) to {path}")
+    click.echo(f"ship {Path(out_root) / gpu} with the tables (the package's tuned/{gpu}/ or $LIGER_GEN_TUNED_DIR/"
+               f"{gpu}/); check with `liger-gen verify --gpu {gpu}`.")
 
 
 @main.command()
@@ -351,13 +444,33 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
 
 @main.command("bench-step")
 @step_command_options
-def bench_step(**options) -> None:
+@click.option("--first-step", is_flag=True,
+              help="Instead: time each provider's first step in a fresh process with empty Triton caches (process "
+                   "start to the end of step 1, compilation included); JSON to OUT/first_step.json.")
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
+              help="Fresh processes per provider and model with --first-step (the median is reported).")
+def bench_step(first_step, repeats, **options) -> None:
     """Training steps of whole transformers models: plain vs Liger-Kernel vs liger-gen (vs torch.compile).
 
     Tokens/s, peak memory, the loss curve against plain transformers and a profile by kernel class; JSON to
-    --out. Exits 1 if a provider fails or its loss curve departs from plain transformers'.
+    --out. Exits 1 if a provider fails or its loss curve departs from plain transformers'. With --first-step:
+    the time to the end of the first step in a fresh process, per provider.
     """
     import torch
+
+    if first_step:
+        from liger_gen.bench.step import run_first_step
+
+        keep = ("models", "providers", "batch_size", "seq_len", "dtype", "seed", "lr", "device",
+                "attn_implementation", "text", "out_dir")
+        try:
+            result = run_first_step(repeats=repeats, **{k: v for k, v in options.items() if k in keep})
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        if any(r.get("status") == "error" for m in result["models"].values() for p in m.values()
+               for r in p["runs"]):
+            sys.exit(1)
+        return
 
     from liger_gen.bench.step import run_step_benchmark
 

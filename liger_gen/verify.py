@@ -2,11 +2,14 @@
 
 For every op, activation dtype, feature dims of the model and token count the tuner tunes at, it walks the same
 sources as the runtime (``$LIGER_GEN_TUNED_DIR``, the user tables folder, the packaged tables) and reports the
-table entry that would be used, or that the heuristic would run and why. Every table file in those sources for
+table entry that would be used, or that the heuristic would run and why. It checks the compiled kernel stores
+of the GPU beside the tables as the runtime would (manifest, trust, every file's hash, Triton version, the GPU
+architecture where that GPU is visible) and says which ops' kernels each holds. Every table file in those sources for
 the GPU is checked as the runtime checks it (format, op, GPU, template hashes, Triton version under
 ``LIGER_GEN_STRICT_TABLES``), and the config of every entry the model's shapes would use against the op's
 constraints: the visible GPU's limits
 when it is the named one, otherwise the defaults, which is said. The exit status is 1 when a table file is
+or a compiled kernel store is
 unusable, or when a shape the model needs would run the heuristic (unless ``allow_heuristic``), so an image
 build can fail early.
 """
@@ -42,6 +45,7 @@ class Report:
     file_problems: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
+    compiled: list[str] = field(default_factory=list)  # one line per usable compiled kernel store
     roots: list[tuple[str, str]] = field(default_factory=list)  # (source, folder) in lookup order
 
     def exit_code(self, allow_heuristic: bool) -> int:
@@ -69,8 +73,6 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
     limits, unchecked = _limits_for(gpu)
     if unchecked:
         report.unchecked.append(unchecked)
-    report.unchecked.append("compiled kernels: Triton compiles each kernel at its first use in a process "
-                            "(its own cache keeps them); no compiled-kernel files are shipped with the tables")
     specs = {spec.name: spec for spec in all_specs()}
     env = os.environ.get(tables.ENV_TUNED_DIR)
     if env and not Path(env).is_dir():
@@ -106,6 +108,8 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
                 report.file_problems.append(problem)
             if notice:
                 report.notices.append(f"{path}: {notice}; used (set {tables.STRICT_TABLES_ENV}=1 to refuse it)")
+    check_compiled(report, gpu, roots, [spec.space.template for name, spec in specs.items()
+                                        if ops is None or name in ops])
     for name, spec in specs.items():
         if ops is not None and name not in ops:
             continue
@@ -119,6 +123,63 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             for r in spec.tuning_rows(model, rows):
                 report.findings.append(_find(report, spec, space, dtype, r, roots, loaded))
     return report
+
+
+def check_compiled(report: Report, gpu: str, roots, templates: list[str]) -> None:
+    """Check every compiled kernel store of ``gpu`` as the runtime would (manifest, trust, every file's SHA-256,
+    Triton version, GPU architecture where the GPU is visible) and say which ops' kernels it holds."""
+    import triton
+
+    from liger_gen.runtime import compiled
+    from liger_gen.runtime.devices import current_gpu
+
+    visible = current_gpu()
+    target = compiled.device_target(torch.cuda.current_device()) if visible and visible[0] == gpu else None
+    if target is None:
+        report.unchecked.append(f"compiled kernels: the GPU architecture they were built for is not checked "
+                                f"(no {gpu} is visible); their files, hashes and Triton version are")
+    found = 0
+    for source, root in roots:
+        folder = Path(root) / gpu / compiled.FOLDER
+        for path in sorted(folder.glob(f"*/{compiled.MANIFEST}")) if folder.is_dir() else []:
+            store_dir = path.parent
+            found += 1
+            try:
+                if source != "packaged":
+                    reason = compiled.untrusted_reason(store_dir)
+                    if reason:
+                        raise ValueError(f"{reason}: a compiled kernel folder must belong to you and not be "
+                                         f"writable by group or others")
+                manifest = compiled.read_manifest(path)
+            except ValueError as exc:
+                report.file_problems.append(f"compiled kernels {store_dir}: {exc}")
+                continue
+            store = compiled.Store(store_dir, source, manifest)
+            bad = [rel for rel in store.files if not store._hash_matches(rel)]
+            if bad:
+                report.file_problems.append(f"compiled kernels {store_dir}: {len(bad)} file(s) missing or not "
+                                            f"matching {compiled.MANIFEST} (e.g. {bad[0]}); none of them would "
+                                            f"be loaded")
+            if manifest.get("triton") != triton.__version__:
+                report.notices.append(f"compiled kernels {store_dir}: built by Triton {manifest.get('triton')}, "
+                                      f"this is Triton {triton.__version__}: not used here (kernels compile at "
+                                      f"first use)")
+                continue
+            if target is not None:
+                why = compiled.mismatch(manifest, triton.__version__, target, compiled.cache_env())
+                if why:
+                    report.file_problems.append(f"compiled kernels {store_dir}: {why}")
+                    continue
+            stems = [key.split(":", 1)[0] for key in manifest["kernels"]]
+            held = {t: sum(stem.rsplit("_", 1)[0] == t for stem in stems) for t in templates}
+            missing = [t for t, n in held.items() if n == 0]
+            report.compiled.append(f"{store_dir} ({source}): {len(stems)} kernels, "
+                                   f"{sum(int(f.get('size', 0)) for f in store.files.values()) / 2**20:.1f} MiB; "
+                                   + ", ".join(f"{t} {n}" for t, n in held.items() if n)
+                                   + (f"; none for {', '.join(missing)} (compiled at first use)" if missing else ""))
+    if not found:
+        report.notices.append(f"no compiled kernels for {gpu}: every kernel is compiled at its first use in a "
+                              f"process (`liger-gen build --gpu {gpu} --model ...` makes them)")
 
 
 def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loaded) -> Finding:
@@ -158,6 +219,8 @@ def print_report(report: Report, gpu: str, model_name: str, console: Console | N
         console.print(Text(f"unusable: {problem}", style="red"))
     for notice in report.notices:
         console.print(Text(f"notice: {notice}", style="yellow"))
+    for line in report.compiled:
+        console.print(Text(f"compiled kernels: {line}", style="green"), soft_wrap=True)
     for line in report.unchecked:
         console.print(Text(f"not checked: {line}"))
     for source, root in report.roots:

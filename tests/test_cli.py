@@ -329,3 +329,89 @@ def test_verify_reports_an_unusable_user_tables_folder(tmp_path, monkeypatch):
     os.chmod(root, 0o777)
     result = _verify("--gpu", "h200", "--model", "llama3-8b", env={"XDG_DATA_HOME": str(tmp_path / "data")})
     assert result.exit_code == 1 and "user tables folder" in result.output and "not used" in result.output
+
+
+def _user_store(root, triton_version):
+    """A copy of the packaged H200 compiled kernel store under ``root``, relabelled for ``triton_version``."""
+    import shutil
+
+    from liger_gen.runtime import compiled
+
+    packaged = sorted((tables.packaged_root() / "h200" / compiled.FOLDER).iterdir())[0]
+    dest = root / "h200" / compiled.FOLDER / packaged.name
+    shutil.copytree(packaged, dest)
+    manifest = json.loads((dest / compiled.MANIFEST).read_text())
+    manifest["triton"] = triton_version
+    (dest / compiled.MANIFEST).write_text(json.dumps(manifest))
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return dest, manifest
+
+
+def test_verify_checks_the_compiled_kernel_stores(tmp_path, monkeypatch):
+    """verify reads the compiled kernel stores beside the tables as the runtime does: a store for this Triton is
+    listed with the ops' kernels it holds; one file altered, or a folder others may write, makes it unusable
+    (exit 1); a store of another Triton is a notice (the runtime compiles instead)."""
+    import triton
+
+    user = tmp_path / "tuned"
+    env = {tables.ENV_TUNED_DIR: str(user)}
+    args = ("--gpu", "h200", "--model", "llama3.2-1b", "--ops", "rms_norm,rope", "--allow-heuristic")
+    store, manifest = _user_store(user, triton.__version__)
+    good = _verify(*args, env=env)
+    assert good.exit_code == 0, good.output
+    assert f"compiled kernels: {store} (user)" in " ".join(good.output.split()) and "rms_norm" in good.output
+    victim = store / sorted(manifest["files"])[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = _verify(*args, env=env)
+    assert bad.exit_code == 1 and "not matching manifest.json" in " ".join(bad.output.split())
+    victim.write_bytes(bytes(data[:10]))  # truncated: still refused
+    assert _verify(*args, env=env).exit_code == 1
+    store.chmod(0o777)
+    loose = _verify(*args, env=env)
+    assert loose.exit_code == 1 and "writable by group or others" in " ".join(loose.output.split())
+    store.chmod(0o755)
+    other, _ = _user_store(tmp_path / "other", "0.0.1")
+    foreign = _verify(*args, env={tables.ENV_TUNED_DIR: str(tmp_path / "other")})
+    assert foreign.exit_code == 0 and "built by Triton 0.0.1" in " ".join(foreign.output.split())
+
+
+def test_build_needs_the_gpu_it_builds_for(runner):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    result = runner.invoke(main, ["build", "--gpu", "h200", "--model", "llama3.2-1b"])
+    assert result.exit_code != 0 and "no CUDA GPU is visible" in result.output
+    assert "liger-gen build --gpu h200 --model llama3.2-1b" in " ".join(result.output.split())
+
+
+def test_first_step_runs_each_provider_in_a_fresh_process(tmp_path):
+    """bench-step --first-step on the CPU: every provider runs in its own process, the plain-transformers one never
+    imports liger-gen, the times add up (start-up + imports + build + step <= the whole), and both providers
+    compute the same first loss from the same weights and batch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "liger_gen.cli", "bench-step", "--first-step", "--device", "cpu", "--models", "tiny",
+           "--providers", "transformers,liger-gen", "--batch-size", "2", "--seq-len", "32", "--repeats", "1",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "first_step.json").read_text())
+    runs = {p: s["runs"] for p, s in result["models"]["tiny"].items()}
+    assert [len(r) for r in runs.values()] == [1, 1] and all(r[0]["status"] == "ok" for r in runs.values())
+    plain, ours = runs["transformers"][0], runs["liger-gen"][0]
+    assert plain["imported_liger_gen"] is False and ours["imported_liger_gen"] is True
+    for run in (plain, ours):
+        parts = run["startup_s"] + run["imports_s"] + run["build_s"] + run["step_s"]
+        assert 0 < run["step_s"] and parts == pytest.approx(run["first_step_s"], abs=1e-6)
+    from liger_gen.bench.step import loss_rel_tolerance
+
+    # same weights and batch in bf16: the two first losses differ by rounding only
+    assert ours["loss"] == pytest.approx(plain["loss"], rel=loss_rel_tolerance(torch.bfloat16))
+    summary = result["models"]["tiny"]
+    assert summary["liger-gen"]["vs_transformers_s"] == pytest.approx(
+        summary["liger-gen"]["median_s"] - summary["transformers"]["median_s"])

@@ -5,6 +5,7 @@ import dataclasses
 import optuna
 import pytest
 import torch
+from conftest import CPU_PATHS
 
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
@@ -572,7 +573,7 @@ def test_llama3_8b_shape_on_gpu():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("interpret", CPU_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_half_tables_rotate_every_dim_with_one_angle_per_pair(dtype, interpret, monkeypatch):
     """half_tables=True: (…, r/2) tables (one angle per rotated pair, GPT-OSS's layout) equal the duplicated

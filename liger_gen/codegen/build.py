@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
+from liger_gen.codegen.launch import wrap_module_kernels
 from liger_gen.codegen.render import render, source_hash
 from liger_gen.files import not_private, write_atomic
 
@@ -100,12 +101,15 @@ def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:
 
     The module is executed from the source text just rendered, compiled in memory: no bytecode cache is read
     or written, so nothing in the cache directory but the verified ``.py`` file (which Triton reads back for
-    its source) takes part. Modules are memoised per process by content hash. Raises jinja2.UndefinedError
+    its source) takes part. Its ``<name>_kernel`` JIT functions are wrapped for lean CUDA launches
+    (``liger_gen.codegen.launch``). Modules are memoised per process by content hash. Raises jinja2.UndefinedError
     for missing params and SyntaxError if the rendered text is broken; Triton compile errors surface at the
     first launch.
     """
     path, source = materialize(op, params)
-    name = f"liger_gen_kernels.{path.stem}"
+    # triton.jit decides at decoration time whether a kernel is interpreted: one module per mode
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    name = f"liger_gen_kernels.{path.stem}" + ("_interpreted" if interpreted else "")
     with _lock:
         module = _modules.get(name)
         if module is not None:
@@ -121,5 +125,6 @@ def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:
         except BaseException:
             sys.modules.pop(name, None)
             raise
+        wrap_module_kernels(module, path.stem)  # CUDA launches skip Triton's per-call argument processing
         _modules[name] = module
         return module

@@ -256,55 +256,67 @@ SPECS = {SPEC.name: SPEC}
 # ------------------------------------------------------------------------------------------------ binding
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, n_cols): itself when 2-D, else a view (x is contiguous there; see ``rms_norm``)."""
+    return x if x.dim() == 2 else x.view(math.prod(x.shape[:-1]), x.shape[-1])
+
+
 def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
               casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """y (rows, n_cols) and rstd (rows,) fp32 for a 2-D x with unit column stride."""
-    rows, n_cols = x.shape
-    y = torch.empty((rows, n_cols), dtype=rms_norm_out_dtype(x.dtype, weight.dtype, casting_mode), device=x.device)
+    """y of x's shape and rstd (rows,) fp32, for x 2-D with unit column stride or N-D contiguous. Rows are
+    flattened here, inside the op, so autograd records no view nodes around it."""
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=rms_norm_out_dtype(x.dtype, weight.dtype, casting_mode), device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return y, rstd.fill_(float("inf"))
     if uses_triton(x):
         module, _, _ = kernel_module(RMSNormSpace, x, n_cols, rows, casting_mode=casting_mode)
-        module.forward(x, weight, y, rstd, eps, offset)
+        module.forward(x2, weight, _rows(y), rstd, eps, offset)
     else:  # CPU without the interpreter: plain PyTorch (only reached when the op is called directly)
         y.copy_(rms_norm_torch(x, weight, eps, offset, casting_mode))
-        rstd.copy_(torch.rsqrt(x.float().pow(2).mean(-1) + eps))
+        rstd.copy_(torch.rsqrt(x2.float().pow(2).mean(-1) + eps))
     return y, rstd
 
 
 def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
               casting_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx (rows, n_cols) in x's dtype and dW (n_cols,) in weight's dtype."""
-    rows, n_cols = x.shape
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """dx of x's shape (contiguous) in x's dtype and dW (n_cols,) in weight's dtype; dy has x's shape, any
+    strides."""
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return dx, torch.zeros_like(weight)
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
+    dy2 = dy.reshape(rows, n_cols)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
     dw = torch.empty_like(weight)
+    dx2 = _rows(dx)
     if uses_triton(x):
         module, _, limits = kernel_module(RMSNormSpace, x, n_cols, rows, casting_mode=casting_mode)
         dw_partial = torch.empty((module.num_bwd_programs(rows, limits.num_sms), n_cols), dtype=torch.float32,
                                  device=x.device)
-        module.backward(dy, x, weight, rstd, dx, dw, dw_partial, offset, limits.num_sms)
+        module.backward(dy2, x2, weight, rstd, dx2, dw, dw_partial, offset, limits.num_sms)
     else:  # the kernel's formulas in PyTorch (only reached when the op is called directly on the CPU)
-        normed = x.float() * rstd[:, None]
-        g = dy.float() * (weight.float() + offset)
-        dx.copy_((g - normed * (g * normed).mean(-1, keepdim=True)) * rstd[:, None])
+        normed = x2.float() * rstd[:, None]
+        g = dy2.float() * (weight.float() + offset)
+        dx2.copy_((g - normed * (g * normed).mean(-1, keepdim=True)) * rstd[:, None])
         normed_w = normed if casting_mode == "gemma" else normed.to(x.dtype).float()
-        dw.copy_((dy.float() * normed_w).sum(0))
+        dw.copy_((dy2.float() * normed_w).sum(0))
     return dx, dw
 
 
 def _fwd_fake(x, weight, eps, offset, casting_mode):
-    rows, n_cols = x.shape
-    y = x.new_empty((rows, n_cols), dtype=rms_norm_out_dtype(x.dtype, weight.dtype, casting_mode))
-    return y, x.new_empty((rows,), dtype=torch.float32)
+    y = x.new_empty(x.shape, dtype=rms_norm_out_dtype(x.dtype, weight.dtype, casting_mode))
+    return y, x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
 
 
 def _bwd_fake(dy, x, weight, rstd, offset, casting_mode):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+    return x.new_empty(x.shape), torch.empty_like(weight)
 
 
 rms_norm_fwd = Kernel("rms_norm_fwd", _fwd_impl, _fwd_fake)
@@ -325,7 +337,8 @@ def _backward(ctx, dy, _drstd):
 
 rms_norm_2d = Differentiable(rms_norm_fwd, _save, _backward, reference="liger_gen.reference.rms_norm_torch",
                            outputs=1)
-"""(y, rstd) of a 2-D x with unit column stride, differentiable in x and weight."""
+"""(y, rstd) of x (2-D with unit column stride, or N-D contiguous; rows are the leading dims), differentiable in x
+and weight."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -388,9 +401,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
     if hidden > RMSNormSpace.MAX_N_COLS:
         raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
                          f"{RMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")
-    x2d = x.reshape(math.prod(x.shape[:-1]), hidden)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
+    if not (x.dim() == 2 and x.stride(-1) == 1) and not x.is_contiguous():
+        x = x.contiguous()  # the op flattens rows with a view: 2-D with unit column stride, or contiguous
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    return rms_norm_2d(x2d, weight, eps, offset, casting_mode)[0].view(x.shape)
+    return rms_norm_2d(x, weight, eps, offset, casting_mode)[0]

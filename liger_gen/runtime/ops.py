@@ -17,12 +17,19 @@ from typing import Any, Mapping
 
 import torch
 
+from liger_gen.codegen import launch
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.spaces import DeviceLimits, Space
 from liger_gen.runtime import tables
 from liger_gen.runtime.devices import current_gpu
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+if not launch.STORE:  # first launches of a key look in the compiled kernel cache
+    from liger_gen.runtime.compiled import launch_failed as _compiled_failed, lookup as _compiled_lookup
+
+    launch.STORE.append(_compiled_lookup)
+    launch.STORE_FAILED.append(_compiled_failed)
 
 
 def interpreter_enabled() -> bool:
@@ -85,6 +92,9 @@ def clear_caches() -> None:
     _variant.cache_clear()
     module_for.cache_clear()
     tables.clear_caches()
+    from liger_gen.runtime import compiled
+
+    compiled.clear()
 
 
 # ------------------------------------------------------------------------------------------ autograd helpers

@@ -1,0 +1,239 @@
+"""Lean launches of a rendered module's Triton kernels on CUDA.
+
+``kernel[grid](*args, **constexprs)`` through Triton's ``JITFunction`` binds the arguments, computes their
+specialization, looks the compiled kernel up and builds launch metadata on every call: on a slow host that is
+15-25 µs per launch, several times the cost of the launch itself. ``make_lean`` gives a module's
+``@triton.jit`` kernels (``<name>_kernel``) a launch path that keeps, per device and per *argument key*, the
+``CompiledKernel`` Triton produced; later calls with the same key go straight to the compiled kernel's launcher
+(``CompiledKernel.run``, the call Triton itself ends with). The kernels stay ``JITFunction``s for everything
+else.
+
+The argument key is at least as fine as Triton's own specialization, so two calls with one key always get the
+same compiled kernel from Triton: a tensor contributes its dtype and whether its address is 16-byte aligned; an
+int whether it equals 1, whether 16 divides it and its width (int32, int64, uint64); floats, bools and None
+their kind; keyword arguments (constexprs and launch options) their values. An argument of another kind, a
+callable grid, a constexpr passed by position, a keyword argument that is not a plain value, Triton's launch
+hooks (a profiler such as Proton), ``TRITON_DEBUG`` or a Triton that lacks the pieces used here all take
+Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
+the launch: its pre-run hooks (none are registered on these kernels) and its check that globals the kernel
+reads have not changed (the rendered modules never rebind them).
+
+The first call of a key looks in the compiled kernel cache (``liger_gen.runtime.compiled``) through the
+``STORE`` hook before asking Triton to compile; with a hit the kernel is loaded without invoking the Triton
+compiler. ``RECORDERS`` are called with every kernel Triton compiled here (``liger-gen build`` collects them).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Callable
+
+import torch
+
+#: ``STORE(module_stem, kernel_name, key_text, fn, device_index)`` -> CompiledKernel or None (set by the runtime).
+STORE: list[Callable[..., Any]] = []
+#: called as ``recorder(module_stem, kernel_name, key_text, compiled_kernel)`` after Triton compiled a key.
+RECORDERS: list[Callable[..., None]] = []
+#: called as ``hook(module_stem, kernel_name, key_text)`` when a kernel from ``STORE`` failed to launch.
+STORE_FAILED: list[Callable[..., None]] = []
+
+_I32 = 2 ** 31
+_I64 = 2 ** 63
+_lock = threading.Lock()
+
+
+def arg_key(a: Any) -> tuple:
+    """The part of the launch key one positional argument contributes (TypeError for kinds not handled)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    t = type(a)
+    if t is bool:
+        return ("b", a)
+    if t is int:
+        width = 32 if -_I32 <= a < _I32 else 64 if -_I64 <= a < _I64 else 65
+        return ("i", a == 1, a % 16 == 0, width)
+    if t is float:
+        return ("f",)
+    if a is None:
+        return ("n",)
+    raise TypeError(f"no launch key for an argument of type {t.__name__}")
+
+
+def key_text(key: tuple) -> str:
+    """A stable text form of a launch key without its device (what the compiled kernel cache indexes)."""
+    def part(p):
+        if isinstance(p, torch.dtype):
+            return str(p).removeprefix("torch.")
+        if isinstance(p, tuple):
+            return [part(q) for q in p]
+        if p is None or isinstance(p, (bool, int, float, str)):
+            return p
+        raise TypeError(f"no launch key text for a value of type {type(p).__name__}")
+    return json.dumps([part(p) for p in key[1:]], separators=(",", ":"))
+
+
+def _hooks_idle(runtime_knobs) -> bool:
+    """True when no launch hook is registered (Triton 3.6 keeps empty HookChains; newer ones may use None)."""
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        hook = getattr(runtime_knobs, name, None)
+        if hook is not None and (getattr(hook, "calls", None) is None or hook.calls):
+            return False
+    return True
+
+
+class LeanLaunch:
+    """The lean launch path, mixed into a ``JITFunction`` (``make_lean``) or wrapping a JIT-function-like object
+    (``LeanKernel``): ``kernel[grid](*args, **kwargs)`` as for the JITFunction, which stays what it is for
+    everything else (``isinstance``, ``.fn``, ``.src``, ``triton.compile(ASTSource(kernel, ...))``). Its state
+    lives in ``_lean_*`` attributes. ``module_stem`` names the rendered module (``<op>_<sha256 of its
+    source>``), which with the kernel's name and the key text identifies a compiled kernel across processes.
+    """
+
+    def _lean_setup(self, fn, module_stem: str) -> None:
+        import triton
+
+        self._lean_fn = fn
+        self._lean_stem = module_stem
+        self._lean_name = fn.__name__
+        self._lean_entries: dict[tuple, tuple] = {}
+        self._lean_knobs = getattr(triton, "knobs", None)
+        self._lean_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        self._lean_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                             or (lambda device: torch.cuda.current_stream(device).cuda_stream))
+        self._lean_params = tuple(fn.arg_names)
+        self._lean_defaults = {name: p.default for name, p in fn.signature.parameters.items()
+                               if p.default is not p.empty}
+        params = getattr(fn, "params", None) or []
+        constexpr = [i for i, p in enumerate(params) if getattr(p, "is_constexpr", False)]
+        # positional arguments are keyed by kind, so only the leading runtime parameters may be passed by position
+        self._lean_max_positional = constexpr[0] if constexpr else len(self._lean_params)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._lean_launch(grid, args, kwargs)
+
+    def _lean_direct(self) -> bool:
+        k = self._lean_knobs
+        return k is not None and not k.runtime.debug and _hooks_idle(k.runtime)
+
+    def _lean_jit(self, grid, args: tuple, kwargs: dict):
+        return self._lean_fn.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def _lean_launch(self, grid, args: tuple, kwargs: dict):
+        if type(grid) is not tuple or len(args) > self._lean_max_positional or not self._lean_direct():
+            return self._lean_jit(grid, args, kwargs)
+        device = self._lean_device()
+        try:
+            key = (device, *map(arg_key, args), *kwargs.items())
+            entry = self._lean_entries.get(key)
+        except TypeError:  # an argument kind without a key, or an unhashable keyword value
+            return self._lean_jit(grid, args, kwargs)
+        if entry is None:
+            return self._lean_first(key, grid, args, kwargs)
+        run, function, packed, tail = entry
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(device), function, packed,
+            None, None, None, *args, *tail)
+        return None
+
+    def _lean_tail(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The values of the parameters after the positional ones, in order (None if one is missing)."""
+        tail = []
+        for name in self._lean_params[len(args):]:
+            if name in kwargs:
+                tail.append(kwargs[name])
+            elif name in self._lean_defaults:
+                tail.append(self._lean_defaults[name])
+            else:
+                return None
+        return tuple(tail)
+
+    def _lean_first(self, key: tuple, grid: tuple, args: tuple, kwargs: dict):
+        """First call of a key: the compiled kernel cache, else Triton (which compiles or reads its own cache)."""
+        try:
+            text = key_text(key)
+        except TypeError:  # a keyword argument that is not a plain value (a tensor passed by name)
+            return self._lean_jit(grid, args, kwargs)
+        stem, name = self._lean_stem, self._lean_name
+        tail = self._lean_tail(args, kwargs)
+        compiled = None
+        for store in STORE:
+            compiled = store(stem, name, text, self._lean_fn, key[0])
+            if compiled is not None:
+                break
+        if compiled is None:
+            compiled = self._lean_jit(grid, args, kwargs)  # compiles (or loads) and launches
+            for record in RECORDERS:
+                record(stem, name, text, compiled)
+            launched = True
+        else:
+            launched = False
+        if tail is None or compiled is None or not hasattr(compiled, "packed_metadata"):
+            return compiled if launched else self._lean_jit(grid, args, kwargs)
+        run = compiled.run  # loads the binary and builds the launcher on first access
+        entry = (run, compiled.function, compiled.packed_metadata, tail)
+        with _lock:
+            self._lean_entries[key] = entry
+        if not launched:
+            n = len(grid)
+            try:
+                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(key[0]),
+                    compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+            except Exception:  # noqa: BLE001 - a cached kernel that cannot be launched: Triton's own path
+                with _lock:
+                    self._lean_entries.pop(key, None)
+                for on_failure in STORE_FAILED:
+                    on_failure(stem, name, text)
+                return self._lean_jit(grid, args, kwargs)
+        return compiled
+
+
+class LeanKernel(LeanLaunch):
+    """The lean launch path around a JIT-function-like object ``fn`` (one that is not a ``JITFunction`` class
+    ``make_lean`` can extend); its other attributes are ``fn``'s."""
+
+    def __init__(self, fn, module_stem: str):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._lean_setup(fn, module_stem)
+
+    def __getattr__(self, name):  # the JITFunction's own attributes (src, debug, arg_names, ...)
+        if name.startswith("__") or name.startswith("_lean") or name == "fn":
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+    def __repr__(self) -> str:
+        return f"LeanKernel({self._lean_stem}:{self._lean_name})"
+
+
+_lean_classes: dict[type, type] = {}
+
+
+def make_lean(fn, module_stem: str):
+    """Give the ``JITFunction`` ``fn`` the lean launch path in place (its class becomes a subclass that only adds
+    ``LeanLaunch``); returns ``fn``."""
+    cls = type(fn)
+    with _lock:
+        lean = _lean_classes.get(cls)
+        if lean is None:
+            lean = _lean_classes[cls] = type(f"Lean{cls.__name__}", (LeanLaunch, cls), {"__module__": __name__})
+    fn.__class__ = lean
+    fn._lean_setup(fn, module_stem)
+    return fn
+
+
+def wrap_module_kernels(module, module_stem: str) -> None:
+    """Give each ``<name>_kernel`` JITFunction of ``module`` the lean launch path (``make_lean``; interpreted
+    kernels and kernels another kernel calls are left alone)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover - a Triton without the module layout used here
+        return
+    jitted = {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
+    for name, fn in jitted.items():
+        if not name.endswith("_kernel") or not hasattr(fn, "arg_names"):
+            continue
+        if any(f"{name}(" in other.src for other_name, other in jitted.items() if other_name != name):
+            continue
+        make_lean(fn, module_stem)

@@ -1,0 +1,561 @@
+"""The compiled kernel cache: Triton's own compiled artifacts, shipped beside the tables, loaded without compiling.
+
+Layout, beside a GPU's tables (``<root>/<gpu>/``, ``root`` as for tables: ``$LIGER_GEN_TUNED_DIR``, the user
+tables folder, the package's ``tuned/``)::
+
+    <root>/<gpu>/compiled/triton-<version>-<backend>-<arch>/   e.g. triton-3.6.0-cuda-sm90
+        manifest.json                  what is here, for which Triton and GPU, and the SHA-256 of every file
+        <TRITON CACHE KEY>/<file>      Triton cache entries, in Triton's cache layout
+
+An entry holds what Triton's own cache holds for a compiled kernel, minus the intermediate IRs: the metadata
+``<kernel>.json`` and the binary (``.cubin``); and the host modules Triton builds with the system C compiler (its
+``cuda_utils`` driver module and, on Triton versions that have them, one launcher per kernel signature). The
+manifest indexes each kernel by (rendered module, kernel name, launch key; see ``liger_gen.codegen.launch``).
+
+Loading: ``lookup`` (the launch layer's ``STORE`` hook) builds Triton's ``CompiledKernel`` straight from a
+verified entry, so neither the Triton compiler nor its cache-key computation (which hashes Triton's 400 MB
+library) runs. The host modules are served to Triton through its cache-manager hook (``triton.knobs.cache.
+manager_class``): ``CompiledCacheManager`` answers for the keys in a usable store and hands every other key to
+the cache manager that was configured before (Triton's ``FileCacheManager`` by default), so Triton's own cache
+and everything else that compiles Triton kernels in the process work as before.
+
+Trust: compiled kernels are code. A store inside the installed package is trusted like the package. A store
+under a user folder must, with every folder and file in it, belong to the current user and not be writable by
+group or others. Every file's SHA-256 is checked against the manifest before Triton is given it. A store built
+for another Triton version, GPU architecture or set of Triton's cache-invalidating environment variables is not
+used; an entry whose file is missing, truncated or altered is not used. Each of these gives one
+``CompiledKernelWarning`` per store and the kernel is compiled as without the cache.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+
+from liger_gen.files import not_private, write_atomic
+
+SCHEMA = "liger-gen/compiled-kernels/1"
+FOLDER = "compiled"
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * 2 ** 20
+ENV_DISABLE = "LIGER_GEN_COMPILED_KERNELS"  # "0": never load compiled kernels (always compile)
+KEPT_SUFFIXES = (".json", ".cubin", ".hsaco", ".so")
+
+
+class CompiledKernelWarning(UserWarning):
+    """A compiled kernel cache (or one of its entries) cannot be used; its kernels are compiled instead."""
+
+
+# ------------------------------------------------------------------------------------------ identity
+
+
+def store_name(triton_version: str, backend: str, arch: int | str) -> str:
+    """Folder name of a store: ``triton-3.6.0-cuda-sm90``."""
+    return f"triton-{triton_version}-{backend}-sm{arch}" if backend == "cuda" else \
+        f"triton-{triton_version}-{backend}-{arch}"
+
+
+def base32_key(hex_key: str) -> str:
+    """Triton's cache folder name for a hex cache key."""
+    return base64.b32encode(bytes.fromhex(hex_key)).decode("utf-8").rstrip("=")
+
+
+def cache_env() -> dict[str, str]:
+    """Triton's cache-invalidating environment variables as it reads them now (part of every compile key)."""
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+    except ImportError:  # pragma: no cover - a Triton without it
+        return {}
+    return {str(k): str(v) for k, v in sorted(get_cache_invalidating_env_vars().items())}
+
+
+def host_identity() -> dict[str, str]:
+    """What the host modules (.so) depend on: the Python extension suffix and Triton's platform key."""
+    try:
+        from triton.runtime.build import platform_key
+        platform = platform_key()
+    except ImportError:  # pragma: no cover
+        platform = ""
+    return {"ext_suffix": sysconfig.get_config_var("EXT_SUFFIX") or "", "platform": platform}
+
+
+def device_target(device_index: int) -> dict[str, Any]:
+    """{"backend", "arch", "warp_size"} of a CUDA device from torch (Triton's driver is not touched: it may
+    have to be built first, and that is what the store serves)."""
+    import torch
+
+    if torch.version.hip:
+        name = torch.cuda.get_device_properties(device_index).gcnArchName.split(":")[0]
+        return {"backend": "hip", "arch": name, "warp_size": 64}
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return {"backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
+
+
+# ------------------------------------------------------------------------------------------ stores
+
+
+@dataclass
+class Store:
+    """One compiled kernel store on disk, after its manifest was read and its identity and trust checked."""
+
+    path: Path
+    label: str  # "packaged" or "user"
+    manifest: dict
+    verified: dict[str, bool] = field(default_factory=dict)  # relative file path -> hash matched
+    warned: bool = False
+
+    @property
+    def kernels(self) -> dict[str, dict]:
+        return self.manifest.get("kernels", {})
+
+    @property
+    def files(self) -> dict[str, dict]:
+        return self.manifest.get("files", {})
+
+    def check_file(self, rel: str) -> Path | None:
+        """The path of ``rel`` if it is listed and its bytes match the manifest's SHA-256 and size, else None
+        (one warning per store)."""
+        ok = self.verified.get(rel)
+        if ok is None:
+            ok = self._hash_matches(rel)
+            self.verified[rel] = ok
+            if not ok:
+                self.warn(f"its file {rel} is missing or does not match the SHA-256 in {MANIFEST}")
+        return self.path / rel if ok else None
+
+    def _hash_matches(self, rel: str) -> bool:
+        info = self.files.get(rel)
+        if not isinstance(info, dict) or "/" not in rel or ".." in Path(rel).parts or Path(rel).is_absolute():
+            return False
+        try:
+            data = (self.path / rel).read_bytes()
+        except OSError:
+            return False
+        return len(data) == info.get("size") and hashlib.sha256(data).hexdigest() == info.get("sha256")
+
+    def group(self, directory: str, names: Iterable[str]) -> dict[str, str] | None:
+        """{file name: path} of one Triton cache entry, every file verified, or None."""
+        out = {}
+        for name in names:
+            path = self.check_file(f"{directory}/{name}")
+            if path is None:
+                return None
+            out[name] = str(path)
+        return out
+
+    def warn(self, why: str) -> None:
+        with _lock:
+            if self.warned:
+                return
+            self.warned = True
+        warnings.warn(f"liger-gen: not loading compiled kernels from {self.path}: {why}; the kernels it would "
+                      f"serve are compiled instead", CompiledKernelWarning, stacklevel=4)
+
+
+def read_manifest(path: Path) -> dict:
+    """The parsed manifest at ``path``; ValueError (with the reason) if it is not a readable manifest."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{path} has {size:,} bytes, more than a manifest may have")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a compiled kernel manifest (schema {SCHEMA})")
+    for key in ("kernels", "files", "target"):
+        if not isinstance(data.get(key), dict):
+            raise ValueError(f"{path}: '{key}' must be an object")
+    return data
+
+
+def untrusted_reason(folder: Path) -> str | None:
+    """Why a user store folder cannot be trusted (it, or a folder or file in it, is another user's or writable by
+    group or others; or a symbolic link), or None."""
+    for path in [folder, *sorted(folder.rglob("*"))]:
+        try:
+            st = path.lstat()
+        except OSError as exc:
+            return f"{path} cannot be read ({exc})"
+        if path.is_symlink():
+            return f"{path} is a symbolic link"
+        reason = not_private(st)
+        if reason:
+            return f"{path} is {reason}"
+    return None
+
+
+def mismatch(manifest: dict, triton_version: str, target: dict, env: dict) -> str | None:
+    """Why a manifest is not for this Triton, GPU architecture and Triton environment, or None."""
+    if manifest.get("triton") != triton_version:
+        return f"it was built by Triton {manifest.get('triton')}, and this is Triton {triton_version}"
+    got = manifest.get("target", {})
+    if (got.get("backend"), got.get("arch")) != (target["backend"], target["arch"]):
+        return (f"it was built for {got.get('backend')} architecture {got.get('arch')}, and this GPU is "
+                f"{target['backend']} {target['arch']}")
+    if manifest.get("env", {}) != env:
+        return f"Triton's cache-invalidating environment differs ({manifest.get('env')} against {env})"
+    return None
+
+
+def find_stores(gpu: str, triton_version: str, target: dict, env: dict,
+                roots: list[tuple[str, Path]] | None = None) -> tuple[list[Store], list[str]]:
+    """(usable stores in lookup order, one reason per store found but not usable) for ``gpu``."""
+    from liger_gen.runtime import tables
+
+    usable, refused = [], []
+    for label, root in (tables.table_roots() if roots is None else roots):
+        folder = Path(root) / gpu / FOLDER
+        try:
+            candidates = sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file())
+        except OSError:
+            continue
+        for path in candidates:
+            try:
+                if label != "packaged":
+                    reason = untrusted_reason(path)
+                    if reason:
+                        raise ValueError(f"{reason} (a compiled kernel folder must belong to you and not be "
+                                         f"writable by group or others)")
+                manifest = read_manifest(path / MANIFEST)
+                reason = mismatch(manifest, triton_version, target, env)
+                if reason:
+                    raise ValueError(reason)
+            except ValueError as exc:
+                refused.append(f"{path}: {exc}")
+                continue
+            usable.append(Store(path, label, manifest))
+    return usable, refused
+
+
+# ------------------------------------------------------------------------------------------ process state
+
+
+_lock = threading.RLock()
+
+
+@dataclass
+class _State:
+    stores: list[Store]
+    kernels: dict[str, tuple[Store, dict]]  # "<stem>:<kernel>:<key>" -> (store, record)
+    dirs: dict[str, Store]  # Triton cache folder name -> store holding it
+
+
+_states: dict[int, _State | None] = {}
+_previous_manager: list = []  # the cache manager class configured before ours (None: Triton's default)
+
+
+def disabled() -> bool:
+    """True when ``$LIGER_GEN_COMPILED_KERNELS`` is 0/false/no/off, or Triton is asked to dump, override or
+    always compile (then its own path must run)."""
+    if os.environ.get(ENV_DISABLE, "").strip().lower() in ("0", "false", "no", "off"):
+        return True
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover
+        return True
+    c = knobs.compilation
+    return bool(c.always_compile or c.override or c.dump_ir)
+
+
+def state(device_index: int) -> _State | None:
+    """The usable stores for the GPU at ``device_index`` (discovered once per process and device)."""
+    with _lock:
+        if device_index in _states:
+            return _states[device_index]
+        _states[device_index] = None
+        if disabled():
+            return None
+        import triton
+
+        from liger_gen.runtime.devices import current_gpu
+
+        gpu = current_gpu(device_index)
+        if gpu is None:
+            return None
+        stores, refused = find_stores(gpu[0], triton.__version__, device_target(device_index), cache_env())
+        if refused and not stores:
+            warnings.warn("liger-gen: no compiled kernel cache can be used here, so kernels are compiled at first "
+                          "use: " + "; ".join(refused), CompiledKernelWarning, stacklevel=4)
+        if not stores:
+            return None
+        kernels, dirs = {}, {}
+        for store in stores:
+            for name, rec in store.kernels.items():
+                if isinstance(rec, dict) and name not in kernels:
+                    kernels[name] = (store, rec)
+            for rel in store.files:
+                dirs.setdefault(rel.split("/", 1)[0], store)
+        st = _State(stores, kernels, dirs)
+        _states[device_index] = st
+        install_cache_manager()
+        return st
+
+
+def clear() -> None:
+    """Forget discovered stores (after building one or changing the tables folders)."""
+    with _lock:
+        _states.clear()
+
+
+def _restore_keys(pairs) -> dict:
+    return {tuple(k): (tuple(v) if isinstance(v, list) else v) for k, v in pairs}
+
+
+def lookup(module_stem: str, kernel_name: str, key_text: str, fn, device: int) -> Any:
+    """Triton's ``CompiledKernel`` for a launch key from a usable store, loaded on the current device (index
+    ``device``), or None."""
+    st = state(device)
+    if st is None:
+        return None
+    found = st.kernels.get(f"{module_stem}:{kernel_name}:{key_text}")
+    if found is None:
+        return None
+    store, rec = found
+    try:
+        group = store.group(rec["dir"], rec["files"])
+        if group is None:
+            return None
+        from triton.compiler import ASTSource, CompiledKernel
+
+        signature = rec["signature"]
+        if not isinstance(signature, list) or [name for name, _ in signature] != list(fn.arg_names):
+            raise ValueError("its signature does not list the kernel's parameters in order")
+        src = ASTSource(fn, {name: kind for name, kind in signature}, _restore_keys(rec["constants"]),
+                        {tuple(k): v for k, v in rec.get("attrs", [])})
+        compiled = CompiledKernel(src, group, rec["hash"])
+        compiled.run  # noqa: B018 - loads the binary and its launcher now, so a failure falls back here
+        return compiled
+    except Exception as exc:  # noqa: BLE001 - a damaged entry must never stop training
+        store.warn(f"its kernel {kernel_name} of {module_stem} could not be loaded ({type(exc).__name__}: {exc})")
+        return None
+
+
+def launch_failed(module_stem: str, kernel_name: str, key_text: str) -> None:
+    """A kernel from a store could not be launched: warn (once per store) and forget the entry."""
+    for st in list(_states.values()):
+        found = st.kernels.pop(f"{module_stem}:{kernel_name}:{key_text}", None) if st is not None else None
+        if found is not None:
+            found[0].warn(f"its kernel {kernel_name} of {module_stem} could not be launched")
+
+
+# ------------------------------------------------------------------------------------------ Triton's cache hook
+
+
+def _fallback_manager():
+    prev = _previous_manager[0] if _previous_manager else None
+    if prev is None:
+        from triton.runtime.cache import FileCacheManager
+
+        return FileCacheManager
+    return prev
+
+
+def _make_manager_class():
+    from triton.runtime.cache import CacheManager
+
+    class CompiledCacheManager(CacheManager):
+        """Serves the Triton cache keys of liger-gen's usable compiled kernel stores (files checked against their
+        manifest); every other key, and every write, goes to the cache manager configured before."""
+
+        def __init__(self, key, override=False, dump=False):
+            self.key = key
+            self._args = (key, override, dump)
+            self._store = None if (override or dump) else _store_for_dir(key)
+            self._inner = None if self._store is not None else _fallback_manager()(key, override, dump)
+
+        @property
+        def inner(self):
+            if self._inner is None:
+                self._inner = _fallback_manager()(*self._args)
+            return self._inner
+
+        def get_file(self, filename):
+            if self._store is not None:
+                path = self._store.check_file(f"{self.key}/{filename}")
+                if path is not None:
+                    return str(path)
+            return self.inner.get_file(filename)
+
+        def get_group(self, filename):
+            if self._store is not None:
+                names = sorted(rel.split("/", 1)[1] for rel in self._store.files
+                               if rel.split("/", 1)[0] == self.key)
+                if filename in names:
+                    group = self._store.group(self.key, names)
+                    if group is not None:
+                        return group
+            return self.inner.get_group(filename)
+
+        def put(self, data, filename, binary=True):
+            return self.inner.put(data, filename, binary=binary)
+
+        def put_group(self, filename, group):
+            return self.inner.put_group(filename, group)
+
+        def __getattr__(self, name):  # cache_dir, has_file, ... of the manager configured before
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    return CompiledCacheManager
+
+
+_manager_class: list = []
+
+
+def _store_for_dir(key: str) -> Store | None:
+    for st in list(_states.values()):
+        if st is not None and key in st.dirs:
+            return st.dirs[key]
+    return None
+
+
+def install_cache_manager() -> None:
+    """Put ``CompiledCacheManager`` in Triton's cache-manager knob (once), keeping the configured one as fallback."""
+    from triton import knobs
+
+    with _lock:
+        if not _manager_class:
+            _manager_class.append(_make_manager_class())
+        cls = _manager_class[0]
+        current = knobs.cache.manager_class
+        if current is cls:
+            return
+        _previous_manager[:] = [current]
+        knobs.cache.manager_class = cls
+
+
+# ------------------------------------------------------------------------------------------ building a store
+
+
+class Recorder:
+    """Collects every kernel Triton compiles through the launch layer (``liger_gen.codegen.launch.RECORDERS``)."""
+
+    def __init__(self):
+        self.kernels: dict[str, Any] = {}
+
+    def __call__(self, module_stem: str, kernel_name: str, key_text: str, compiled) -> None:
+        if compiled is not None and getattr(compiled, "metadata_group", None):
+            self.kernels.setdefault(f"{module_stem}:{kernel_name}:{key_text}", compiled)
+
+    def __enter__(self):
+        from liger_gen.codegen import launch
+
+        launch.RECORDERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        from liger_gen.codegen import launch
+
+        launch.RECORDERS.remove(self)
+
+
+def _json_value(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    raise TypeError(f"{type(v).__name__} is not stored")
+
+
+def kernel_record(compiled) -> tuple[dict, dict[str, str]]:
+    """(manifest record, {file name: source path}) of one compiled kernel; TypeError if it cannot be stored."""
+    src = compiled.src
+    files = {name: path for name, path in compiled.metadata_group.items()
+             if name.endswith(KEPT_SUFFIXES) and not name.startswith("__grp__")}
+    if not any(name.endswith(".json") for name in files) or len(files) < 2:
+        raise TypeError("no metadata or binary in its cache group")
+    directory = base32_key(compiled.hash)
+    rec = {"hash": compiled.hash, "dir": directory, "files": sorted(files),
+           "signature": [[str(k), str(v)] for k, v in src.signature.items()],  # parameter order
+           "constants": [[list(k), _json_value(v)] for k, v in sorted(src.constants.items())],
+           "attrs": [[list(k), _json_value(v)] for k, v in sorted(getattr(src, "attrs", {}).items())]}
+    return rec, files
+
+
+def write_store(out_root: Path, gpu: str, recorder: Recorder, triton_cache_dir: Path, target: dict,
+                built_for: dict | None = None, merge: bool = True) -> Path:
+    """Write the kernels ``recorder`` collected, and the host modules under ``triton_cache_dir``, as the store for
+    this Triton and ``target`` under ``<out_root>/<gpu>/compiled/``. With ``merge`` the entries of a readable
+    store of the same name are kept (several models share one store); otherwise it is replaced. The folder is
+    built beside and renamed into place. Returns the store folder."""
+    import triton
+
+    name = store_name(triton.__version__, target["backend"], target["arch"])
+    parent = Path(out_root) / gpu / FOLDER
+    parent.mkdir(parents=True, exist_ok=True)
+    final = parent / name
+    old: dict = {}
+    if merge and (final / MANIFEST).is_file():
+        try:
+            old = read_manifest(final / MANIFEST)
+        except ValueError:
+            old = {}
+        if old and mismatch(old, triton.__version__, target, cache_env()):
+            old = {}
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}."))
+    try:
+        kernels = dict(old.get("kernels", {}))
+        copies = {rel: final / rel for rel in old.get("files", {})}
+        skipped = []
+        for key, compiled in sorted(recorder.kernels.items()):
+            try:
+                rec, files = kernel_record(compiled)
+            except TypeError as exc:
+                skipped.append(f"{key}: {exc}")
+                continue
+            kernels[key] = rec
+            for fname, src_path in files.items():
+                copies[f"{rec['dir']}/{fname}"] = Path(src_path)
+        for so in sorted(Path(triton_cache_dir).glob("*/*.so")):
+            copies[f"{so.parent.name}/{so.name}"] = so
+        manifest_files = {}
+        for rel, src_path in sorted(copies.items()):
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+            shutil.copyfile(src_path, dest)
+            os.chmod(dest, 0o644)
+            data = dest.read_bytes()
+            manifest_files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        import liger_gen
+
+        manifest = {
+            "schema": SCHEMA, "gpu": gpu, "triton": triton.__version__, "target": dict(target),
+            "env": cache_env(), "host": host_identity(), "liger_gen": getattr(liger_gen, "__version__", None),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "built_for": [*old.get("built_for", []), *([built_for] if built_for else [])],
+            "kernels": kernels, "files": manifest_files, "skipped": skipped,
+        }
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)
+        if final.exists():
+            old = parent / f".{name}.old.{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def store_summary(path: Path) -> dict[str, Any]:
+    """Kernels, files and bytes of a store folder (for reports)."""
+    manifest = read_manifest(Path(path) / MANIFEST)
+    return {"path": str(path), "triton": manifest.get("triton"), "target": manifest.get("target"),
+            "kernels": len(manifest["kernels"]), "files": len(manifest["files"]),
+            "bytes": sum(int(f.get("size", 0)) for f in manifest["files"].values())}

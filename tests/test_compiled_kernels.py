@@ -1,0 +1,1112 @@
+"""Lean kernel launches (``liger_gen.codegen.launch``) and the compiled kernel cache (``liger_gen.runtime.compiled``).
+
+No GPU is needed: launches go through fake JIT functions and compiled kernels that record their calls, and the
+stores are folders built by hand (or by ``write_store`` from fake compiled kernels) in temporary folders.
+"""
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from liger_gen.codegen import launch
+from liger_gen.codegen.launch import LeanKernel, LeanLaunch, arg_key, key_text, wrap_module_kernels
+from liger_gen.runtime import compiled
+from liger_gen.runtime.compiled import CompiledKernelWarning, Store, base32_key
+
+from conftest import seeded
+
+# ------------------------------------------------------------------------------------------ arg_key, key_text
+
+
+def _aligned(n, dtype=torch.float32):
+    return torch.empty(n, dtype=dtype)
+
+
+def _misaligned():
+    t = torch.empty(17, dtype=torch.uint8)[1:]
+    assert t.data_ptr() % 16 != 0
+    return t
+
+
+def test_arg_key_of_tensors_is_dtype_and_16_byte_alignment():
+    a, b = _aligned(8), torch.randn(100, generator=seeded("arg_key"))
+    assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    assert arg_key(a) == arg_key(b) == (torch.float32, True)
+    assert arg_key(_aligned(8, torch.bfloat16)) == (torch.bfloat16, True)
+    assert arg_key(_aligned(8, torch.bfloat16)) != arg_key(a)
+    u8 = _aligned(32, torch.uint8)
+    assert arg_key(u8) == (torch.uint8, True)
+    assert arg_key(_misaligned()) == (torch.uint8, False)
+    by8 = torch.empty(4, dtype=torch.float64)[1:]  # 8-byte aligned, not 16
+    assert by8.data_ptr() % 16 == 8 and arg_key(by8) == (torch.float64, False)
+
+
+def test_arg_key_of_ints_is_one_divisibility_and_width():
+    keys = {v: arg_key(v) for v in (1, 16, 17, 32, 2 ** 31, 2 ** 31 - 1, -2 ** 31, 2 ** 63, 2 ** 63 - 1, 0)}
+    assert keys[1] == ("i", True, False, 32)
+    assert keys[16] == ("i", False, True, 32)
+    assert keys[17] == ("i", False, False, 32)
+    assert keys[32] == keys[16]  # Triton specializes 16 and 32 alike
+    assert keys[0] == ("i", False, True, 32)
+    assert keys[2 ** 31 - 1] == ("i", False, False, 32) and keys[-2 ** 31] == ("i", False, True, 32)
+    assert keys[2 ** 31] == ("i", False, True, 64)
+    assert keys[2 ** 63 - 1] == ("i", False, False, 64)
+    assert keys[2 ** 63] == ("i", False, True, 65)  # uint64
+    assert len({keys[v] for v in (1, 16, 17, 2 ** 31, 2 ** 63)}) == 5
+
+
+def test_arg_key_of_bools_floats_none_and_other_kinds():
+    assert arg_key(True) == ("b", True) and arg_key(False) == ("b", False)
+    assert arg_key(True) != arg_key(1) and arg_key(False) != arg_key(0)
+    assert arg_key(0.5) == arg_key(3.0) == ("f",)
+    assert arg_key(1.0) != arg_key(1)
+    assert arg_key(None) == ("n",)
+    for other in ("text", b"x", [1], (1,), torch.float32, 1 + 0j):
+        with pytest.raises(TypeError, match="no launch key"):
+            arg_key(other)
+
+
+def test_key_text_is_stable_json_without_the_device():
+    key = (0, (torch.float16, True), ("i", False, True, 32), ("f",), ("n",), ("BLOCK", 64), ("ACT", "gelu"))
+    text = key_text(key)
+    assert text == '[["float16",true],["i",false,true,32],["f"],["n"],["BLOCK",64],["ACT","gelu"]]'
+    assert json.loads(text)[0] == ["float16", True]
+    assert key_text((3, *key[1:])) == text  # the device is not part of it
+    assert key_text((0, (torch.bfloat16, True), *key[2:])) != text
+    assert key_text((0, ("DT", torch.float32))) == '[["DT","float32"]]'
+
+
+# ------------------------------------------------------------------------------------------ LeanKernel
+
+
+def _signature(X, Y, n, BLOCK: int = 64, ACT: str = "relu"):
+    """adds"""
+
+
+class FakeCompiled:
+    """What LeanKernel uses of Triton's CompiledKernel: ``run`` (a property giving the launcher), ``function``,
+    ``packed_metadata``, ``metadata_group``."""
+
+    def __init__(self, tag, fail=False):
+        self.tag = tag
+        self.fail = fail
+        self.calls = []
+        self.run_accesses = 0
+        self.function = f"function-{tag}"
+        self.packed_metadata = f"packed-{tag}"
+        self.metadata_group = {"k.json": "/nowhere/k.json"}
+
+    @property
+    def run(self):
+        self.run_accesses += 1
+
+        def launcher(*args):
+            self.calls.append(args)
+            if self.fail:
+                raise RuntimeError("cannot launch this binary")
+
+        return launcher
+
+
+class FakeJIT:
+    """A JITFunction-like object: ``run`` compiles (a new FakeCompiled) and launches (recorded)."""
+
+    def __init__(self, make=FakeCompiled):
+        self.__name__ = "add_kernel"
+        self.__doc__ = "adds"
+        self.arg_names = ["X", "Y", "n", "BLOCK", "ACT"]
+        self.params = [types.SimpleNamespace(is_constexpr=name in ("BLOCK", "ACT")) for name in self.arg_names]
+        self.signature = inspect.signature(_signature)
+        self.runs = []
+        self.made = []
+        self.make = make
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.runs.append((args, grid, warmup, kwargs))
+        c = self.make(len(self.runs))
+        self.made.append(c)
+        return c
+
+
+STREAM = 0x5EED
+
+
+def _hooks(**runtime):
+    fields = {"debug": False, "launch_enter_hook": types.SimpleNamespace(calls=[]),
+              "launch_exit_hook": types.SimpleNamespace(calls=[]), **runtime}
+    return types.SimpleNamespace(runtime=types.SimpleNamespace(**fields))
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """Empty STORE / RECORDERS / STORE_FAILED lists (the real store lookup needs CUDA)."""
+    h = types.SimpleNamespace(store=[], recorders=[], failed=[])
+    monkeypatch.setattr(launch, "STORE", h.store)
+    monkeypatch.setattr(launch, "RECORDERS", h.recorders)
+    monkeypatch.setattr(launch, "STORE_FAILED", h.failed)
+    return h
+
+
+def _lean(fn=None, device=0):
+    fn = fn or FakeJIT()
+    lk = LeanKernel(fn, "add_0123abcd")
+    lk._lean_device = lambda: device
+    lk._lean_stream = lambda d: STREAM + d
+    lk._lean_knobs = _hooks()
+    return lk, fn
+
+
+def _launch_args(c, grid, *args):
+    return (*grid, STREAM, c.function, c.packed_metadata, None, None, None, *args)
+
+
+def test_lean_kernel_keeps_the_name_doc_parameters_and_defaults(hooks):
+    lk, fn = _lean()
+    assert lk.__name__ == lk._lean_name == "add_kernel" and lk.__doc__ == "adds" and lk.fn is fn
+    assert lk._lean_params == ("X", "Y", "n", "BLOCK", "ACT")
+    assert lk._lean_defaults == {"BLOCK": 64, "ACT": "relu"}
+    assert repr(lk) == "LeanKernel(add_0123abcd:add_kernel)"
+
+
+def test_first_call_compiles_through_triton_later_calls_launch_the_compiled_kernel(hooks):
+    lk, fn = _lean()
+    x, y = _aligned(64), _aligned(64)
+    out = lk[(4,)](x, y, 17, ACT="gelu")
+    assert len(fn.runs) == 1
+    assert fn.runs[0] == ((x, y, 17), (4,), False, {"ACT": "gelu"})
+    c = fn.made[0]
+    assert out is c and c.calls == []  # Triton launched it
+    x2, y2 = _aligned(128), _aligned(128)
+    assert lk[(4,)](x2, y2, 33, ACT="gelu") is None  # same key: 33 is like 17 (not 1, not %16, int32)
+    assert len(fn.runs) == 1
+    assert c.calls == [_launch_args(c, (4, 1, 1), x2, y2, 33, 64, "gelu")]
+    lk[(4, 5)](x, y, 17, ACT="gelu")
+    lk[(4, 5, 6)](x, y, 17, ACT="gelu")
+    assert c.calls[1:] == [_launch_args(c, (4, 5, 1), x, y, 17, 64, "gelu"),
+                           _launch_args(c, (4, 5, 6), x, y, 17, 64, "gelu")]
+    assert len(fn.runs) == 1 and c.run_accesses == 1  # the launcher is taken once
+
+
+def test_the_constexpr_tail_comes_from_kwargs_or_defaults_in_parameter_order_without_launch_options(hooks):
+    lk, fn = _lean()
+    x, y = _aligned(8), _aligned(8)
+    lk[(2,)](x, y, 5, ACT="silu", num_warps=8, BLOCK=128)
+    lk[(2,)](x, y, 5, ACT="silu", num_warps=8, BLOCK=128)
+    c = fn.made[0]
+    assert c.calls == [_launch_args(c, (2, 1, 1), x, y, 5, 128, "silu")]
+    lk[(2,)](x, y, 5, num_stages=3)
+    lk[(2,)](x, y, 5, num_stages=3)
+    c2 = fn.made[1]
+    assert c2.calls == [_launch_args(c2, (2, 1, 1), x, y, 5, 64, "relu")]
+    # a constexpr passed positionally cannot be keyed by its kind: Triton's own path, every call
+    lk[(2,)](x, y, 5, 32)
+    lk[(2,)](x, y, 5, 32)
+    assert len(fn.runs) == 4 and all(c3.calls == [] for c3 in fn.made[2:])
+
+
+def test_a_constexpr_passed_positionally_is_keyed_by_its_value(hooks):
+    lk, fn = _lean()
+    x, y = _aligned(8), _aligned(8)
+    lk[(2,)](x, y, 5, 32)
+    lk[(2,)](x, y, 5, 64)
+    assert len(fn.runs) == 2 and fn.made[0].calls == []
+
+
+@pytest.mark.parametrize("change", ["dtype", "misaligned", "int_one", "int_16", "int64", "float_for_int",
+                                    "kwarg_value", "launch_option", "default_made_explicit", "device"])
+def test_a_different_key_goes_through_triton_again(hooks, change):
+    lk, fn = _lean()
+    x, y = _aligned(32, torch.uint8), _aligned(32, torch.uint8)
+    args, kwargs = [x, y, 17], {"ACT": "gelu"}
+    lk[(3,)](*args, **kwargs)
+    lk[(3,)](*args, **kwargs)
+    assert len(fn.runs) == 1 and len(fn.made[0].calls) == 1
+    args2, kwargs2 = list(args), dict(kwargs)
+    if change == "dtype":
+        args2[0] = _aligned(32, torch.int8)
+    elif change == "misaligned":
+        args2[0] = _misaligned()
+    elif change == "int_one":
+        args2[2] = 1
+    elif change == "int_16":
+        args2[2] = 48
+    elif change == "int64":
+        args2[2] = 2 ** 40 + 1
+    elif change == "float_for_int":
+        args2[2] = 17.0
+    elif change == "kwarg_value":
+        kwargs2["ACT"] = "silu"
+    elif change == "launch_option":
+        kwargs2["num_warps"] = 8
+    elif change == "default_made_explicit":
+        kwargs2["BLOCK"] = 64
+    elif change == "device":
+        lk._lean_device = lambda: 1
+    lk[(3,)](*args2, **kwargs2)
+    assert len(fn.runs) == 2
+    assert fn.runs[1][0] == tuple(args2) and fn.runs[1][3] == kwargs2
+    # both keys are memoised now, each with its own compiled kernel
+    lk[(3,)](*args2, **kwargs2)
+    assert len(fn.runs) == 2 and len(fn.made[1].calls) == 1
+    assert fn.made[1].calls[0][3] == STREAM + (1 if change == "device" else 0)
+    lk._lean_device = lambda: 0
+    lk[(3,)](*args, **kwargs)
+    assert len(fn.runs) == 2 and len(fn.made[0].calls) == 2
+
+
+@pytest.mark.parametrize("case", ["callable_grid", "list_grid", "enter_hook", "exit_hook", "hook_without_calls",
+                                  "debug", "no_knobs"])
+def test_triton_own_path_when_the_lean_one_does_not_apply(hooks, case):
+    lk, fn = _lean()
+    grid = (2,)
+    if case == "callable_grid":
+        grid = lambda meta: (2,)  # noqa: E731
+    elif case == "list_grid":
+        grid = [2]
+    elif case == "enter_hook":
+        lk._lean_knobs.runtime.launch_enter_hook.calls.append(lambda *a: None)
+    elif case == "exit_hook":
+        lk._lean_knobs.runtime.launch_exit_hook.calls.append(lambda *a: None)
+    elif case == "hook_without_calls":
+        lk._lean_knobs.runtime.launch_enter_hook = lambda *a: None
+    elif case == "debug":
+        lk._lean_knobs.runtime.debug = True
+    elif case == "no_knobs":
+        lk._lean_knobs = None
+    x, y = _aligned(8), _aligned(8)
+    for _ in range(3):
+        lk[grid](x, y, 17)
+    assert len(fn.runs) == 3 and all(r[1] is grid for r in fn.runs)
+    assert all(c.calls == [] for c in fn.made) and lk._lean_entries == {}
+
+
+def test_hooks_set_to_none_count_as_idle(hooks):
+    lk, fn = _lean()
+    lk._lean_knobs = _hooks(launch_enter_hook=None, launch_exit_hook=None)
+    x, y = _aligned(8), _aligned(8)
+    lk[(2,)](x, y, 17)
+    lk[(2,)](x, y, 17)
+    assert len(fn.runs) == 1 and len(fn.made[0].calls) == 1
+
+
+@pytest.mark.parametrize("case", ["str_arg", "unhashable_kwarg", "missing_parameter", "no_packed_metadata"])
+def test_arguments_without_a_lean_launch_always_go_through_triton(hooks, case):
+    class Bare(FakeCompiled):  # a compiled object without packed_metadata (another Triton)
+        def __init__(self, tag):
+            super().__init__(tag)
+            del self.packed_metadata
+
+    lk, fn = _lean(FakeJIT(make=Bare) if case == "no_packed_metadata" else None)
+    x, y = _aligned(8), _aligned(8)
+    args, kwargs = (x, y, 17), {}
+    if case == "str_arg":
+        args = (x, y, "seventeen")
+    elif case == "unhashable_kwarg":
+        kwargs = {"ACT": ["gelu"]}
+    elif case == "missing_parameter":
+        args = (x, y)
+    for _ in range(3):
+        assert lk[(2,)](*args, **kwargs) is fn.made[-1]
+    assert len(fn.runs) == 3 and lk._lean_entries == {}
+    assert all(c.calls == [] for c in fn.made)
+
+
+def test_a_tensor_passed_by_keyword_goes_through_triton(hooks):
+    lk, fn = _lean()
+    x, y = _aligned(8), _aligned(8)
+    lk[(2,)](x, n=17, Y=y)
+    assert len(fn.runs) == 1 and fn.runs[0][3] == {"n": 17, "Y": y}
+
+
+def test_a_store_hit_is_launched_without_triton_and_memoised(hooks):
+    lk, fn = _lean()
+    stored = FakeCompiled("store")
+    asked = []
+
+    def miss(*a):
+        asked.append(("miss", a))
+        return None
+
+    def hit(*a):
+        asked.append(("hit", a))
+        return stored
+
+    hooks.store[:] = [miss, hit]
+    recorded = []
+    hooks.recorders.append(lambda *a: recorded.append(a))
+    x, y = _aligned(16, torch.float16), _aligned(16, torch.float16)
+    assert lk[(7, 2)](x, y, 16, BLOCK=256) is stored
+    text = key_text((0, arg_key(x), arg_key(y), arg_key(16), ("BLOCK", 256)))
+    assert text == '[["float16",true],["float16",true],["i",false,true,32],["BLOCK",256]]'
+    assert [kind for kind, _ in asked] == ["miss", "hit"]
+    assert asked[1][1] == ("add_0123abcd", "add_kernel", text, fn, 0)
+    assert fn.runs == [] and recorded == []
+    assert stored.calls == [_launch_args(stored, (7, 2, 1), x, y, 16, 256, "relu")]
+    lk[(7, 2)](x, y, 16, BLOCK=256)
+    assert len(asked) == 2 and fn.runs == [] and len(stored.calls) == 2
+
+
+def test_a_store_kernel_that_fails_to_launch_falls_back_to_triton(hooks):
+    lk, fn = _lean()
+    broken = FakeCompiled("store", fail=True)
+    hooks.store.append(lambda *a: broken)
+    failed = []
+    hooks.failed.append(lambda *a: failed.append(a))
+    x, y = _aligned(8), _aligned(8)
+    out = lk[(2,)](x, y, 17)
+    assert len(broken.calls) == 1  # it was tried
+    assert len(fn.runs) == 1 and out is fn.made[0]
+    text = key_text((0, arg_key(x), arg_key(y), arg_key(17)))
+    assert failed == [("add_0123abcd", "add_kernel", text)]
+    assert lk._lean_entries == {}  # the broken kernel is not memoised
+
+
+def test_recorders_get_every_kernel_triton_compiled(hooks):
+    lk, fn = _lean()
+    recorded = []
+    hooks.recorders.append(lambda *a: recorded.append(a))
+    x, y = _aligned(8), _aligned(8)
+    lk[(2,)](x, y, 17)
+    lk[(2,)](x, y, 17)
+    lk[(2,)](x, y, 1)
+    text17 = key_text((0, arg_key(x), arg_key(y), arg_key(17)))
+    text1 = key_text((0, arg_key(x), arg_key(y), arg_key(1)))
+    assert recorded == [("add_0123abcd", "add_kernel", text17, fn.made[0]),
+                        ("add_0123abcd", "add_kernel", text1, fn.made[1])]
+
+
+# ------------------------------------------------------------------------------------------ wrap_module_kernels
+
+
+MODULE_SOURCE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def helper(x):
+    return x + 1
+
+
+@triton.jit
+def called_kernel(X, n, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def via_helper_kernel(X, n):
+    pass
+
+
+@triton.jit
+def uses_helper(X, n):
+    via_helper_kernel(X, n)
+
+
+@triton.jit
+def outer_kernel(X, n, BLOCK: tl.constexpr = 16):
+    called_kernel(X, n, BLOCK)
+    helper(n)
+
+
+@triton.jit
+def add_kernel(X, Y, n, BLOCK: tl.constexpr = 32):
+    """adds"""
+    pass
+
+
+def add(x, y):
+    return x + y
+'''
+
+
+def _load_module(tmp_path, name):
+    """A module of ``@triton.jit`` functions, loaded from a file (Triton reads the functions' source back)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(MODULE_SOURCE)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wrap_module_kernels_wraps_only_kernels_no_other_jit_function_calls(tmp_path, monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read when @triton.jit decorates
+    module = _load_module(tmp_path, "lean_wrap_compiled")
+    before = dict(vars(module))
+    assert all(isinstance(before[n], JITFunction) for n in ("helper", "called_kernel", "outer_kernel", "add_kernel",
+                                                            "via_helper_kernel", "uses_helper"))
+    wrap_module_kernels(module, "stem_0123")
+    for name in ("add_kernel", "outer_kernel"):
+        wrapped = getattr(module, name)
+        # the same object, still a JITFunction, with the lean launch path mixed in
+        assert wrapped is before[name] and isinstance(wrapped, LeanLaunch) and isinstance(wrapped, JITFunction)
+        assert wrapped._lean_stem == "stem_0123" and wrapped.__name__ == name and wrapped._lean_fn is wrapped
+    assert module.add_kernel.__doc__ == "adds"
+    assert module.add_kernel._lean_params == ("X", "Y", "n", "BLOCK")
+    assert module.add_kernel._lean_defaults == {"BLOCK": 32}
+    for name in ("helper", "called_kernel", "via_helper_kernel", "uses_helper", "add"):
+        assert getattr(module, name) is before[name] and not isinstance(getattr(module, name), LeanLaunch)
+
+
+def test_a_wrapped_kernel_still_answers_for_its_jit_function(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    module = _load_module(tmp_path, "lean_wrap_attributes")
+    from triton.compiler import ASTSource
+
+    fn = module.add_kernel
+    src, debug = fn.src, fn.debug
+    wrap_module_kernels(module, "stem_0123")
+    assert module.add_kernel is fn and isinstance(fn, LeanLaunch)
+    assert fn.debug == debug and fn.src == src and callable(fn.fn)
+    ASTSource(fn, {"X": "*fp32", "Y": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 32}).hash()
+
+
+def test_wrap_module_kernels_leaves_interpreted_kernels_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    module = _load_module(tmp_path, "lean_wrap_interpreted")
+    before = dict(vars(module))
+    wrap_module_kernels(module, "stem_0123")
+    assert vars(module) == before
+    assert not any(isinstance(v, LeanLaunch) for v in vars(module).values())
+
+
+# ------------------------------------------------------------------------------------------ stores on disk
+
+
+GPU = "h200"
+TRITON = "3.9.0"
+TARGET = {"backend": "cuda", "arch": 90, "warp_size": 32}
+HASH = "ab" * 32
+DIR = base32_key(HASH)
+SO_DIR = base32_key("cd" * 32)
+KEY = f"add_0123:add_kernel:{key_text((0, (torch.float32, True), ('i', False, False, 32)))}"
+
+
+def _files():
+    return {f"{DIR}/add_kernel.json": json.dumps({"name": "add_kernel", "hash": HASH}).encode(),
+            f"{DIR}/add_kernel.cubin": bytes(range(256)) * 3,
+            f"{SO_DIR}/cuda_utils.cpython-311-x86_64-linux-gnu.so": b"\x7fELF" + bytes(500)}
+
+
+def _sha(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def _make_store(root, *, triton=TRITON, target=TARGET, env=None, files=None, listed=None, name=None):
+    """``<root>/h200/compiled/<name>/`` with its files and manifest (folders 0755, files 0644)."""
+    files = _files() if files is None else files
+    folder = Path(root) / GPU / "compiled" / (name or compiled.store_name(triton, target["backend"], target["arch"]))
+    folder.mkdir(parents=True)
+    for rel, data in files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    manifest = {
+        "schema": compiled.SCHEMA, "triton": triton, "target": dict(target), "env": env or {},
+        "kernels": {KEY: {"hash": HASH, "dir": DIR, "files": ["add_kernel.cubin", "add_kernel.json"],
+                          "signature": [["X", "*fp32"], ["n", "i32"]], "constants": [], "attrs": []}},
+        "files": listed if listed is not None else {rel: {"sha256": _sha(d), "size": len(d)}
+                                                     for rel, d in files.items()},
+    }
+    (folder / compiled.MANIFEST).write_text(json.dumps(manifest))
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return folder
+
+
+def _store(folder, label="user"):
+    return Store(folder, label, compiled.read_manifest(folder / compiled.MANIFEST))
+
+
+class _Warnings:
+    def __enter__(self):
+        self._ctx = warnings.catch_warnings(record=True)
+        self.caught = self._ctx.__enter__()
+        warnings.simplefilter("always")  # a repeated warning is counted, not swallowed by the registry
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+    @property
+    def ours(self):
+        return [w for w in self.caught if issubclass(w.category, CompiledKernelWarning)]
+
+
+def test_a_good_file_verifies_without_a_warning(tmp_path):
+    folder = _make_store(tmp_path)
+    store = _store(folder)
+    with _Warnings() as w:
+        for rel in _files():
+            assert store.check_file(rel) == folder / rel
+        assert store.check_file(f"{DIR}/add_kernel.cubin") == folder / DIR / "add_kernel.cubin"
+    assert w.caught == [] and not store.warned
+    assert store.verified == {rel: True for rel in _files()}
+
+
+def _damage(folder, how):
+    cubin = folder / DIR / "add_kernel.cubin"
+    data = cubin.read_bytes()
+    if how == "corrupt":
+        cubin.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif how == "truncated":
+        cubin.write_bytes(data[:-1])
+    elif how == "grown":
+        cubin.write_bytes(data + b"\0")
+    elif how == "missing":
+        cubin.unlink()
+    return f"{DIR}/add_kernel.cubin"
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "grown", "missing"])
+def test_a_damaged_file_is_refused_with_one_warning_per_store(tmp_path, how):
+    folder_a = _make_store(tmp_path / "a")
+    folder_b = _make_store(tmp_path / "b")
+    rel = _damage(folder_a, how)
+    _damage(folder_b, how)
+    a, b = _store(folder_a), _store(folder_b)
+    with _Warnings() as w:
+        assert a.check_file(rel) is None
+        assert a.check_file(rel) is None
+        assert a.group(DIR, ["add_kernel.json", "add_kernel.cubin"]) is None
+        assert a.check_file(f"{DIR}/add_kernel.json") == folder_a / DIR / "add_kernel.json"  # the rest is fine
+    assert len(w.ours) == 1 and str(folder_a) in str(w.ours[0].message) and rel in str(w.ours[0].message)
+    with _Warnings() as w:
+        assert b.check_file(rel) is None
+        assert a.check_file(f"{SO_DIR}/missing.so") is None  # store a has warned already
+    assert len(w.ours) == 1 and str(folder_b) in str(w.ours[0].message)
+
+
+def test_paths_outside_the_store_or_not_listed_are_refused(tmp_path):
+    files = _files()
+    folder = _make_store(tmp_path / "s", files=files)
+    outside = folder.parent / "outside.bin"  # what <DIR>/../../outside.bin names
+    outside.write_bytes(b"payload")
+    (folder / "loose.bin").write_bytes(b"payload")
+    (folder / DIR / "unlisted.bin").write_bytes(b"payload")
+    entry = {"sha256": _sha(b"payload"), "size": 7}
+    manifest = json.loads((folder / compiled.MANIFEST).read_text())
+    # listed with the right hash, so only the path rules can refuse them
+    manifest["files"].update({f"{DIR}/../../outside.bin": entry, str(outside): entry, "loose.bin": entry})
+    store = Store(folder, "user", manifest)
+    assert (folder / DIR / "../../outside.bin").read_bytes() == b"payload"
+    for rel in (f"{DIR}/../../outside.bin", str(outside), "loose.bin", f"{DIR}/unlisted.bin"):
+        fresh = Store(folder, "user", manifest)
+        with _Warnings() as w:
+            assert fresh.check_file(rel) is None, rel
+        assert len(w.ours) == 1
+    with _Warnings():
+        assert store.check_file(f"{DIR}/add_kernel.json") == folder / DIR / "add_kernel.json"
+
+
+def test_a_file_whose_listed_size_is_wrong_is_refused(tmp_path):
+    folder = _make_store(tmp_path)
+    manifest = compiled.read_manifest(folder / compiled.MANIFEST)
+    manifest["files"][f"{DIR}/add_kernel.cubin"]["size"] += 1  # the SHA-256 still matches
+    store = Store(folder, "user", manifest)
+    with _Warnings() as w:
+        assert store.check_file(f"{DIR}/add_kernel.cubin") is None
+    assert len(w.ours) == 1
+
+
+def test_group_gives_every_member_verified_or_none(tmp_path):
+    folder = _make_store(tmp_path)
+    store = _store(folder)
+    with _Warnings() as w:
+        assert store.group(DIR, ["add_kernel.json", "add_kernel.cubin"]) == {
+            "add_kernel.json": str(folder / DIR / "add_kernel.json"),
+            "add_kernel.cubin": str(folder / DIR / "add_kernel.cubin")}
+    assert w.ours == []
+    with _Warnings() as w:
+        assert store.group(DIR, ["add_kernel.json", "add_kernel.ptx"]) is None
+    assert len(w.ours) == 1
+
+
+def test_read_manifest_refuses_what_is_not_a_manifest(tmp_path, monkeypatch):
+    path = tmp_path / "manifest.json"
+    with pytest.raises(ValueError, match="cannot read"):
+        compiled.read_manifest(path)
+    path.write_bytes(b"\xff\xfe not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        compiled.read_manifest(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        compiled.read_manifest(path)
+    good = {"schema": compiled.SCHEMA, "kernels": {}, "files": {}, "target": TARGET}
+    for bad, match in ([[1, 2], "not a compiled kernel manifest"], [{**good, "schema": "other/1"}, "schema"],
+                       [{**good, "kernels": []}, "'kernels' must be an object"],
+                       [{**good, "files": None}, "'files' must be an object"],
+                       [{k: v for k, v in good.items() if k != "target"}, "'target' must be an object"]):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            compiled.read_manifest(path)
+    path.write_text(json.dumps(good))
+    assert compiled.read_manifest(path) == good
+    monkeypatch.setattr(compiled, "MAX_MANIFEST_BYTES", 10)
+    with pytest.raises(ValueError, match="more than a manifest may have"):
+        compiled.read_manifest(path)
+
+
+def test_mismatch_names_what_differs():
+    manifest = {"triton": TRITON, "target": TARGET, "env": {"TRITON_X": "1"}}
+    assert compiled.mismatch(manifest, TRITON, TARGET, {"TRITON_X": "1"}) is None
+    assert compiled.mismatch(manifest, TRITON, {**TARGET, "warp_size": 64}, {"TRITON_X": "1"}) is None
+    assert "Triton 3.8.1" in compiled.mismatch({**manifest, "triton": "3.8.1"}, TRITON, TARGET, {"TRITON_X": "1"})
+    why = compiled.mismatch(manifest, TRITON, {**TARGET, "arch": 80}, {"TRITON_X": "1"})
+    assert "architecture 90" in why and "cuda 80" in why
+    assert "hip 90" in compiled.mismatch(manifest, TRITON, {**TARGET, "backend": "hip"}, {"TRITON_X": "1"})
+    assert "environment" in compiled.mismatch(manifest, TRITON, TARGET, {})
+
+
+def test_find_stores_uses_a_matching_store_and_ignores_folders_without_a_manifest(tmp_path):
+    folder = _make_store(tmp_path / "user")
+    (folder.parent / "not-a-store").mkdir()
+    packaged = _make_store(tmp_path / "pkg")
+    roots = [("user", tmp_path / "user"), ("user", tmp_path / "nowhere"), ("packaged", tmp_path / "pkg")]
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=roots)
+    assert refused == []
+    assert [(s.path, s.label) for s in usable] == [(folder, "user"), (packaged, "packaged")]
+    assert usable[0].kernels[KEY]["dir"] == DIR and set(usable[0].files) == set(_files())
+    assert compiled.find_stores("a100", TRITON, TARGET, {}, roots=roots) == ([], [])
+
+
+@pytest.mark.parametrize("other", ["triton", "arch", "env"])
+def test_find_stores_refuses_a_store_for_another_triton_gpu_or_environment(tmp_path, other):
+    folder = _make_store(tmp_path, triton="3.8.0" if other == "triton" else TRITON,
+                         target={**TARGET, "arch": 100} if other == "arch" else TARGET,
+                         env={"TRITON_F32_DEFAULT": "ieee"} if other == "env" else {})
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", tmp_path)])
+    assert usable == [] and len(refused) == 1
+    assert refused[0].startswith(f"{folder}: ")
+    assert {"triton": "Triton 3.8.0", "arch": "architecture 100", "env": "TRITON_F32_DEFAULT"}[other] in refused[0]
+
+
+@pytest.mark.parametrize("how", ["group_writable_folder", "other_writable_file", "writable_subfolder",
+                                 "symlink_file", "symlinked_store"])
+def test_a_user_store_that_is_not_private_is_refused_but_a_packaged_one_is_not_checked(tmp_path, how):
+    real = _make_store(tmp_path / "real")
+    folder = real
+    if how == "group_writable_folder":
+        os.chmod(folder, 0o775)
+    elif how == "other_writable_file":
+        os.chmod(folder / DIR / "add_kernel.cubin", 0o666)
+    elif how == "writable_subfolder":
+        os.chmod(folder / SO_DIR, 0o777)
+    elif how == "symlink_file":
+        (folder / DIR / "extra.cubin").symlink_to(folder / DIR / "add_kernel.cubin")
+    elif how == "symlinked_store":
+        parent = tmp_path / "linked" / GPU / "compiled"
+        parent.mkdir(parents=True)
+        folder = parent / real.name
+        folder.symlink_to(real)
+    root = folder.parent.parent.parent
+    assert compiled.untrusted_reason(folder) is not None
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", root)])
+    assert usable == [] and len(refused) == 1
+    want = "symbolic link" if how.startswith("symlink") else "writable by group or others"
+    assert want in refused[0] and "must belong to you" in refused[0]
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("packaged", root)])
+    assert refused == [] and [s.path for s in usable] == [folder]
+
+
+def test_a_private_store_is_trusted(tmp_path):
+    folder = _make_store(tmp_path)
+    assert compiled.untrusted_reason(folder) is None
+
+
+@pytest.mark.parametrize("label", ["user", "packaged"])
+def test_find_stores_refuses_an_unreadable_manifest(tmp_path, label):
+    folder = _make_store(tmp_path)
+    (folder / compiled.MANIFEST).write_text('{"schema": "liger-gen/compiled-kernels/1", "kernels": ')
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[(label, tmp_path)])
+    assert usable == [] and len(refused) == 1 and "cannot read" in refused[0] and str(folder) in refused[0]
+
+
+# ------------------------------------------------------------------------------------------ Triton's cache hook
+
+
+@pytest.fixture
+def fallback(monkeypatch):
+    """A fresh fallback cache manager class that records its instances and calls, configured as the previous one."""
+
+    class Fallback:
+        instances = []
+
+        def __init__(self, key, override=False, dump=False):
+            self.args = (key, override, dump)
+            self.calls = []
+            self.cache_dir = f"/fallback/{key}"
+            Fallback.instances.append(self)
+
+        def get_file(self, filename):
+            self.calls.append(("get_file", filename))
+            return f"/fallback/{self.args[0]}/{filename}"
+
+        def get_group(self, filename):
+            self.calls.append(("get_group", filename))
+            return {"fallback": filename}
+
+        def put(self, data, filename, binary=True):
+            self.calls.append(("put", data, filename, binary))
+            return f"/fallback/{self.args[0]}/{filename}"
+
+        def put_group(self, filename, group):
+            self.calls.append(("put_group", filename, group))
+            return f"/fallback/{self.args[0]}/__grp__{filename}"
+
+    monkeypatch.setattr(compiled, "_previous_manager", [Fallback])
+    monkeypatch.setattr(compiled, "_states", {})
+    return Fallback
+
+
+def _register(monkeypatch, store, device=99):
+    st = compiled._State(stores=[store], kernels={}, dirs={DIR: store, SO_DIR: store})
+    monkeypatch.setitem(compiled._states, device, st)
+    return st
+
+
+def test_the_cache_manager_serves_verified_files_of_a_store(tmp_path, monkeypatch, fallback):
+    from triton.runtime.cache import CacheManager
+
+    folder = _make_store(tmp_path)
+    _register(monkeypatch, _store(folder))
+    monkeypatch.setitem(compiled._states, 98, None)  # a device without stores
+    cls = compiled._make_manager_class()
+    assert issubclass(cls, CacheManager)
+    m = cls(DIR)
+    with _Warnings() as w:
+        assert m.get_file("add_kernel.cubin") == str(folder / DIR / "add_kernel.cubin")
+        assert m.get_group("add_kernel.json") == {"add_kernel.json": str(folder / DIR / "add_kernel.json"),
+                                                  "add_kernel.cubin": str(folder / DIR / "add_kernel.cubin")}
+        so = cls(SO_DIR)
+        assert so.get_file("cuda_utils.cpython-311-x86_64-linux-gnu.so") == str(
+            folder / SO_DIR / "cuda_utils.cpython-311-x86_64-linux-gnu.so")
+    assert w.caught == []
+    assert fallback.instances == []  # served without touching the previous manager
+    # a group the store does not hold, every write and other attributes go to the previous manager
+    assert m.get_group("other.json") == {"fallback": "other.json"}
+    assert m.put(b"ir", "add_kernel.ttir", binary=False) == f"/fallback/{DIR}/add_kernel.ttir"
+    assert m.put_group("add_kernel.json", {"a": "b"}) == f"/fallback/{DIR}/__grp__add_kernel.json"
+    assert m.cache_dir == f"/fallback/{DIR}"
+    assert len(fallback.instances) == 1 and fallback.instances[0].args == (DIR, False, False)
+    assert fallback.instances[0].calls == [("get_group", "other.json"), ("put", b"ir", "add_kernel.ttir", False),
+                                           ("put_group", "add_kernel.json", {"a": "b"})]
+    with pytest.raises(AttributeError):
+        m._no_such_private_thing  # noqa: B018
+
+
+def test_the_cache_manager_falls_back_for_damaged_files(tmp_path, monkeypatch, fallback):
+    folder = _make_store(tmp_path)
+    _damage(folder, "corrupt")
+    _register(monkeypatch, _store(folder))
+    m = compiled._make_manager_class()(DIR)
+    with _Warnings() as w:
+        assert m.get_file("add_kernel.cubin") == f"/fallback/{DIR}/add_kernel.cubin"
+        assert m.get_group("add_kernel.json") == {"fallback": "add_kernel.json"}
+        assert m.get_file("add_kernel.json") == str(folder / DIR / "add_kernel.json")
+    assert len(w.ours) == 1
+    assert fallback.instances[0].calls == [("get_file", "add_kernel.cubin"), ("get_group", "add_kernel.json")]
+
+
+def test_the_cache_manager_hands_unknown_keys_and_override_or_dump_managers_to_the_previous_one(
+        tmp_path, monkeypatch, fallback):
+    folder = _make_store(tmp_path)
+    _register(monkeypatch, _store(folder))
+    cls = compiled._make_manager_class()
+    for args, kwargs, want in ((("UNKNOWNKEY",), {}, ("UNKNOWNKEY", False, False)),
+                               ((DIR,), {"override": True}, (DIR, True, False)),
+                               ((DIR, False, True), {}, (DIR, False, True))):
+        fallback.instances.clear()
+        m = cls(*args, **kwargs)
+        assert len(fallback.instances) == 1 and fallback.instances[0].args == want  # made at once
+        key = want[0]
+        assert m.get_file("add_kernel.cubin") == f"/fallback/{key}/add_kernel.cubin"
+        assert m.get_group("add_kernel.json") == {"fallback": "add_kernel.json"}
+        m.put(b"x", "add_kernel.cubin")
+        assert fallback.instances[0].calls == [("get_file", "add_kernel.cubin"), ("get_group", "add_kernel.json"),
+                                               ("put", b"x", "add_kernel.cubin", True)]
+
+
+def test_without_a_previous_manager_the_fallback_is_tritons_file_cache(tmp_path, monkeypatch):
+    from triton.runtime.cache import FileCacheManager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    monkeypatch.setattr(compiled, "_previous_manager", [None])
+    monkeypatch.setattr(compiled, "_states", {})
+    m = compiled._make_manager_class()("SOMEKEY")
+    assert type(m.inner) is FileCacheManager
+    path = m.put(b"data", "x.bin")
+    assert Path(path).read_bytes() == b"data" and Path(path).parent == tmp_path / "triton-cache" / "SOMEKEY"
+    assert m.get_file("x.bin") == path
+
+
+@pytest.fixture
+def knob_manager(monkeypatch):
+    """Restores Triton's cache-manager knob and the module's record of it."""
+    from triton import knobs
+
+    monkeypatch.setattr(compiled, "_manager_class", [])
+    monkeypatch.setattr(compiled, "_previous_manager", [])
+    monkeypatch.setattr(compiled, "_states", {})
+    had = "manager_class" in vars(knobs.cache)
+    old = knobs.cache.manager_class
+    if had:  # a GPU run of other tests may have installed the real manager: start from Triton's default
+        del knobs.cache.manager_class
+    monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
+    yield knobs
+    if had:
+        knobs.cache.manager_class = old
+    else:
+        del knobs.cache.manager_class
+
+
+def test_state_discovers_stores_once_and_installs_the_cache_manager(tmp_path, monkeypatch, knob_manager):
+    from liger_gen.runtime import devices, tables
+
+    monkeypatch.delenv(compiled.ENV_DISABLE, raising=False)
+    folder = _make_store(tmp_path, triton=__import__("triton").__version__, env=compiled.cache_env())
+    calls = []
+    monkeypatch.setattr(devices, "current_gpu", lambda d: calls.append(d) or (GPU, "NVIDIA H200"))
+    monkeypatch.setattr(compiled, "device_target", lambda d: dict(TARGET))
+    monkeypatch.setattr(tables, "table_roots", lambda: [("user", tmp_path)])
+    st = compiled.state(5)
+    assert st is not None and [s.path for s in st.stores] == [folder]
+    assert set(st.kernels) == {KEY} and st.kernels[KEY][0] is st.stores[0]
+    assert st.dirs == {DIR: st.stores[0], SO_DIR: st.stores[0]}
+    assert compiled.state(5) is st and calls == [5]  # once per process and device
+    cls = knob_manager.cache.manager_class
+    assert cls is compiled._manager_class[0] and compiled._previous_manager == [None]
+    compiled.install_cache_manager()
+    assert compiled._previous_manager == [None]  # not its own fallback
+    assert compiled._store_for_dir(DIR) is st.stores[0] and compiled._store_for_dir("OTHER") is None
+    with _Warnings() as w:
+        assert compiled.lookup("add_0123", "add_kernel", "[]", None, 5) is None  # not in the store
+    assert w.caught == []
+    # an entry whose signature does not list the kernel's parameters is not loaded (one warning)
+    fn = types.SimpleNamespace(arg_names=["X", "n", "BLOCK"])
+    stem, name, text = KEY.split(":", 2)
+    with _Warnings() as w:
+        assert compiled.lookup(stem, name, text, fn, 5) is None
+    assert len(w.ours) == 1 and "signature" in str(w.ours[0].message)
+    # a kernel that failed to launch is forgotten
+    compiled.launch_failed(stem, name, text)
+    assert KEY not in st.kernels
+
+
+def test_state_warns_when_every_store_found_is_refused(tmp_path, monkeypatch, knob_manager):
+    from liger_gen.runtime import devices, tables
+
+    monkeypatch.delenv(compiled.ENV_DISABLE, raising=False)
+    folder = _make_store(tmp_path, triton="0.0.1")
+    monkeypatch.setattr(devices, "current_gpu", lambda d: (GPU, "NVIDIA H200"))
+    monkeypatch.setattr(compiled, "device_target", lambda d: dict(TARGET))
+    monkeypatch.setattr(tables, "table_roots", lambda: [("user", tmp_path)])
+    with _Warnings() as w:
+        assert compiled.state(6) is None
+    assert len(w.ours) == 1 and "no compiled kernel cache can be used" in str(w.ours[0].message)
+    assert str(folder) in str(w.ours[0].message) and "Triton 0.0.1" in str(w.ours[0].message)
+    assert knob_manager.cache.manager_class is None  # nothing to serve: Triton's cache is left alone
+
+
+def test_state_is_none_when_disabled_or_without_a_gpu(monkeypatch, knob_manager):
+    from liger_gen.runtime import devices
+
+    monkeypatch.setattr(devices, "current_gpu", lambda d: None)
+    monkeypatch.delenv(compiled.ENV_DISABLE, raising=False)
+    assert compiled.state(3) is None and compiled._states == {3: None}
+    monkeypatch.setattr(devices, "current_gpu", lambda d: pytest.fail("disabled: no discovery"))
+    monkeypatch.setenv(compiled.ENV_DISABLE, "0")
+    assert compiled.state(4) is None
+    assert knob_manager.cache.manager_class is None
+
+
+def test_launch_failed_warns_once_and_forgets_the_kernel(tmp_path, monkeypatch, fallback):
+    store = _store(_make_store(tmp_path))
+    st = _register(monkeypatch, store)
+    monkeypatch.setitem(compiled._states, 98, None)
+    st.kernels[KEY] = (store, store.kernels[KEY])
+    stem, name, text = KEY.split(":", 2)
+    with _Warnings() as w:
+        compiled.launch_failed(stem, name, text)
+        compiled.launch_failed(stem, name, text)
+        compiled.launch_failed("other", name, text)
+    assert st.kernels == {} and len(w.ours) == 1 and "could not be launched" in str(w.ours[0].message)
+
+
+# ------------------------------------------------------------------------------------------ building a store
+
+
+class FakeSrc:
+    def __init__(self, signature, constants, attrs):
+        self.signature, self.constants, self.attrs = signature, constants, attrs
+
+
+def _fake_compiled(cache, hex_hash, name, *, binary=True, constants=None):
+    folder = cache / base32_key(hex_hash)
+    folder.mkdir(parents=True)
+    contents = {f"{name}.json": json.dumps({"name": name}).encode(), f"{name}.ptx": b"ptx", f"{name}.llir": b"ll",
+                f"{name}.ttir": b"tt", f"__grp__{name}.json": b"{}"}
+    if binary:
+        contents[f"{name}.cubin"] = f"cubin of {name}".encode() * 7
+    for fname, data in contents.items():
+        (folder / fname).write_bytes(data)
+    src = FakeSrc({"X": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                  {(2,): 128} if constants is None else constants, {(0,): [["tt.divisibility", 16]]})
+    return types.SimpleNamespace(src=src, hash=hex_hash, metadata_group={f: str(folder / f) for f in contents})
+
+
+@pytest.fixture
+def triton_cache(tmp_path):
+    cache = tmp_path / "triton-cache"
+    so_dir = cache / SO_DIR
+    so_dir.mkdir(parents=True)
+    (so_dir / "cuda_utils.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF driver")
+    (so_dir / "cuda_utils.c").write_bytes(b"int main;")
+    (cache / "deep" / "er").mkdir(parents=True)
+    (cache / "deep" / "er" / "nested.so").write_bytes(b"not one level down")
+    return cache
+
+
+def test_recorder_keeps_the_first_kernel_of_each_key(monkeypatch):
+    monkeypatch.setattr(launch, "RECORDERS", [])
+    first = types.SimpleNamespace(metadata_group={"a.json": "/a"})
+    with compiled.Recorder() as rec:
+        assert launch.RECORDERS == [rec]
+        rec("stem", "k", "[]", first)
+        rec("stem", "k", "[]", types.SimpleNamespace(metadata_group={"b.json": "/b"}))
+        rec("stem", "k", "[1]", None)
+        rec("stem", "k", "[2]", types.SimpleNamespace(metadata_group={}))
+        rec("stem", "k", "[3]", object())
+    assert launch.RECORDERS == []
+    assert rec.kernels == {"stem:k:[]": first}
+
+
+def test_kernel_record_lists_files_signature_constants_and_attrs(tmp_path):
+    c = _fake_compiled(tmp_path, "12" * 32, "add_kernel")
+    rec, files = compiled.kernel_record(c)
+    assert rec == {"hash": "12" * 32, "dir": base32_key("12" * 32), "files": ["add_kernel.cubin", "add_kernel.json"],
+                   "signature": [["X", "*fp32"], ["n", "i32"], ["BLOCK", "constexpr"]],
+                   "constants": [[[2], 128]], "attrs": [[[0], [["tt.divisibility", 16]]]]}
+    assert files == {n: c.metadata_group[n] for n in ("add_kernel.json", "add_kernel.cubin")}
+    with pytest.raises(TypeError, match="no metadata or binary"):
+        compiled.kernel_record(_fake_compiled(tmp_path, "34" * 32, "k", binary=False))
+    with pytest.raises(TypeError, match="is not stored"):
+        compiled.kernel_record(_fake_compiled(tmp_path, "56" * 32, "k", constants={(2,): object()}))
+
+
+def _recorder(kernels):
+    r = compiled.Recorder()
+    r.kernels.update(kernels)
+    return r
+
+
+def test_write_store_writes_a_verifiable_manifest(tmp_path, triton_cache):
+    import triton
+
+    a = _fake_compiled(triton_cache, "12" * 32, "add_kernel")
+    skipped = _fake_compiled(triton_cache, "34" * 32, "mul_kernel", binary=False)
+    out = tmp_path / "tables"
+    final = compiled.write_store(out, GPU, _recorder({"add:add_kernel:[]": a, "mul:mul_kernel:[]": skipped}),
+                                 triton_cache, TARGET, built_for={"model": "tiny"})
+    assert final == out / GPU / "compiled" / compiled.store_name(triton.__version__, "cuda", 90)
+    assert final.name == f"triton-{triton.__version__}-cuda-sm90"
+    manifest = compiled.read_manifest(final / compiled.MANIFEST)
+    d = base32_key("12" * 32)
+    so = f"{SO_DIR}/cuda_utils.cpython-311-x86_64-linux-gnu.so"
+    assert set(manifest["files"]) == {f"{d}/add_kernel.json", f"{d}/add_kernel.cubin", so}
+    for rel, info in manifest["files"].items():
+        source = Path(a.metadata_group[rel.split("/")[1]]) if rel.startswith(d) else triton_cache / rel
+        data = source.read_bytes()
+        assert info == {"sha256": _sha(data), "size": len(data)} and (final / rel).read_bytes() == data
+    assert set(manifest["kernels"]) == {"add:add_kernel:[]"}
+    assert manifest["kernels"]["add:add_kernel:[]"]["signature"] == [["X", "*fp32"], ["n", "i32"],
+                                                                      ["BLOCK", "constexpr"]]
+    assert len(manifest["skipped"]) == 1 and manifest["skipped"][0].startswith("mul:mul_kernel:[]: ")
+    assert manifest["schema"] == compiled.SCHEMA and manifest["triton"] == triton.__version__
+    assert manifest["target"] == TARGET and manifest["env"] == compiled.cache_env() and manifest["gpu"] == GPU
+    assert manifest["built_for"] == [{"model": "tiny"}]
+    assert compiled.store_summary(final) == {
+        "path": str(final), "triton": triton.__version__, "target": TARGET, "kernels": 1, "files": 3,
+        "bytes": sum(i["size"] for i in manifest["files"].values())}
+    # what was written is usable as a user store, every file verified
+    assert [p.name for p in final.parent.iterdir()] == [final.name]  # no temporary folder left
+    usable, refused = compiled.find_stores(GPU, triton.__version__, TARGET, compiled.cache_env(),
+                                           roots=[("user", out)])
+    assert refused == [] and [s.path for s in usable] == [final]
+    with _Warnings() as w:
+        assert all(usable[0].check_file(rel) == final / rel for rel in manifest["files"])
+    assert w.caught == []
+
+
+def test_write_store_merges_or_replaces(tmp_path, triton_cache):
+    import triton
+
+    a = _fake_compiled(triton_cache, "12" * 32, "add_kernel")
+    b = _fake_compiled(triton_cache, "34" * 32, "mul_kernel")
+    out = tmp_path / "tables"
+    final = compiled.write_store(out, GPU, _recorder({"add:add_kernel:[]": a}), triton_cache, TARGET,
+                                 built_for={"model": "one"})
+    first = compiled.read_manifest(final / compiled.MANIFEST)
+    import shutil
+
+    shutil.rmtree(triton_cache / base32_key("12" * 32))  # the merge copies a's files from the old store
+    final2 = compiled.write_store(out, GPU, _recorder({"mul:mul_kernel:[]": b}), triton_cache, TARGET,
+                                  built_for={"model": "two"}, merge=True)
+    assert final2 == final
+    merged = compiled.read_manifest(final / compiled.MANIFEST)
+    assert set(merged["kernels"]) == {"add:add_kernel:[]", "mul:mul_kernel:[]"}
+    assert merged["kernels"]["add:add_kernel:[]"] == first["kernels"]["add:add_kernel:[]"]
+    assert set(first["files"]) < set(merged["files"]) and len(merged["files"]) == 5
+    assert merged["built_for"] == [{"model": "one"}, {"model": "two"}]
+    store = _store(final)
+    with _Warnings() as w:
+        assert all(store.check_file(rel) for rel in merged["files"])
+    assert w.caught == []
+    assert compiled.store_summary(final)["kernels"] == 2
+    replaced = compiled.write_store(out, GPU, _recorder({"mul:mul_kernel:[]": b}), triton_cache, TARGET,
+                                    merge=False)
+    manifest = compiled.read_manifest(replaced / compiled.MANIFEST)
+    assert set(manifest["kernels"]) == {"mul:mul_kernel:[]"} and manifest["built_for"] == []
+    assert not (replaced / base32_key("12" * 32)).exists() and len(manifest["files"]) == 3
+    assert compiled.store_summary(replaced)["files"] == 3
+    assert sorted(p.name for p in replaced.parent.iterdir()) == [f"triton-{triton.__version__}-cuda-sm90"]
+
+
+def test_write_store_does_not_merge_a_store_for_another_environment(tmp_path, triton_cache):
+    a = _fake_compiled(triton_cache, "12" * 32, "add_kernel")
+    b = _fake_compiled(triton_cache, "34" * 32, "mul_kernel")
+    out = tmp_path / "tables"
+    final = compiled.write_store(out, GPU, _recorder({"add:add_kernel:[]": a}), triton_cache, TARGET)
+    path = final / compiled.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["env"] = {"TRITON_SOMETHING": "changed"}
+    path.write_text(json.dumps(manifest))
+    compiled.write_store(out, GPU, _recorder({"mul:mul_kernel:[]": b}), triton_cache, TARGET, merge=True)
+    assert set(compiled.read_manifest(path)["kernels"]) == {"mul:mul_kernel:[]"}
+
+
+# ------------------------------------------------------------------------------------------ disabled()
+
+
+def test_disabled_by_environment(monkeypatch):
+    for name in (compiled.ENV_DISABLE, "TRITON_ALWAYS_COMPILE", "TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP"):
+        monkeypatch.delenv(name, raising=False)
+    assert compiled.disabled() is False
+    for value in ("0", "false", "No", " off "):
+        monkeypatch.setenv(compiled.ENV_DISABLE, value)
+        assert compiled.disabled() is True, value
+    monkeypatch.setenv(compiled.ENV_DISABLE, "1")
+    assert compiled.disabled() is False
+    monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
+    assert compiled.disabled() is True
