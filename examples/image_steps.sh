@@ -2,7 +2,8 @@
 # The steps of examples/Dockerfile without Docker: build the wheel, install it into a fresh folder, copy in a
 # tuned folder, and run `liger-gen verify` from the installed package.
 #
-#   examples/image_steps.sh [WORK_DIR]      # env: GPU (h200), MODEL (llama3-8b), TUNED (liger_gen/tuned)
+#   examples/image_steps.sh [WORK_DIR]      # env: GPU (h200), MODEL (llama3-8b), TUNED (liger_gen/tuned),
+#                                           # VERIFY_FLAGS (e.g. --require-compiled, as the Dockerfile passes)
 #
 # torch, Triton, Jinja2, click and rich come from the running Python (the image installs them with pip); the
 # installed wheel is imported ahead of any other copy of liger-gen (python -S: no .pth files are processed).
@@ -28,4 +29,4 @@ SITE="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 PLAT="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')"
 cd "$WORK"
 LIGER_GEN_TUNED_DIR="$WORK/tuned" PYTHONPATH="$WORK/site:$SITE:$PLAT" \
-    "$PYTHON" -S -m liger_gen.cli verify --gpu "$GPU" --model "$MODEL"
+    "$PYTHON" -S -m liger_gen.cli verify --gpu "$GPU" --model "$MODEL" ${VERIFY_FLAGS:-}

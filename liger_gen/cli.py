@@ -203,10 +203,15 @@ def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int]
     cache, and this process has compiled the tuning variants)."""
     import subprocess
 
-    for dtype in [d.strip() for d in dtypes.split(",") if d.strip()][:1]:
+    from liger_gen.bench.ops import CASES
+
+    runnable = [o for o in ops if o in CASES]
+    if not runnable:
+        return
+    for dtype in [d.strip() for d in dtypes.split(",") if d.strip()]:
         cmd = [sys.executable, "-m", "liger_gen.cli", "build", "--gpu", gpu, "--model", model_name,
-               "--ops", ",".join(o for o in ops if o != "moe_permute"), "--rows", ",".join(map(str, rows)),
-               "--dtype", dtype, "--out", str(out_root)]
+               "--ops", ",".join(runnable), "--rows", ",".join(map(str, rows)), "--dtype", dtype,
+               "--out", str(out_root)]
         click.echo("compiling the tuned variants: " + " ".join(cmd[2:]))
         if subprocess.run(cmd, check=False).returncode != 0:
             raise click.ClickException("the tables were written, but compiling their kernels failed (above); "
@@ -236,8 +241,8 @@ def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int]
 @click.option("--heuristic/--no-heuristic", default=True, show_default=True,
               help="Also compile the heuristic configs (used where a table is refused at run time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Tables root to write OUT/<gpu>/compiled/triton-<version>-<arch>/ under. Default: where "
-                   "`liger-gen tune` writes.")
+              help="Tables root to write OUT/<gpu>/compiled/triton-<version>-<backend>-sm<arch>/ under. "
+                   "Default: where `liger-gen tune` writes.")
 @click.option("--replace", is_flag=True,
               help="Start the store afresh (default: add to it, so several models share one store).")
 def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, heuristic, out_dir, replace) -> None:
@@ -255,7 +260,8 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
     visible = current_gpu()
     if visible is None:
         raise click.ClickException(f"no CUDA GPU is visible: compiled kernels are built on the GPU they are for. "
-                                   f"Run `liger-gen build --gpu {gpu} --model {model_name}` on a machine with it.")
+                                   f"Run `liger-gen build --gpu {gpu} --model {model_name}` (with the same other "
+                                   f"options) on a machine with that GPU.")
     if visible[0] != gpu:
         raise click.ClickException(f"--gpu {gpu} does not match the visible GPU {visible[1]!r} ({visible[0]})")
     try:
@@ -319,7 +325,10 @@ def show(gpu, show_trials) -> None:
                    "geglu, layer_norm, moe_permute, clamped_swiglu, ... for other families).")
 @click.option("--allow-heuristic", is_flag=True,
               help="Exit 0 even when some shapes would run the analytic heuristic (no tuned entry).")
-def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic) -> None:
+@click.option("--require-compiled", is_flag=True,
+              help="Exit 1 unless a compiled kernel store can be used here (for this Triton and GPU), so an image "
+                   "whose kernels would all compile at start fails its build.")
+def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled) -> None:
     """Say which tuned tables this machine would use for a model's shapes, which not and why.
 
     Exits 1 when a table file or entry is unusable, or when a shape would run the heuristic (unless
@@ -349,8 +358,8 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic) -> None:
         raise click.BadParameter("name at least one dtype (bfloat16, float16, float32)", param_hint="--dtype")
     report = check(gpu, model, rows, dtype_list, ops)
     print_report(report, gpu, model_name)
-    print_verdict(report, allow_heuristic)
-    sys.exit(report.exit_code(allow_heuristic))
+    print_verdict(report, allow_heuristic, require_compiled=require_compiled)
+    sys.exit(report.exit_code(allow_heuristic, require_compiled))
 
 
 @main.command()

@@ -36,12 +36,13 @@ def write_atomic(path: str | os.PathLike, text: str, *, mode: int | None = 0o644
     return path
 
 
-def not_private(st: os.stat_result) -> str | None:
+def not_private(st: os.stat_result, allow_root: bool = False) -> str | None:
     """Why a file or folder with this ``os.stat`` result is not private to the current user (owned by another
-    uid, or writable by group or others), or None when it is (or the platform has no uids)."""
+    uid, or writable by group or others), or None when it is (or the platform has no uids). ``allow_root``: a
+    root-owned one counts as private too (only root can change it, as an image's files installed as root)."""
     if not hasattr(os, "getuid"):
         return None
-    if st.st_uid != os.getuid():
+    if st.st_uid != os.getuid() and not (allow_root and st.st_uid == 0):
         return f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"writable by group or others (mode {oct(st.st_mode)})"

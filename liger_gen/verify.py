@@ -46,11 +46,20 @@ class Report:
     notices: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
     compiled: list[str] = field(default_factory=list)  # one line per usable compiled kernel store
+    usable_compiled: int = 0
+    missing_compiled: list[str] = field(default_factory=list)  # ops a usable store holds no kernel of
     roots: list[tuple[str, str]] = field(default_factory=list)  # (source, folder) in lookup order
 
-    def exit_code(self, allow_heuristic: bool) -> int:
+    def compiled_missing(self) -> str | None:
+        """Why ``--require-compiled`` fails, or None."""
+        if not self.usable_compiled:
+            return "no compiled kernel store can be used here (none, or none for this Triton and GPU)"
+        return None
+
+    def exit_code(self, allow_heuristic: bool, require_compiled: bool = False) -> int:
         heuristic = any(f.source == "heuristic" for f in self.findings)
-        return 1 if self.file_problems or (heuristic and not allow_heuristic) else 0
+        return 1 if self.file_problems or (heuristic and not allow_heuristic) or (
+            require_compiled and self.compiled_missing()) else 0
 
 
 def _limits_for(gpu: str) -> tuple[DeviceLimits | None, str | None]:
@@ -108,8 +117,10 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
                 report.file_problems.append(problem)
             if notice:
                 report.notices.append(f"{path}: {notice}; used (set {tables.STRICT_TABLES_ENV}=1 to refuse it)")
-    check_compiled(report, gpu, roots, [spec.space.template for name, spec in specs.items()
-                                        if ops is None or name in ops])
+    from liger_gen.codegen.spaces import template_names
+
+    check_compiled(report, gpu, roots, {name: template_names(spec.space) for name, spec in specs.items()
+                                        if ops is None or name in ops})
     for name, spec in specs.items():
         if ops is not None and name not in ops:
             continue
@@ -125,9 +136,10 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
     return report
 
 
-def check_compiled(report: Report, gpu: str, roots, templates: list[str]) -> None:
+def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tuple[str, ...]]) -> None:
     """Check every compiled kernel store of ``gpu`` as the runtime would (manifest, trust, every file's SHA-256,
-    Triton version, GPU architecture where the GPU is visible) and say which ops' kernels it holds."""
+    Triton version, GPU architecture where the GPU is visible, the Python its host modules are for) and say how
+    many kernels it holds of the templates each op launches (``op_templates``) and what it was built for."""
     import triton
 
     from liger_gen.runtime import compiled
@@ -136,17 +148,17 @@ def check_compiled(report: Report, gpu: str, roots, templates: list[str]) -> Non
     visible = current_gpu()
     target = compiled.device_target(torch.cuda.current_device()) if visible and visible[0] == gpu else None
     if target is None:
-        report.unchecked.append(f"compiled kernels: the GPU architecture they were built for is not checked "
-                                f"(no {gpu} is visible); their files, hashes and Triton version are")
+        report.unchecked.append(f"compiled kernels: the GPU architecture they were built for (no {gpu} is "
+                                f"visible; their files, hashes and Triton version were checked)")
     found = 0
     for source, root in roots:
         folder = Path(root) / gpu / compiled.FOLDER
-        for path in sorted(folder.glob(f"*/{compiled.MANIFEST}")) if folder.is_dir() else []:
+        for path in sorted(folder.glob(f"triton-*/{compiled.MANIFEST}")) if folder.is_dir() else []:
             store_dir = path.parent
             found += 1
             try:
                 if source != "packaged":
-                    reason = compiled.untrusted_reason(store_dir)
+                    reason = compiled.untrusted_reason(store_dir)  # with compiled/ and <gpu>/ above it
                     if reason:
                         raise ValueError(f"{reason}: a compiled kernel folder must belong to you and not be "
                                          f"writable by group or others")
@@ -154,29 +166,41 @@ def check_compiled(report: Report, gpu: str, roots, templates: list[str]) -> Non
             except ValueError as exc:
                 report.file_problems.append(f"compiled kernels {store_dir}: {exc}")
                 continue
+            if manifest.get("triton") != triton.__version__:  # the runtime never reads it: nothing to check
+                report.notices.append(f"compiled kernels {store_dir}: built by Triton {manifest.get('triton')}, "
+                                      f"this is Triton {triton.__version__}: not used here (kernels compile at "
+                                      f"first use)")
+                continue
             store = compiled.Store(store_dir, source, manifest)
             bad = [rel for rel in store.files if not store._hash_matches(rel)]
             if bad:
                 report.file_problems.append(f"compiled kernels {store_dir}: {len(bad)} file(s) missing or not "
                                             f"matching {compiled.MANIFEST} (e.g. {bad[0]}); none of them would "
                                             f"be loaded")
-            if manifest.get("triton") != triton.__version__:
-                report.notices.append(f"compiled kernels {store_dir}: built by Triton {manifest.get('triton')}, "
-                                      f"this is Triton {triton.__version__}: not used here (kernels compile at "
-                                      f"first use)")
-                continue
             if target is not None:
                 why = compiled.mismatch(manifest, triton.__version__, target, compiled.cache_env())
                 if why:
                     report.file_problems.append(f"compiled kernels {store_dir}: {why}")
                     continue
-            stems = [key.split(":", 1)[0] for key in manifest["kernels"]]
-            held = {t: sum(stem.rsplit("_", 1)[0] == t for stem in stems) for t in templates}
-            missing = [t for t, n in held.items() if n == 0]
+            host = manifest.get("host", {}).get("ext_suffix")
+            if host and host != compiled.host_identity()["ext_suffix"]:
+                report.notices.append(f"compiled kernels {store_dir}: its host modules are for Python "
+                                      f"extensions '{host}', not this Python's: its kernels load, and Triton "
+                                      f"builds their launchers with the C compiler at first use")
+            stems = [key.split(":", 1)[0].rsplit("_", 1)[0] for key in manifest["kernels"]]
+            held = {op: sum(stem in templates for stem in stems) for op, templates in op_templates.items()}
+            missing = [op for op, n in held.items() if n == 0]
+            if missing:
+                report.missing_compiled.extend(missing)
+            built = "; ".join(f"{b.get('model')} (" + ", ".join(f"{k}={v}" for k, v in sorted(b.items())
+                                                             if v is not None and k != "model") + ")"
+                              for b in manifest.get("built_for", []) if isinstance(b, dict))
             report.compiled.append(f"{store_dir} ({source}): {len(stems)} kernels, "
-                                   f"{sum(int(f.get('size', 0)) for f in store.files.values()) / 2**20:.1f} MiB; "
-                                   + ", ".join(f"{t} {n}" for t, n in held.items() if n)
+                                   f"{sum(f['size'] for f in store.files.values()) / 2**20:.1f} MiB"
+                                   + (f", built for {built}" if built else "") + "; kernels per op: "
+                                   + ", ".join(f"{op} {n}" for op, n in held.items() if n)
                                    + (f"; none for {', '.join(missing)} (compiled at first use)" if missing else ""))
+            report.usable_compiled += 1
     if not found:
         report.notices.append(f"no compiled kernels for {gpu}: every kernel is compiled at its first use in a "
                               f"process (`liger-gen build --gpu {gpu} --model ...` makes them)")
@@ -227,16 +251,20 @@ def print_report(report: Report, gpu: str, model_name: str, console: Console | N
         console.print(Text(f"tables looked up in ({source}): {root}"), soft_wrap=True)
     used = sum(f.source != "heuristic" for f in report.findings)
     console.print(f"{used} of {len(report.findings)} shapes use a tuned table; "
-                  f"{len(report.file_problems)} unusable table file(s) or entries")
+                  f"{len(report.file_problems)} unusable table file(s), entries or compiled kernel stores")
 
 
-def print_verdict(report: Report, allow_heuristic: bool, console: Console | None = None) -> None:
+def print_verdict(report: Report, allow_heuristic: bool, console: Console | None = None,
+                  require_compiled: bool = False) -> None:
     """One line saying why the exit status is what it is."""
     console = console or Console()
     heuristic = sum(f.source == "heuristic" for f in report.findings)
     if report.file_problems:
-        console.print(Text(f"exit 1: {len(report.file_problems)} unusable table file(s) or entries (above)",
-                           style="red"))
+        console.print(Text(f"exit 1: {len(report.file_problems)} unusable table file(s), entries or compiled "
+                           f"kernel stores (above)", style="red"))
+    elif require_compiled and report.compiled_missing():
+        console.print(Text(f"exit 1: {report.compiled_missing()}; build them with the Triton you train with "
+                           f"(`liger-gen build`), or drop --require-compiled", style="red"))
     elif heuristic and not allow_heuristic:
         console.print(Text(f"exit 1: {heuristic} shape(s) would run the heuristic (no tuned entry); tune them, or "
                            f"pass --allow-heuristic to accept that", style="red"))

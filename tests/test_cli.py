@@ -356,11 +356,15 @@ def test_verify_checks_the_compiled_kernel_stores(tmp_path, monkeypatch):
 
     user = tmp_path / "tuned"
     env = {tables.ENV_TUNED_DIR: str(user)}
-    args = ("--gpu", "h200", "--model", "llama3.2-1b", "--ops", "rms_norm,rope", "--allow-heuristic")
+    args = ("--gpu", "h200", "--model", "llama3.2-1b", "--ops", "rms_norm,rope,fused_linear_cross_entropy",
+            "--allow-heuristic")
     store, manifest = _user_store(user, triton.__version__)
-    good = _verify(*args, env=env)
+    good = _verify(*args, "--require-compiled", env=env)
     assert good.exit_code == 0, good.output
-    assert f"compiled kernels: {store} (user)" in " ".join(good.output.split()) and "rms_norm" in good.output
+    line = " ".join(good.output.split())
+    assert f"compiled kernels: {store} (user)" in line and "built for llama3.2-1b (batch_size=8" in line
+    # FLCE launches the cross-entropy kernels: a store holding those holds FLCE's
+    assert "fused_linear_cross_entropy " in line.split("kernels per op:")[1] and "none for" not in line
     victim = store / sorted(manifest["files"])[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -373,9 +377,19 @@ def test_verify_checks_the_compiled_kernel_stores(tmp_path, monkeypatch):
     loose = _verify(*args, env=env)
     assert loose.exit_code == 1 and "writable by group or others" in " ".join(loose.output.split())
     store.chmod(0o755)
-    other, _ = _user_store(tmp_path / "other", "0.0.1")
+    other, other_manifest = _user_store(tmp_path / "other", "0.0.1")
     foreign = _verify(*args, env={tables.ENV_TUNED_DIR: str(tmp_path / "other")})
     assert foreign.exit_code == 0 and "built by Triton 0.0.1" in " ".join(foreign.output.split())
+    if sorted((tables.packaged_root() / "h200" / "compiled").glob("*"))[0].name.split("-")[1] != triton.__version__:
+        # only the foreign store and the packaged one (another Triton here): nothing can be used
+        required = _verify(*args, "--require-compiled", env={tables.ENV_TUNED_DIR: str(tmp_path / "other")})
+        assert required.exit_code == 1 and "no compiled kernel store can be used" in required.output
+    (other / sorted(other_manifest["files"])[0]).write_bytes(b"x")  # the runtime never reads it: still a notice
+    assert _verify(*args, env={tables.ENV_TUNED_DIR: str(tmp_path / "other")}).exit_code == 0
+    (store.parent).chmod(0o777)  # compiled/ itself writable by others: the store is not trusted
+    parent = _verify(*args, env=env)
+    assert parent.exit_code == 1 and f"{store.parent} is writable" in " ".join(parent.output.split())
+    store.parent.chmod(0o755)
 
 
 def test_build_needs_the_gpu_it_builds_for(runner):
@@ -415,3 +429,16 @@ def test_first_step_runs_each_provider_in_a_fresh_process(tmp_path):
     summary = result["models"]["tiny"]
     assert summary["liger-gen"]["vs_transformers_s"] == pytest.approx(
         summary["liger-gen"]["median_s"] - summary["transformers"]["median_s"])
+
+
+def test_first_step_options_and_a_hung_child_are_reported_not_raised(tmp_path):
+    from liger_gen.bench.step import run_first_step
+
+    for device in ("nonsense", "meta") + (() if torch.cuda.is_available() else ("cuda",)):
+        with pytest.raises(ValueError, match="device"):
+            run_first_step(models="tiny", providers="transformers", device=device, console=False)
+    result = run_first_step(models="tiny", providers="transformers", device="cpu", batch_size=1, seq_len=8,
+                            repeats=1, warmup_rounds=0, timeout_s=0.01, out_dir=tmp_path, console=False)
+    run = result["models"]["tiny"]["transformers"]["runs"][0]
+    assert run["status"] == "error" and "no first step within 0.01 s" in run["reason"]
+    assert json.loads((tmp_path / "first_step.json").read_text())["models"]["tiny"]["transformers"]["median_s"] is None

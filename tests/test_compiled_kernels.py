@@ -59,7 +59,7 @@ def test_arg_key_of_ints_is_one_divisibility_and_width():
     assert keys[2 ** 31 - 1] == ("i", False, False, 32) and keys[-2 ** 31] == ("i", False, True, 32)
     assert keys[2 ** 31] == ("i", False, True, 64)
     assert keys[2 ** 63 - 1] == ("i", False, False, 64)
-    assert keys[2 ** 63] == ("i", False, True, 65)  # uint64
+    assert keys[2 ** 63] == ("i", False, True, "u64")  # uint64
     assert len({keys[v] for v in (1, 16, 17, 2 ** 31, 2 ** 63)}) == 5
 
 
@@ -601,11 +601,14 @@ def test_paths_outside_the_store_or_not_listed_are_refused(tmp_path):
     manifest["files"].update({f"{DIR}/../../outside.bin": entry, str(outside): entry, "loose.bin": entry})
     store = Store(folder, "user", manifest)
     assert (folder / DIR / "../../outside.bin").read_bytes() == b"payload"
-    for rel in (f"{DIR}/../../outside.bin", str(outside), "loose.bin", f"{DIR}/unlisted.bin"):
+    for rel in (f"{DIR}/../../outside.bin", str(outside), "loose.bin"):  # listed, so their refusal warns
         fresh = Store(folder, "user", manifest)
         with _Warnings() as w:
             assert fresh.check_file(rel) is None, rel
         assert len(w.ours) == 1
+    with _Warnings() as w:  # not listed: not an entry of this store (a host module for another Python, say)
+        assert Store(folder, "user", manifest).check_file(f"{DIR}/unlisted.bin") is None
+    assert w.ours == []
     with _Warnings():
         assert store.check_file(f"{DIR}/add_kernel.json") == folder / DIR / "add_kernel.json"
 
@@ -628,8 +631,12 @@ def test_group_gives_every_member_verified_or_none(tmp_path):
             "add_kernel.json": str(folder / DIR / "add_kernel.json"),
             "add_kernel.cubin": str(folder / DIR / "add_kernel.cubin")}
     assert w.ours == []
-    with _Warnings() as w:
+    with _Warnings() as w:  # a member the store does not list: no group, and nothing is wrong with the store
         assert store.group(DIR, ["add_kernel.json", "add_kernel.ptx"]) is None
+    assert w.ours == []
+    (folder / DIR / "add_kernel.cubin").write_bytes(b"altered")
+    with _Warnings() as w:  # a listed member that does not match: no group, one warning
+        assert _store(folder).group(DIR, ["add_kernel.json", "add_kernel.cubin"]) is None
     assert len(w.ours) == 1
 
 
@@ -859,6 +866,7 @@ def knob_manager(monkeypatch):
     monkeypatch.setattr(compiled, "_manager_class", [])
     monkeypatch.setattr(compiled, "_previous_manager", [])
     monkeypatch.setattr(compiled, "_states", {})
+    monkeypatch.setattr(compiled, "_refusal_warned", [])
     had = "manager_class" in vars(knobs.cache)
     old = knobs.cache.manager_class
     if had:  # a GPU run of other tests may have installed the real manager: start from Triton's default
@@ -914,6 +922,7 @@ def test_state_warns_when_every_store_found_is_refused(tmp_path, monkeypatch, kn
     monkeypatch.setattr(tables, "table_roots", lambda: [("user", tmp_path)])
     with _Warnings() as w:
         assert compiled.state(6) is None
+        assert compiled.state(7) is None  # a second device: no second warning in this process
     assert len(w.ours) == 1 and "no compiled kernel cache can be used" in str(w.ours[0].message)
     assert str(folder) in str(w.ours[0].message) and "Triton 0.0.1" in str(w.ours[0].message)
     assert knob_manager.cache.manager_class is None  # nothing to serve: Triton's cache is left alone
@@ -1110,3 +1119,169 @@ def test_disabled_by_environment(monkeypatch):
     assert compiled.disabled() is False
     monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
     assert compiled.disabled() is True
+
+
+# ------------------------------------------------------------------------------------------ hostile stores
+
+
+@pytest.mark.parametrize("change", ["tampered", "loose", "symlink"])
+def test_a_rebuild_never_vouches_for_old_files_it_did_not_check(tmp_path, triton_cache, change):
+    """Merging keeps the old store's entries only when the old store is private and every file matches: a
+    tampered file, a folder others may write or a symlinked file start the new store afresh."""
+    out = tmp_path / "out"
+    first = _fake_compiled(triton_cache, "11" * 32, "add_kernel")
+    final = compiled.write_store(out, GPU, _recorder({"add:add_kernel:[]": first}), triton_cache, TARGET)
+    cubin = next(final.glob("*/add_kernel.cubin"))
+    if change == "tampered":
+        cubin.write_bytes(b"TAMPERED BINARY")
+    elif change == "loose":
+        os.chmod(cubin.parent, 0o777)
+    else:
+        elsewhere = tmp_path / "elsewhere.cubin"
+        elsewhere.write_bytes(b"outside")
+        cubin.unlink()
+        cubin.symlink_to(elsewhere)
+    second = _fake_compiled(triton_cache, "22" * 32, "mul_kernel")
+    final = compiled.write_store(out, GPU, _recorder({"mul:mul_kernel:[]": second}), triton_cache, TARGET)
+    manifest = compiled.read_manifest(final / compiled.MANIFEST)
+    assert set(manifest["kernels"]) == {"mul:mul_kernel:[]"}  # the old entry was not carried over
+    assert not any(rel.endswith("add_kernel.cubin") for rel in manifest["files"])
+    store = _store(final)
+    assert all(store.check_file(rel) is not None for rel in manifest["files"])
+
+
+def test_concurrent_builds_into_one_store_keep_every_kernel(tmp_path, triton_cache):
+    import threading
+
+    out, errors = tmp_path / "out", []
+    kernels = {f"op{i}:k{i}_kernel:[]": _fake_compiled(triton_cache, f"{i + 16:02x}" * 32, f"k{i}_kernel")
+               for i in range(6)}
+
+    def build(key):
+        try:
+            compiled.write_store(out, GPU, _recorder({key: kernels[key]}), triton_cache, TARGET)
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, args=(key,)) for key in kernels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    folder = out / GPU / compiled.FOLDER
+    final = folder / compiled.store_name(__import__("triton").__version__, "cuda", 90)
+    assert set(compiled.read_manifest(final / compiled.MANIFEST)["kernels"]) == set(kernels)
+    assert [p.name for p in folder.iterdir()] == [final.name]  # no temporary or retired folder left
+
+
+@pytest.mark.parametrize("files_key", ["KEY/a\x00b", "KEY", "KEY/../x", "/abs/x", "KEY/sub/x", "KEY/\udcff"])
+def test_a_manifest_with_an_unsafe_file_name_is_refused(tmp_path, files_key):
+    folder = _make_store(tmp_path)
+    manifest = json.loads((folder / compiled.MANIFEST).read_text())
+    manifest["files"][files_key.replace("KEY", DIR)] = {"sha256": "0" * 64, "size": 1}
+    (folder / compiled.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="file entry"):
+        compiled.read_manifest(folder / compiled.MANIFEST)
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("packaged", tmp_path)])
+    assert usable == [] and len(refused) == 1
+
+
+@pytest.mark.parametrize("bad", [{"size": "big", "sha256": "0"}, {"size": None, "sha256": "0"}, [1, 2],
+                                 {"size": -1, "sha256": "0"}, {"size": 3}])
+def test_a_manifest_with_a_malformed_file_entry_is_refused(tmp_path, bad):
+    folder = _make_store(tmp_path)
+    manifest = json.loads((folder / compiled.MANIFEST).read_text())
+    manifest["files"][f"{DIR}/add_kernel.cubin"] = bad
+    (folder / compiled.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError):
+        compiled.read_manifest(folder / compiled.MANIFEST)
+
+
+def test_a_kernel_naming_files_the_manifest_does_not_list_is_refused(tmp_path):
+    folder = _make_store(tmp_path)
+    manifest = json.loads((folder / compiled.MANIFEST).read_text())
+    manifest["kernels"][KEY]["files"].append("add_kernel.ptx")
+    (folder / compiled.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="kernel"):
+        compiled.read_manifest(folder / compiled.MANIFEST)
+
+
+def test_deeply_nested_json_is_refused_not_raised(tmp_path):
+    folder = _make_store(tmp_path)
+    (folder / compiled.MANIFEST).write_text("[" * 200000)
+    with pytest.raises(ValueError, match="cannot read"):
+        compiled.read_manifest(folder / compiled.MANIFEST)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_in_a_store_is_refused_without_blocking(tmp_path):
+    folder = _make_store(tmp_path)
+    rel = f"{DIR}/add_kernel.cubin"
+    (folder / rel).unlink()
+    os.mkfifo(folder / rel, 0o644)
+    assert "not a regular file" in compiled.untrusted_reason(folder)
+    with _Warnings() as w:  # a packaged store is not permission-checked: the read itself must not hang
+        assert _store(folder, "packaged").check_file(rel) is None
+    assert len(w.ours) == 1
+
+
+def test_a_group_writable_parent_folder_makes_a_user_store_untrusted(tmp_path):
+    folder = _make_store(tmp_path)
+    assert compiled.untrusted_reason(folder) is None
+    os.chmod(folder.parent, 0o775)  # compiled/
+    assert f"{folder.parent} is writable by group or others" in compiled.untrusted_reason(folder)
+    os.chmod(folder.parent, 0o755)
+    os.chmod(folder.parent.parent, 0o777)  # <gpu>/
+    assert "writable by group or others" in compiled.untrusted_reason(folder)
+
+
+def test_root_owned_stores_count_as_private(monkeypatch):
+    from liger_gen.files import not_private
+
+    monkeypatch.setattr(os, "getuid", lambda: 1000)  # an ordinary user in an image whose files root installed
+    fake = types.SimpleNamespace(st_uid=0, st_mode=0o40755)
+
+    assert not_private(fake) is not None and not_private(fake, allow_root=True) is None
+    assert not_private(types.SimpleNamespace(st_uid=0, st_mode=0o40775), allow_root=True) is not None
+
+
+def test_leftover_hidden_folders_are_not_stores(tmp_path):
+    good = _make_store(tmp_path)
+    leftover = _make_store(tmp_path, name=f".{good.name}.old.123")
+    (leftover / DIR / "add_kernel.cubin").write_bytes(b"half deleted")
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", tmp_path)])
+    assert [s.path for s in usable] == [good] and refused == []
+
+
+def test_the_stores_are_switched_off_while_triton_instruments_kernels(monkeypatch):
+    from triton import knobs
+
+    from liger_gen.codegen.launch import _instrumented
+
+    monkeypatch.delenv(compiled.ENV_DISABLE, raising=False)
+    if not hasattr(knobs.compilation, "instrumentation_mode"):
+        pytest.skip("this Triton has no instrumentation modes")
+    assert not _instrumented(knobs) and not compiled.disabled()
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "gsan")
+    assert _instrumented(knobs) and compiled.disabled()
+
+
+def test_ints_beyond_uint64_have_no_launch_key():
+    assert arg_key(2 ** 64 - 1) == ("i", False, False, "u64")
+    for value in (2 ** 64, -(2 ** 63) - 1):
+        with pytest.raises(TypeError):
+            arg_key(value)
+
+
+def test_the_cache_manager_is_installed_once_per_process(monkeypatch, knob_manager):
+    class Other:  # another tool that wraps whatever manager is configured when it starts
+        pass
+
+    compiled.install_cache_manager()
+    ours = knob_manager.cache.manager_class
+    knob_manager.cache.manager_class = Other
+    compiled.clear()
+    compiled.install_cache_manager()  # a later discovery must not wrap the tool that wraps us
+    assert knob_manager.cache.manager_class is Other and compiled._previous_manager == [None]
+    assert ours is compiled._manager_class[0]

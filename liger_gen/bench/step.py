@@ -862,11 +862,15 @@ def run_step_benchmark(
         del run, initial_state
         add_comparisons(entry["providers"], rel_tol)
         result["models"][model_name] = entry
+    return _finish(result, out_dir, "step.json", print_report, console)
 
+
+def _finish(result: dict[str, Any], out_dir, file_name: str, printer: Callable, console) -> dict[str, Any]:
+    """Write ``result`` to ``out_dir/file_name`` (if given), print it with ``printer`` (unless console is False)."""
     if out_dir is not None:
-        write_json(result, Path(out_dir) / "step.json")
+        write_json(result, Path(out_dir) / file_name)
     if console is not False:
-        print_report(result, console)
+        printer(result, console)
     return result
 
 
@@ -1117,7 +1121,13 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
         raise ValueError(f"providers: unknown {unknown}; known: {', '.join(PROVIDERS)}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                           else "cpu")
+    except RuntimeError as exc:
+        raise ValueError(f"device: {exc}") from None
+    if dev.type not in ("cuda", "cpu") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"device: {device!r} is not available here (cuda needs a visible GPU; or name cpu)")
     result: dict[str, Any] = {
         "schema": FIRST_STEP_SCHEMA, "metadata": _metadata(dev, command),
         "settings": {"models": models, "providers": providers, "batch_size": batch_size, "seq_len": seq_len,
@@ -1146,12 +1156,20 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
                               for k in ("TRITON_CACHE_DIR", "LIGER_GEN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
                     env = {**os.environ, **caches}
                     t0 = time.time()
-                    proc = subprocess.run([sys.executable, str(FIRST_STEP_CHILD), str(spec_path)], env=env,
-                                          capture_output=True, text=True, timeout=timeout_s)
-                    run = {"status": "error", "reason": (proc.stderr or proc.stdout)[-2000:]}
-                    if proc.returncode == 0:
+                    try:
+                        proc = subprocess.run([sys.executable, str(FIRST_STEP_CHILD), str(spec_path)], env=env,
+                                              capture_output=True, text=True, timeout=timeout_s)
+                    except subprocess.TimeoutExpired:
+                        proc = None
+                    if proc is None:
+                        run = {"status": "error", "reason": f"no first step within {timeout_s} s (killed)"}
+                    else:
+                        run = {"status": "error", "reason": (proc.stderr or proc.stdout)[-2000:]}
+                    if proc is not None and proc.returncode == 0:
                         try:
                             stamps = json.loads(proc.stdout.strip().splitlines()[-1])
+                            if not isinstance(stamps, dict) or not math.isfinite(stamps["loss"]):
+                                raise ValueError(f"not a result with a finite loss: {stamps!r:.200}")
                             run = {"status": "ok", "first_step_s": stamps["end"] - t0,
                                    "startup_s": stamps["start"] - t0, "imports_s": stamps["imports"] - stamps["start"],
                                    "build_s": stamps["ready"] - stamps["imports"],
@@ -1159,8 +1177,8 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
                                    "imported_liger_gen": stamps.get("imported_liger_gen"),
                                    "imported_liger_kernel": stamps.get("imported_liger_kernel"),
                                    "warnings": [line for line in proc.stderr.splitlines() if "Warning" in line][:5]}
-                        except (ValueError, KeyError, IndexError) as exc:
-                            run = {"status": "error", "reason": f"unreadable child output ({exc}): {proc.stdout[-500:]}"}
+                        except (ValueError, KeyError, IndexError, TypeError) as exc:
+                            run = {"status": "error", "reason": f"unusable child output ({exc}): {proc.stdout[-500:]}"}
                     if round_ >= warmup_rounds:
                         runs[provider].append(run)
             summary = {}
@@ -1172,11 +1190,7 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
             for s in summary.values():
                 s["vs_transformers_s"] = None if ref is None or s["median_s"] is None else s["median_s"] - ref
             result["models"][model_name] = summary
-    if out_dir is not None:
-        write_json(result, Path(out_dir) / "first_step.json")
-    if console is not False:
-        print_first_step(result, console)
-    return result
+    return _finish(result, out_dir, "first_step.json", print_first_step, console)
 
 
 def print_first_step(result: dict[str, Any], console=None) -> None:

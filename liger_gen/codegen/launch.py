@@ -13,8 +13,8 @@ same compiled kernel from Triton: a tensor contributes its dtype and whether its
 int whether it equals 1, whether 16 divides it and its width (int32, int64, uint64); floats, bools and None
 their kind; keyword arguments (constexprs and launch options) their values. An argument of another kind, a
 callable grid, a constexpr passed by position, a keyword argument that is not a plain value, Triton's launch
-hooks (a profiler such as Proton), ``TRITON_DEBUG`` or a Triton that lacks the pieces used here all take
-Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
+hooks (a profiler such as Proton), ``TRITON_DEBUG``, an instrumentation mode (sanitizers) or a Triton that lacks
+the pieces used here all take Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
 the launch: its pre-run hooks (none are registered on these kernels) and its check that globals the kernel
 reads have not changed (the rendered modules never rebind them).
 
@@ -51,7 +51,14 @@ def arg_key(a: Any) -> tuple:
     if t is bool:
         return ("b", a)
     if t is int:
-        width = 32 if -_I32 <= a < _I32 else 64 if -_I64 <= a < _I64 else 65
+        if -_I32 <= a < _I32:
+            width = 32
+        elif -_I64 <= a < _I64:
+            width = 64
+        elif 0 <= a < 2 * _I64:
+            width = "u64"
+        else:
+            raise TypeError(f"no launch key for an int outside uint64/int64: {a}")  # Triton refuses it itself
         return ("i", a == 1, a % 16 == 0, width)
     if t is float:
         return ("f",)
@@ -80,6 +87,14 @@ def _hooks_idle(runtime_knobs) -> bool:
         if hook is not None and (getattr(hook, "calls", None) is None or hook.calls):
             return False
     return True
+
+
+def _instrumented(knobs) -> bool:
+    """True when Triton is asked to build instrumented kernels (sanitizer modes, stage-inspection hooks): those are
+    other kernels than the memoised ones, so Triton's own path runs."""
+    c = getattr(knobs, "compilation", None)
+    return bool(getattr(c, "instrumentation_mode", "") or getattr(c, "fpsan_homomorphic_casts", False)
+                or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None)
 
 
 class LeanLaunch:
@@ -114,7 +129,7 @@ class LeanLaunch:
 
     def _lean_direct(self) -> bool:
         k = self._lean_knobs
-        return k is not None and not k.runtime.debug and _hooks_idle(k.runtime)
+        return k is not None and not k.runtime.debug and _hooks_idle(k.runtime) and not _instrumented(k)
 
     def _lean_jit(self, grid, args: tuple, kwargs: dict):
         return self._lean_fn.run(*args, grid=grid, warmup=False, **kwargs)

@@ -20,8 +20,9 @@ the cache manager that was configured before (Triton's ``FileCacheManager`` by d
 and everything else that compiles Triton kernels in the process work as before.
 
 Trust: compiled kernels are code. A store inside the installed package is trusted like the package. A store
-under a user folder must, with every folder and file in it, belong to the current user and not be writable by
-group or others. Every file's SHA-256 is checked against the manifest before Triton is given it. A store built
+under a user folder must, with every folder and file in it and the ``compiled/``, ``<gpu>/`` and tables folders
+above it, belong to the current user or to root (an image's files) and not be writable by group or others; it may
+hold only folders and regular files, no symbolic links. Every file's SHA-256 is checked against the manifest before Triton is given it. A store built
 for another Triton version, GPU architecture or set of Triton's cache-invalidating environment variables is not
 used; an entry whose file is missing, truncated or altered is not used. Each of these gives one
 ``CompiledKernelWarning`` per store and the kernel is compiled as without the cache.
@@ -33,7 +34,9 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import sysconfig
 import tempfile
 import threading
@@ -126,6 +129,8 @@ class Store:
     def check_file(self, rel: str) -> Path | None:
         """The path of ``rel`` if it is listed and its bytes match the manifest's SHA-256 and size, else None
         (one warning per store)."""
+        if rel not in self.files:  # not an entry of this store (e.g. a host module for another Python)
+            return None
         ok = self.verified.get(rel)
         if ok is None:
             ok = self._hash_matches(rel)
@@ -135,14 +140,21 @@ class Store:
         return self.path / rel if ok else None
 
     def _hash_matches(self, rel: str) -> bool:
+        """Whether the regular file ``rel`` has the manifest's size and SHA-256 (read without blocking, at most its
+        listed size plus one byte: a FIFO or device named like an entry is refused, not read)."""
         info = self.files.get(rel)
-        if not isinstance(info, dict) or "/" not in rel or ".." in Path(rel).parts or Path(rel).is_absolute():
+        if not isinstance(info, dict) or not valid_rel(rel):
             return False
         try:
-            data = (self.path / rel).read_bytes()
-        except OSError:
+            fd = os.open(self.path / rel, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except (OSError, ValueError):
             return False
-        return len(data) == info.get("size") and hashlib.sha256(data).hexdigest() == info.get("sha256")
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size != info["size"]:
+                return False
+            data = f.read(info["size"] + 1)
+        return len(data) == info["size"] and hashlib.sha256(data).hexdigest() == info["sha256"]
 
     def group(self, directory: str, names: Iterable[str]) -> dict[str, str] | None:
         """{file name: path} of one Triton cache entry, every file verified, or None."""
@@ -166,31 +178,54 @@ class Store:
 def read_manifest(path: Path) -> dict:
     """The parsed manifest at ``path``; ValueError (with the reason) if it is not a readable manifest."""
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"{path} has {size:,} bytes, more than a manifest may have")
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{path} has {st.st_size:,} bytes, more than a manifest may have")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a compiled kernel manifest (schema {SCHEMA})")
     for key in ("kernels", "files", "target"):
         if not isinstance(data.get(key), dict):
             raise ValueError(f"{path}: '{key}' must be an object")
+    for rel, info in data["files"].items():
+        if not valid_rel(rel) or not isinstance(info, dict) or type(info.get("size")) is not int \
+                or info["size"] < 0 or not isinstance(info.get("sha256"), str):
+            raise ValueError(f"{path}: file entry {rel!r} must be '<KEY>/<name>' with an int size and a sha256")
+    for name, rec in data["kernels"].items():
+        if not isinstance(rec, dict) or not isinstance(rec.get("dir"), str) or not isinstance(rec.get("files"), list) \
+                or not all(isinstance(f, str) and f"{rec['dir']}/{f}" in data["files"] for f in rec["files"]):
+            raise ValueError(f"{path}: kernel {name!r} must name a folder and files the manifest lists")
     return data
 
 
-def untrusted_reason(folder: Path) -> str | None:
-    """Why a user store folder cannot be trusted (it, or a folder or file in it, is another user's or writable by
-    group or others; or a symbolic link), or None."""
-    for path in [folder, *sorted(folder.rglob("*"))]:
+_REL = re.compile(r"[A-Za-z0-9_.+-]+/[A-Za-z0-9_.+-]+")
+
+
+def valid_rel(rel: Any) -> bool:
+    """``<Triton cache key>/<file name>``: two plain names (no '..', no other separators)."""
+    return isinstance(rel, str) and _REL.fullmatch(rel) is not None and ".." not in rel.split("/")
+
+
+def untrusted_reason(folder: Path, parents: int = 3) -> str | None:
+    """Why a user store folder cannot be trusted, or None: it, a folder or file in it, or one of its ``parents``
+    nearest parent folders (``compiled/``, ``<gpu>/`` and the tables root, so nothing above it can be swapped
+    after the check) belongs to another user (root excepted: an image's files) or is writable by group or
+    others; or something in it is a symbolic link or not a regular file."""
+    folder = Path(folder)
+    for path in [*list(folder.parents)[:parents], folder, *sorted(folder.rglob("*"))]:
         try:
             st = path.lstat()
         except OSError as exc:
             return f"{path} cannot be read ({exc})"
-        if path.is_symlink():
+        if stat.S_ISLNK(st.st_mode):
             return f"{path} is a symbolic link"
-        reason = not_private(st)
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            return f"{path} is not a regular file or folder"
+        reason = not_private(st, allow_root=True)
         if reason:
             return f"{path} is {reason}"
     return None
@@ -218,8 +253,9 @@ def find_stores(gpu: str, triton_version: str, target: dict, env: dict,
     for label, root in (tables.table_roots() if roots is None else roots):
         folder = Path(root) / gpu / FOLDER
         try:
-            candidates = sorted(p for p in folder.iterdir() if (p / MANIFEST).is_file())
-        except OSError:
+            candidates = sorted(p for p in folder.iterdir()
+                                if p.name.startswith("triton-") and (p / MANIFEST).is_file())
+        except OSError:  # no such folder (or unreadable): no store here
             continue
         for path in candidates:
             try:
@@ -253,20 +289,23 @@ class _State:
 
 
 _states: dict[int, _State | None] = {}
+_refusal_warned: list[bool] = []
 _previous_manager: list = []  # the cache manager class configured before ours (None: Triton's default)
 
 
 def disabled() -> bool:
-    """True when ``$LIGER_GEN_COMPILED_KERNELS`` is 0/false/no/off, or Triton is asked to dump, override or
-    always compile (then its own path must run)."""
+    """True when ``$LIGER_GEN_COMPILED_KERNELS`` is 0/false/no/off, or Triton is asked to dump, override, always
+    compile or instrument kernels (then its own path must run)."""
     if os.environ.get(ENV_DISABLE, "").strip().lower() in ("0", "false", "no", "off"):
         return True
     try:
         from triton import knobs
     except ImportError:  # pragma: no cover
         return True
+    from liger_gen.codegen.launch import _instrumented
+
     c = knobs.compilation
-    return bool(c.always_compile or c.override or c.dump_ir)
+    return bool(c.always_compile or c.override or c.dump_ir or _instrumented(knobs))
 
 
 def state(device_index: int) -> _State | None:
@@ -284,8 +323,12 @@ def state(device_index: int) -> _State | None:
         gpu = current_gpu(device_index)
         if gpu is None:
             return None
-        stores, refused = find_stores(gpu[0], triton.__version__, device_target(device_index), cache_env())
-        if refused and not stores:
+        try:
+            stores, refused = find_stores(gpu[0], triton.__version__, device_target(device_index), cache_env())
+        except Exception as exc:  # noqa: BLE001 - discovery must never stop training
+            stores, refused = [], [f"the stores could not be read ({type(exc).__name__}: {exc})"]
+        if refused and not stores and not _refusal_warned:
+            _refusal_warned.append(True)  # once per process, whichever device asks first
             warnings.warn("liger-gen: no compiled kernel cache can be used here, so kernels are compiled at first "
                           "use: " + "; ".join(refused), CompiledKernelWarning, stacklevel=4)
         if not stores:
@@ -307,6 +350,7 @@ def clear() -> None:
     """Forget discovered stores (after building one or changing the tables folders)."""
     with _lock:
         _states.clear()
+        _refusal_warned.clear()
 
 
 def _restore_keys(pairs) -> dict:
@@ -427,14 +471,11 @@ def install_cache_manager() -> None:
     from triton import knobs
 
     with _lock:
-        if not _manager_class:
-            _manager_class.append(_make_manager_class())
-        cls = _manager_class[0]
-        current = knobs.cache.manager_class
-        if current is cls:
+        if _manager_class:  # installed once per process: a manager set since then may be delegating to ours
             return
-        _previous_manager[:] = [current]
-        knobs.cache.manager_class = cls
+        _manager_class.append(_make_manager_class())
+        _previous_manager[:] = [knobs.cache.manager_class]
+        knobs.cache.manager_class = _manager_class[0]
 
 
 # ------------------------------------------------------------------------------------------ building a store
@@ -485,77 +526,92 @@ def kernel_record(compiled) -> tuple[dict, dict[str, str]]:
     return rec, files
 
 
+def _mergeable(final: Path, triton_version: str, target: dict) -> dict:
+    """The manifest of the existing store at ``final`` if its entries may be carried into a new one: readable,
+    for this Triton, target and environment, private to you (or root), and every file matching its hash.
+    Anything else is not merged (the new store starts afresh): a rebuild never vouches for files it did not
+    check."""
+    if not (final / MANIFEST).is_file():
+        return {}
+    try:
+        old = read_manifest(final / MANIFEST)
+    except ValueError:
+        return {}
+    if mismatch(old, triton_version, target, cache_env()) or untrusted_reason(final, parents=0):
+        return {}
+    store = Store(final, "user", old)
+    return old if all(store._hash_matches(rel) for rel in old["files"]) else {}
+
+
 def write_store(out_root: Path, gpu: str, recorder: Recorder, triton_cache_dir: Path, target: dict,
                 built_for: dict | None = None, merge: bool = True) -> Path:
     """Write the kernels ``recorder`` collected, and the host modules under ``triton_cache_dir``, as the store for
-    this Triton and ``target`` under ``<out_root>/<gpu>/compiled/``. With ``merge`` the entries of a readable
-    store of the same name are kept (several models share one store); otherwise it is replaced. The folder is
-    built beside and renamed into place. Returns the store folder."""
+    this Triton and ``target`` under ``<out_root>/<gpu>/compiled/``. With ``merge`` the entries of a store of the
+    same name are kept when every one of its files checks out (several models share one store); otherwise it is
+    replaced. Writers of one folder take turns (an exclusive lock on it); the store is built beside and renamed
+    into place, so readers see the old store or the new one. Returns the store folder."""
     import triton
+
+    from liger_gen.runtime import tables
 
     name = store_name(triton.__version__, target["backend"], target["arch"])
     parent = Path(out_root) / gpu / FOLDER
-    parent.mkdir(parents=True, exist_ok=True)
+    for folder in (Path(out_root), Path(out_root) / gpu, parent):
+        folder.mkdir(exist_ok=True, mode=0o755)
     final = parent / name
-    old: dict = {}
-    if merge and (final / MANIFEST).is_file():
+    with tables.locked(final):
+        old = _mergeable(final, triton.__version__, target) if merge else {}
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}."))
         try:
-            old = read_manifest(final / MANIFEST)
-        except ValueError:
-            old = {}
-        if old and mismatch(old, triton.__version__, target, cache_env()):
-            old = {}
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}."))
-    try:
-        kernels = dict(old.get("kernels", {}))
-        copies = {rel: final / rel for rel in old.get("files", {})}
-        skipped = []
-        for key, compiled in sorted(recorder.kernels.items()):
-            try:
-                rec, files = kernel_record(compiled)
-            except TypeError as exc:
-                skipped.append(f"{key}: {exc}")
-                continue
-            kernels[key] = rec
-            for fname, src_path in files.items():
-                copies[f"{rec['dir']}/{fname}"] = Path(src_path)
-        for so in sorted(Path(triton_cache_dir).glob("*/*.so")):
-            copies[f"{so.parent.name}/{so.name}"] = so
-        manifest_files = {}
-        for rel, src_path in sorted(copies.items()):
-            dest = tmp / rel
-            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-            shutil.copyfile(src_path, dest)
-            os.chmod(dest, 0o644)
-            data = dest.read_bytes()
-            manifest_files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-        import liger_gen
+            kernels = dict(old.get("kernels", {}))
+            copies = {rel: final / rel for rel in old.get("files", {})}
+            skipped = []
+            for key, compiled in sorted(recorder.kernels.items()):
+                try:
+                    rec, files = kernel_record(compiled)
+                except TypeError as exc:
+                    skipped.append(f"{key}: {exc}")
+                    continue
+                kernels[key] = rec
+                for fname, src_path in files.items():
+                    copies[f"{rec['dir']}/{fname}"] = Path(src_path)
+            for so in sorted(Path(triton_cache_dir).glob("*/*.so")):
+                copies[f"{so.parent.name}/{so.name}"] = so
+            manifest_files = {}
+            for rel, src_path in sorted(copies.items()):
+                dest = tmp / rel
+                dest.parent.mkdir(exist_ok=True, mode=0o755)
+                shutil.copyfile(src_path, dest, follow_symlinks=False)
+                os.chmod(dest, 0o644)
+                data = dest.read_bytes()
+                manifest_files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            import liger_gen
 
-        manifest = {
-            "schema": SCHEMA, "gpu": gpu, "triton": triton.__version__, "target": dict(target),
-            "env": cache_env(), "host": host_identity(), "liger_gen": getattr(liger_gen, "__version__", None),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "built_for": [*old.get("built_for", []), *([built_for] if built_for else [])],
-            "kernels": kernels, "files": manifest_files, "skipped": skipped,
-        }
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o755)
-        if final.exists():
-            old = parent / f".{name}.old.{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        return final
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            manifest = {
+                "schema": SCHEMA, "gpu": gpu, "triton": triton.__version__, "target": dict(target),
+                "env": cache_env(), "host": host_identity(), "liger_gen": getattr(liger_gen, "__version__", None),
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "built_for": [*old.get("built_for", []), *([built_for] if built_for else [])],
+                "kernels": kernels, "files": manifest_files, "skipped": skipped,
+            }
+            write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            os.chmod(tmp, 0o755)
+            if final.exists():
+                retired = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.old."))
+                final.rename(retired / name)
+                tmp.rename(final)
+                shutil.rmtree(retired, ignore_errors=True)
+            else:
+                tmp.rename(final)
+            return final
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def store_summary(path: Path) -> dict[str, Any]:
-    """Kernels, files and bytes of a store folder (for reports)."""
+    """Kernels, files and bytes of a store folder (for reports); ValueError if its manifest is not valid."""
     manifest = read_manifest(Path(path) / MANIFEST)
     return {"path": str(path), "triton": manifest.get("triton"), "target": manifest.get("target"),
             "kernels": len(manifest["kernels"]), "files": len(manifest["files"]),
-            "bytes": sum(int(f.get("size", 0)) for f in manifest["files"].values())}
+            "bytes": sum(f["size"] for f in manifest["files"].values())}
