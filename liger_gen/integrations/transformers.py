@@ -645,6 +645,20 @@ def _group(left: list[tuple[str, str]]) -> list[str]:
     return [f"{cls} ×{n} ({why})" for (cls, why), n in counts.items()]
 
 
+def _check_not_sharded(model: nn.Module) -> None:
+    """ValueError when ``model``'s parameters are already DTensors (FSDP2's ``fully_shard`` or tensor parallelism
+    ran first): the replacement modules would hold sharded weights the kernels cannot take."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor
+        return
+    sharded = next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise ValueError(f"liger_gen.apply_to: the model is already sharded (parameter {sharded!r} is a DTensor); "
+                         f"call liger_gen.apply_to(model) before fully_shard / parallelize_module, then shard the "
+                         f"patched model")
+
+
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
              fused_linear_cross_entropy: bool = True, strict: bool = False) -> nn.Module:
     """Replace the supported parts of a transformers model in place and return the model.
@@ -671,8 +685,13 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             replacement could not be made (the message lists the modules and why).
         RuntimeError: the family's modeling module lacks a function or class the table names (a transformers
             release whose modeling code changed); the message names it and the releases tested.
+
+    Distributed training: call it before sharding (``fully_shard``, tensor parallelism) or wrapping (DDP); the
+    replaced modules are then sharded like any other. A model whose parameters are already DTensors raises
+    ValueError saying so.
     """
     family = family_of(model)
+    _check_not_sharded(model)
     try:
         modeling = importlib.import_module(family.modeling_module)
     except ImportError as e:
