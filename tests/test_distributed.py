@@ -92,3 +92,37 @@ def test_apply_to_after_sharding_is_refused_with_what_to_do(tmp_path):
                            str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("REFUSED") == 2 and "before fully_shard" in done.stdout and "DTensor" in done.stdout
+
+
+def test_every_rank_picks_the_same_kernels_whatever_its_clock(tmp_path):
+    """The kernel choice is a table lookup, never a local measurement: rank 1 runs with a clock that jumps
+    (time.perf_counter and time.time skewed and noisy), and both ranks still choose identical configs for every
+    op and shape of the model's training step (all_gather_object of ``liger_gen.runtime.ops.chosen_configs``)."""
+    script = tmp_path / "configs.py"
+    script.write_text(
+        "import random, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n"
+        "    pc, tt = time.perf_counter, time.time\n"
+        "    time.perf_counter = lambda: pc() * 3.0 + random.random()\n"
+        "    time.time = lambda: tt() + random.random() * 100\n"
+        "import liger_gen\n"
+        "from liger_gen.bench.step import build_model\n"
+        "from liger_gen.runtime.ops import chosen_configs\n"
+        "model = build_model('tiny', 'cpu', torch.float32, 0)\n"
+        "liger_gen.apply_to(model)\n"
+        "ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(dist.get_rank()))\n"
+        "model(input_ids=ids, labels=ids).loss.backward()\n"
+        "mine = chosen_configs()\n"
+        "every = [None, None]\n"
+        "dist.all_gather_object(every, mine)\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('CHOSEN', len(mine), every[0] == every[1])\n"
+        "dist.destroy_process_group()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("CHOSEN"))
+    count, same = line.split()[1:]
+    assert int(count) >= 4 and same == "True"  # norms, RoPE, the GLU and the loss's kernels at least

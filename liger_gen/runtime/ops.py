@@ -65,13 +65,25 @@ def module_for(template: str, config, variant: tuple) -> ModuleType:
     return load_variant(template, {**config.to_dict(), **dict(variant)})
 
 
+_chosen: dict[tuple, dict] = {}  # what _variant chose, for chosen_configs()
+
+
 @functools.lru_cache(maxsize=4096)
 def _variant(space: type[Space], device: torch.device, dtype: torch.dtype, dims: tuple | int, rows: int,
              variant: tuple, heuristic_only: bool) -> tuple[ModuleType, Any, DeviceLimits]:
     gpu, limits = device_info(device)
     found = tables.lookup(space, dtype, dims if isinstance(dims, int) else dict(dims), rows, gpu, limits,
                           variant=dict(variant))
+    _chosen[(space.__name__, str(dtype), repr(dims), int(rows), repr(variant), heuristic_only)] = {
+        "config": found["config"].to_dict(), "source": found["source"]}
     return module_for(space.template, found["config"], variant), found["config"], limits
+
+
+def chosen_configs() -> list[tuple[tuple, dict]]:
+    """Every (space, dtype, dims, rows, variant, heuristic-only) → {config, source} this process chose, sorted:
+    the choice is a table lookup (or the heuristic), never a measurement, so every rank of a job with the same
+    tables and shapes gets the same list."""
+    return sorted(_chosen.items(), key=lambda kv: repr(kv[0]))
 
 
 def kernel_module(space: type[Space], t: torch.Tensor, dims: Mapping[str, int] | int, rows: int,
@@ -90,6 +102,7 @@ def kernel_module(space: type[Space], t: torch.Tensor, dims: Mapping[str, int] |
 def clear_caches() -> None:
     """Forget chosen variants (after writing tables or changing $LIGER_GEN_TUNED_DIR)."""
     _variant.cache_clear()
+    _chosen.clear()
     module_for.cache_clear()
     tables.clear_caches()
     from liger_gen.runtime import compiled
