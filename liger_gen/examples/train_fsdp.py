@@ -50,6 +50,7 @@ Elastic's ``TORCHELASTIC_RESTART_COUNT`` is 0): the restart test uses it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -184,8 +185,6 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch.distributed as dist
 
-    from liger_gen.bench.step import build_model, byte_tokens, make_batches
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = args.parallel != "none"
     if distributed and "RANK" not in os.environ:
@@ -202,60 +201,73 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
     try:
-        dtype = _DTYPES[args.dtype]
-        # the same weights on every rank (built in float32 from the seed); FSDP2 keeps float32 shards
-        model = build_model(args.model, device, torch.float32 if args.parallel == "fsdp" else dtype, args.seed)
-        if args.liger_gen:
-            import liger_gen
-
-            liger_gen.apply_to(model)  # before sharding: it refuses a model whose parameters are DTensors
-        model = shard(model, args.parallel, dtype, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
-        root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-        start = 0
-        if root is not None:
-            root.mkdir(parents=True, exist_ok=True)
-            start = load_checkpoint(root, model, optimizer)
-        tokens = byte_tokens(args.text)
-        batches = make_batches(tokens, args.steps, world * args.batch_size, args.seq_len, args.seed)
-        rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        loss_value, rates = float("nan"), []
-        for step in range(start, args.steps):
-            if args.fail_at_step == step and rank == args.fail_rank and restart == 0:
-                print(f"rank {rank}: failing on purpose at step {step}", file=sys.stderr, flush=True)
-                os._exit(17)
-            batch = batches[step, rows].to(device)
-            t0 = time.perf_counter()
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean = loss.detach().float()
-            if distributed:
-                dist.all_reduce(mean)
-                mean /= world
-            loss_value = float(mean)  # synchronises
-            rate = batch.numel() / (time.perf_counter() - t0)
-            rates.append(rate)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            if rank == 0 and args.metrics_file:
-                with open(args.metrics_file, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"step": step, "loss": loss_value, "tokens_per_s": rate,
-                                        "peak_allocated_bytes": peak, "restart": restart}) + "\n")
-            if root is not None and (step + 1) % args.save_every == 0:
-                save_checkpoint(root, step, model, optimizer, rank, distributed)
-        summary = {"rank": rank, "world_size": world, "start_step": start, "last_loss": loss_value,
-                   "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
-                   "peak_allocated_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30
-                                          if device.type == "cuda" else None)}
+        summary = train(args, device, rank, world, distributed)
+        if distributed:
+            dist.barrier()
         print(json.dumps(summary), flush=True)
         return summary
     finally:
-        if distributed:
+        if distributed:  # the model, the optimizer and DDP's reducer are gone by now: no thread outlives the group
+            gc.collect()
             dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device, rank: int, world: int, distributed: bool) -> dict:
+    """Build, patch, shard, (resume,) train and checkpoint on this rank; return its summary."""
+    import torch.distributed as dist
+
+    from liger_gen.bench.step import build_model, byte_tokens, make_batches
+
+    dtype = _DTYPES[args.dtype]
+    # the same weights on every rank (built in float32 from the seed); FSDP2 keeps float32 shards
+    model = build_model(args.model, device, torch.float32 if args.parallel == "fsdp" else dtype, args.seed)
+    if args.liger_gen:
+        import liger_gen
+
+        liger_gen.apply_to(model)  # before sharding: it refuses a model whose parameters are DTensors
+    model = shard(model, args.parallel, dtype, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+    root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    start = 0
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        start = load_checkpoint(root, model, optimizer)
+    tokens = byte_tokens(args.text)
+    batches = make_batches(tokens, args.steps, world * args.batch_size, args.seq_len, args.seed)
+    rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    loss_value, rates = float("nan"), []
+    for step in range(start, args.steps):
+        if args.fail_at_step == step and rank == args.fail_rank and restart == 0:
+            print(f"rank {rank}: failing on purpose at step {step}", file=sys.stderr, flush=True)
+            os._exit(17)
+        batch = batches[step, rows].to(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().float()
+        if distributed:
+            dist.all_reduce(mean)
+            mean /= world
+        loss_value = float(mean)  # synchronises
+        rate = batch.numel() / (time.perf_counter() - t0)
+        rates.append(rate)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if rank == 0 and args.metrics_file:
+            with open(args.metrics_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "loss": loss_value, "tokens_per_s": rate,
+                                    "peak_allocated_bytes": peak, "restart": restart}) + "\n")
+        if root is not None and (step + 1) % args.save_every == 0:
+            save_checkpoint(root, step, model, optimizer, rank, distributed)
+    summary = {"rank": rank, "world_size": world, "start_step": start, "last_loss": loss_value,
+               "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
+               "peak_allocated_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30
+                                      if device.type == "cuda" else None)}
+    return summary
 
 
 if __name__ == "__main__":
