@@ -86,7 +86,8 @@ def test_apply_to_after_sharding_is_refused_with_what_to_do(tmp_path):
         "    liger_gen.apply_to(model)\n"
         "except ValueError as exc:\n"
         "    print('REFUSED', exc)\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+        "import os, sys; sys.stdout.flush(); os._exit(0)  # as train_fsdp: no gloo teardown race at exit\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -118,7 +119,8 @@ def test_every_rank_picks_the_same_kernels_whatever_its_clock(tmp_path):
         "dist.all_gather_object(every, mine)\n"
         "if dist.get_rank() == 0:\n"
         "    print('CHOSEN', len(mine), every[0] == every[1])\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+        "import os, sys; sys.stdout.flush(); os._exit(0)  # as train_fsdp: no gloo teardown race at exit\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -272,3 +272,7 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int,
 
 if __name__ == "__main__":
     run()
+    if "RANK" in os.environ:  # a torchrun worker: skip interpreter teardown, where gloo's threads can still hold
+        sys.stdout.flush()    # tensors after destroy_process_group and abort the process (SIGABRT) at exit
+        sys.stderr.flush()
+        os._exit(0)
