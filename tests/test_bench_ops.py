@@ -149,6 +149,24 @@ def test_kernel_time_excludes_the_flush():
     assert math.isclose(res["ms"], 0.042 + 0.004)
 
 
+def test_wall_time_is_the_median_of_its_loops():
+    """One loop of five is slowed (a descheduled process): the median ignores it; each loop runs n calls."""
+    calls, clock = [], [0.0]
+    slow_loop = 2
+
+    def step():
+        calls.append(1)
+        loop = (len(calls) - 2) // 4 if len(calls) > 1 else -1
+        clock[0] += 0.010 if loop == slow_loop else 0.001  # seconds per call
+
+    import unittest.mock as mock
+
+    with mock.patch.object(bench.time, "perf_counter", lambda: clock[0]):
+        ms, n, rounds = bench.wall_time(step, lambda: None, max_iters=4, rounds=5, budget_s=1.0)
+    assert n == 4 and len(calls) == 1 + 5 * 4
+    assert rounds[slow_loop] == pytest.approx(10.0) and ms == pytest.approx(1.0)
+
+
 def test_wall_iterations_follow_the_budget():
     assert bench.wall_iterations(1.0, 100, budget_s=0.05) == 50
     assert bench.wall_iterations(0.001, 100, budget_s=0.3) == 100

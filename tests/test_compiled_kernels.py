@@ -195,6 +195,23 @@ def test_first_call_compiles_through_triton_later_calls_launch_the_compiled_kern
     assert len(fn.runs) == 1 and c.run_accesses == 1  # the launcher is taken once
 
 
+def test_call_shapes_are_indexed_by_value_and_the_index_is_bounded(hooks, monkeypatch):
+    """Each distinct int is its own entry of the per-shape index, all sharing the one compiled kernel of their
+    Triton specialization; past MAX_ENTRIES the index starts over and later calls still launch directly."""
+    from liger_gen.codegen import launch
+
+    monkeypatch.setattr(launch, "MAX_ENTRIES", 2)
+    lk, fn = _lean()
+    x, y = _aligned(64), _aligned(64)
+    for n in (17, 33, 49, 17, 65):  # one specialization: not 1, not a multiple of 16, int32
+        lk[(4,)](x, y, n, ACT="gelu")
+    c = fn.made[0]
+    assert len(fn.runs) == 1 and len(lk._lean_entries) == 1 and len(lk._lean_fast) <= 2
+    assert [call[-3] for call in c.calls] == [33, 49, 17, 65]  # every later call launched the compiled kernel
+    lk[(4,)](x, y, 16, ACT="gelu")  # another specialization (16 divides it): Triton's own path compiles it
+    assert len(fn.runs) == 2 and len(lk._lean_entries) == 2
+
+
 def test_the_constexpr_tail_comes_from_kwargs_or_defaults_in_parameter_order_without_launch_options(hooks):
     lk, fn = _lean()
     x, y = _aligned(8), _aligned(8)

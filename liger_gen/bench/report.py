@@ -14,8 +14,8 @@ runs anywhere. The dict (schema 1, as ``liger_gen.bench.run_bench`` returns it a
              reference_s, [error | reference_error], sol_ms}
     results: [{op, provider, status ("ok" | "not installed" | "not available" | "error: ..."), note,
              [lookup], warmup_s, rel_err {name: float}, max_rel_err, correct, peak_extra_bytes, kernel {method,
-             iters, ms, median_ms, mean_ms, min_ms, kernels}, wall_ms, wall_iters, wall_minus_kernel_ms,
-             host_overhead_ms, gbps, pct_copy, tflops, pct_matmul, speedup {peer: {kernel, wall}}}]
+             iters, ms, median_ms, mean_ms, min_ms, kernels}, wall_ms, wall_iters, wall_rounds_ms,
+             wall_minus_kernel_ms, host_overhead_ms, gbps, pct_copy, tflops, pct_matmul, speedup {peer: {kernel, wall}}}]
 
 Times are milliseconds, bandwidths GB/s (1e9 bytes/s), compute TFLOP/s (1e12 flops/s), memory bytes.
 """

@@ -10,11 +10,12 @@ else.
 
 The argument key is at least as fine as Triton's own specialization, so two calls with one key always get the
 same compiled kernel from Triton: a tensor contributes its dtype and whether its address is 16-byte aligned; an
-int whether it equals 1, whether 16 divides it and its width (int32, int64, uint64); floats, bools and None
-their kind; keyword arguments (constexprs and launch options) their values. An argument of another kind, a
-callable grid, a constexpr passed by position, a keyword argument that is not a plain value, Triton's launch
-hooks (a profiler such as Proton), ``TRITON_DEBUG``, an instrumentation mode (sanitizers) or a Triton that lacks
-the pieces used here all take Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
+int its value (``arg_key``'s coarser form — whether it equals 1, whether 16 divides it, its width: int32, int64,
+uint64 — indexes the compiled kernel cache); floats, bools and None their kind; keyword arguments (constexprs
+and launch options) their values. An argument of another kind, a callable grid, a constexpr passed by position,
+a keyword argument that is not a plain value, Triton's launch hooks (a profiler such as Proton),
+``TRITON_DEBUG``, an instrumentation mode (sanitizers) or a Triton that lacks the pieces used here all take
+Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
 the launch: its pre-run hooks (none are registered on these kernels) and its check that globals the kernel
 reads have not changed (the rendered modules never rebind them).
 
@@ -39,6 +40,8 @@ RECORDERS: list[Callable[..., None]] = []
 STORE_FAILED: list[Callable[..., None]] = []
 
 _I32 = 2 ** 31
+#: call shapes memoised per kernel before the per-shape index is dropped (it is rebuilt from the per-specialization one)
+MAX_ENTRIES = 4096
 _I64 = 2 ** 63
 _lock = threading.Lock()
 
@@ -111,7 +114,8 @@ class LeanLaunch:
         self._lean_fn = fn
         self._lean_stem = module_stem
         self._lean_name = fn.__name__
-        self._lean_entries: dict[tuple, tuple] = {}
+        self._lean_entries: dict[tuple, tuple] = {}  # per Triton specialization (arg_key)
+        self._lean_fast: dict[tuple, tuple] = {}  # the same entries per call shape (ints by value)
         self._lean_knobs = getattr(triton, "knobs", None)
         self._lean_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
         self._lean_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -138,16 +142,35 @@ class LeanLaunch:
         if type(grid) is not tuple or len(args) > self._lean_max_positional or not self._lean_direct():
             return self._lean_jit(grid, args, kwargs)
         device = self._lean_device()
-        try:
-            key = (device, *map(arg_key, args), *kwargs.items())
-            entry = self._lean_entries.get(key)
+        try:  # ints by value, without a call per int: one entry per call shape, found by one dict lookup
+            key = (device, *[a if type(a) is int else arg_key(a) for a in args], *kwargs.items())
+            entry = self._lean_fast.get(key)
         except TypeError:  # an argument kind without a key, or an unhashable keyword value
             return self._lean_jit(grid, args, kwargs)
         if entry is None:
-            return self._lean_first(key, grid, args, kwargs)
+            return self._lean_miss(key, grid, args, kwargs)
         run, function, packed, tail = entry
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(device), function, packed,
+            None, None, None, *args, *tail)
+        return None
+
+    def _lean_miss(self, key: tuple, grid, args: tuple, kwargs: dict):
+        """A call shape not seen yet: the entry of its Triton specialization (``arg_key``), else a first call."""
+        try:
+            coarse = (key[0], *map(arg_key, args), *kwargs.items())
+        except TypeError:  # an int that fits no Triton int type
+            return self._lean_jit(grid, args, kwargs)
+        entry = self._lean_entries.get(coarse)
+        if entry is None:
+            return self._lean_first(coarse, grid, args, kwargs, fast_key=key)
+        with _lock:
+            if len(self._lean_fast) >= MAX_ENTRIES:  # many distinct shapes (dynamic sequence lengths): bounded
+                self._lean_fast.clear()
+            self._lean_fast[key] = entry
+        run, function, packed, tail = entry
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(key[0]), function, packed,
             None, None, None, *args, *tail)
         return None
 
@@ -163,8 +186,9 @@ class LeanLaunch:
                 return None
         return tuple(tail)
 
-    def _lean_first(self, key: tuple, grid: tuple, args: tuple, kwargs: dict):
-        """First call of a key: the compiled kernel cache, else Triton (which compiles or reads its own cache)."""
+    def _lean_first(self, key: tuple, grid: tuple, args: tuple, kwargs: dict, fast_key: tuple | None = None):
+        """First call of a key: the compiled kernel cache, else Triton (which compiles or reads its own cache).
+        The entry is memoised under ``key`` and, for later calls of the same shape, ``fast_key``."""
         try:
             text = key_text(key)
         except TypeError:  # a keyword argument that is not a plain value (a tensor passed by name)
@@ -189,6 +213,8 @@ class LeanLaunch:
         entry = (run, compiled.function, compiled.packed_metadata, tail)
         with _lock:
             self._lean_entries[key] = entry
+            if fast_key is not None:
+                self._lean_fast[fast_key] = entry
         if not launched:
             n = len(grid)
             try:
@@ -197,6 +223,8 @@ class LeanLaunch:
             except Exception:  # noqa: BLE001 - a cached kernel that cannot be launched: Triton's own path
                 with _lock:
                     self._lean_entries.pop(key, None)
+                    if fast_key is not None:
+                        self._lean_fast.pop(fast_key, None)
                 for on_failure in STORE_FAILED:
                     on_failure(stem, name, text)
                 return self._lean_jit(grid, args, kwargs)
