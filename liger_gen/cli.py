@@ -101,8 +101,9 @@ def main() -> None:
                    "(default: a quarter of --trials).")
 @click.option("--storage", default=None,
               help="Where the Optuna studies are kept, to resume an interrupted run: a journal file path "
-                   "(safe for several workers) or a database URL (sqlite:///tune.db). Default: in memory with "
-                   "one worker; with several, a journal file in OUT/<gpu>/, removed after a complete run.")
+                   "(safe for several workers) or a database URL (sqlite:///tune.db; postgresql://user@host/db "
+                   "for several hosts). Default: in memory with one worker; with several, a journal file in "
+                   "OUT/<gpu>/, removed after a complete run.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampler and input seed.")
 @click.option("--budget-s", "budget_s", default=36.0, show_default=True, type=click.FloatRange(0),
               help="Seconds of search + polish per op, split evenly over its shapes and kernels; a search that "
@@ -117,9 +118,34 @@ def main() -> None:
                    "are skipped.")
 @click.option("--build/--no-build", "build_kernels", default=True, show_default=True,
               help="After tuning, compile the tuned variants into the compiled kernel cache (`liger-gen build`).")
-def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
-         devices, refresh, build_kernels) -> None:
-    """Search launch settings on this GPU (or several of the same kind) and write the tuned tables."""
+@click.option("--run-id", "run_id", default=None, metavar="NAME",
+              help="Name of a run shared by several hosts: each starts the same command with the same --storage "
+                   "(a database every host reaches) and --run-id. Needs --storage.")
+@click.option("--no-write-tables", "no_write_tables", is_flag=True,
+              help="With --run-id: this host only tunes; a host started without this flag writes the tables.")
+@click.option("--stale-after", "stale_after", default=600.0, show_default=True, type=click.FloatRange(min=1),
+              metavar="SECONDS",
+              help="With --run-id: a unit whose owner shows no progress for this long is taken over (one whose "
+                   "process on this host is gone, at once). Keep it above the longest stretch without a trial.")
+@click.pass_context
+def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
+         devices, refresh, build_kernels, run_id, no_write_tables, stale_after) -> None:
+    """Search launch settings on this GPU (or several of the same kind) and write the tuned tables.
+
+    Several hosts tune one run together through a PostgreSQL database (pip install 'liger-gen[tune]' brings the
+    driver): start the same command on each, with the same --storage URL and --run-id, and --no-write-tables on
+    all but the host that writes the tables (that one's --out gets them). Each host tunes the units it claims on
+    its own GPUs (--workers), then waits until every unit is done, taking over units whose process died on it or
+    that showed no progress for --stale-after seconds. For example, on the table-writing host and on the others:
+
+    \b
+      liger-gen tune --gpu h200 --workers 8 --storage postgresql://tuner@db-host/tune --run-id llama-1
+      liger-gen tune --gpu h200 --workers 8 --storage postgresql://tuner@db-host/tune --run-id llama-1 \\
+          --no-write-tables
+
+    To resume a host that was stopped, run its command again; a new --run-id starts a new run (the studies
+    stored for the same problems are reused).
+    """
     import torch
 
     from liger_gen.optional import require
@@ -135,6 +161,25 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                                      param_hint="--devices") from None
         if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
             raise click.BadParameter(f"expected distinct GPU indices >= 0, got {text!r}", param_hint="--devices")
+    if run_id is not None:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", run_id):
+            raise click.BadParameter(f"expected a name of letters, digits, '.', '_' and '-' (at most 64), got "
+                                     f"{run_id!r}", param_hint="--run-id")
+        if storage is None or storage.rstrip("/") in ("sqlite:", "sqlite:///:memory:"):
+            raise click.BadParameter("a shared run needs --storage that every host can open: a database URL "
+                                     "(postgresql://user@host/db) or a journal file path on a disk they share",
+                                     param_hint="--run-id")
+    else:
+        from click.core import ParameterSource
+
+        given = [f"--{name.replace('_', '-')}" for name in ("no_write_tables", "stale_after")
+                 if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
+        if given:
+            raise click.BadParameter(f"{' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to a "
+                                     f"shared run (--run-id NAME)",
+                                     param_hint="--run-id")
 
     from liger_gen.codegen.spaces import dtype_from_name
     from liger_gen.models import resolve_model
@@ -177,7 +222,7 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                                        f"every worker must tune on the GPU the tables are for.")
         if len(devices) == 1:
             torch.cuda.set_device(devices[0])
-    from liger_gen.tuning.tuner import JournalError
+    from liger_gen.tuning.tuner import JournalError, SharedRunError, StorageError
 
     out_root = out_dir or default_tune_root()
     try:
@@ -186,15 +231,22 @@ def tune(gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, s
                             budget_s=budget_s or None,
                             devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
                             device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu,
-                            device_name=visible[1], refresh=refresh)
-    except JournalError as exc:
+                            device_name=visible[1], refresh=refresh, run_id=run_id,
+                            write_tables=not no_write_tables, stale_s=stale_after)
+    except (JournalError, StorageError, SharedRunError) as exc:
         raise click.ClickException(str(exc)) from None
-    if Path(out_root).resolve() != packaged_root().resolve():
+    if no_write_tables:
+        pass  # run_tuning said which host writes the tables
+    elif Path(out_root).resolve() != packaged_root().resolve():
         click.echo(f"tables written under {out_root}/{gpu}/. To ship them, copy that folder into the image as "
                    f"<DIR>/{gpu}/ and set LIGER_GEN_TUNED_DIR=<DIR>; check with `liger-gen show --gpu {gpu}`.")
-    if result.unfinished or result.errors:
+    if result.unfinished:
         raise click.ClickException(f"{len(result.unfinished)} unit(s) not tuned; see the messages above.")
-    if build_kernels:
+    if result.errors:
+        raise click.ClickException("every unit was tuned, but worker(s) failed on the way; see the messages above."
+                                   + (" Running the same command again completes the run without tuning (it "
+                                      "writes the tables and compiles their kernels)." if run_id else ""))
+    if build_kernels and not no_write_tables:
         _build_after_tune(gpu, model_name, ops, rows, dtypes, out_root)
 
 
@@ -382,7 +434,8 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
               help="Print a result JSON as markdown and draw its PNG; no GPU needed.")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(1), help="Profiled iterations.")
 @click.option("--wall-iters", default=100, show_default=True, type=click.IntRange(1),
-              help="Most back-to-back calls of the wall-time loop (it stops after about 0.3 s).")
+              help="Most back-to-back calls in each of the 5 wall-time loops (about 0.3 s in all; the median "
+                   "loop counts).")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(1), help="Untimed calls first.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Input seed.")
 def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path, iters, wall_iters, warmup,

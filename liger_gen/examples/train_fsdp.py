@@ -1,20 +1,27 @@
-"""Distributed training with torchrun: FSDP2 or DDP, DCP checkpoints, elastic restart, optionally liger-gen.
+"""Distributed training with torchrun: FSDP2, DDP or DeepSpeed ZeRO-3, DCP checkpoints, elastic restart, optionally
+liger-gen.
 
 What it does
 ------------
 Each process started by ``torchrun`` (Torch Distributed Elastic) builds the same transformers model from a config
 (``--model``: a name of ``liger_gen.models.ARCHITECTURES``; random init from ``--seed``, nothing downloaded),
-optionally calls ``liger_gen.apply_to(model)`` (``--liger-gen``), shards it and trains it with AdamW on windows
-of a text read as bytes (token ids 0..255; tiny Shakespeare by default):
+patches it (``--kernels liger-gen``: ``liger_gen.apply_to(model)``; ``--kernels liger-kernel``: Liger-Kernel's
+``apply_liger_kernel_to_<family>(model=model)``), optionally turns on activation checkpointing
+(``--activation-checkpointing``) and compiles every decoder layer (``--compile``), shards it and trains it with
+AdamW on windows of a text read as bytes (token ids 0..255; tiny Shakespeare by default):
 
 - ``--parallel fsdp``: ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the root, with a
   ``MixedPrecisionPolicy`` computing in ``--dtype`` (parameters and gradients reduced in float32);
 - ``--parallel ddp``: ``torch.nn.parallel.DistributedDataParallel``;
+- ``--parallel zero3``: DeepSpeed ZeRO stage 3 (``deepspeed.initialize``; ``pip install deepspeed``; on the CPU
+  set ``DS_ACCELERATOR=cpu``), parameters, gradients and optimizer state partitioned over the ranks; the fused
+  loss gathers ``lm_head.weight`` for its call (``liger_gen.integrations.transformers.zero3_gathered``);
 - ``--parallel none``: one process, no process group (the reference the distributed runs are compared with).
 
 Order: ``liger_gen.apply_to`` patches the transformers model before it is sharded or wrapped (it replaces
 modules and forwards, which FSDP2 then shards like any other); applied to a model whose parameters are already
-DTensors it stops with a ``ValueError`` saying so.
+DTensors, or that ``deepspeed.initialize`` already hooked, it stops with a ``ValueError`` saying so. Activation
+checkpointing and ``torch.compile`` of the decoder layers come after the patch and before sharding.
 
 Data: step ``s`` draws ``world_size × --batch-size`` windows (``liger_gen.bench.step.make_batches``, seeded with
 ``--seed``); rank ``r`` trains on rows ``r·B .. (r+1)·B − 1``. A one-process run with ``--batch-size`` equal to
@@ -22,11 +29,11 @@ the world's total sees the same tokens at every step, and since every row has th
 of the ranks' losses is its loss; FSDP2 and DDP average the gradients over ranks, so the runs take the same
 steps (float32: equal to rounding).
 
-Checkpoints: with ``--checkpoint-dir`` the model and optimizer state are saved with
-``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict``, so the same code serves FSDP2, DDP and
-one process) every ``--save-every`` steps into ``step_<n>`` (written as ``step_<n>.tmp`` and renamed by rank 0 once
-every rank finished). A start, or a restart by ``torchrun --max-restarts K`` after a rank died, resumes from the
-newest complete checkpoint, so the later steps are the ones an uninterrupted run takes.
+Checkpoints (not with ``zero3``, which has its own format): with ``--checkpoint-dir`` the model and optimizer
+state are saved with ``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict``, so the same code
+serves FSDP2, DDP and one process) every ``--save-every`` steps into ``step_<n>`` (written as ``step_<n>.tmp`` and
+renamed by rank 0 once every rank finished). A start, or a restart by ``torchrun --max-restarts K`` after a rank
+died, resumes from the newest complete checkpoint, so the later steps are the ones an uninterrupted run takes.
 
 Output: rank 0 appends one JSON line per step to ``--metrics-file`` (``step``, the mean loss over ranks, tokens/s of the
 step on this rank, peak memory) and every rank prints its tokens/s, peak memory and last loss at the end.
@@ -36,12 +43,12 @@ How to run
 On the CPU (gloo), a tiny model::
 
     torchrun --standalone --nproc-per-node 2 -m liger_gen.examples.train_fsdp --model tiny --device cpu \\
-        --steps 5 --parallel fsdp --liger-gen --metrics-file losses.jsonl
+        --steps 5 --parallel fsdp --kernels liger-gen --metrics-file losses.jsonl
 
 On GPUs (NCCL), the Llama-3.2-1B shape at 8 × 2048 tokens per rank, with checkpoints and one restart allowed::
 
     torchrun --standalone --nproc-per-node 8 --max-restarts 1 -m liger_gen.examples.train_fsdp --model llama3.2-1b \\
-        --dtype bfloat16 --batch-size 8 --seq-len 2048 --steps 100 --liger-gen --checkpoint-dir ckpt --save-every 20
+        --dtype bfloat16 --batch-size 8 --seq-len 2048 --steps 100 --kernels liger-gen --checkpoint-dir ckpt --save-every 20
 
 ``--fail-at-step N`` (with ``--fail-rank R``) makes rank R exit at step N on the first attempt only (Torch
 Elastic's ``TORCHELASTIC_RESTART_COUNT`` is 0): the restart test uses it.
@@ -70,8 +77,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tiny", choices=sorted(ARCHITECTURES), help="architecture to build")
-    p.add_argument("--parallel", default="fsdp", choices=("fsdp", "ddp", "none"))
-    p.add_argument("--liger-gen", action="store_true", help="liger_gen.apply_to(model) before sharding")
+    p.add_argument("--parallel", default="fsdp", choices=("fsdp", "ddp", "zero3", "none"))
+    p.add_argument("--kernels", default="transformers", choices=("transformers", "liger-gen", "liger-kernel"),
+                   help="transformers' own modules; liger_gen.apply_to(model); or Liger-Kernel's\n"
+                        "apply_liger_kernel_to_<family>(model=model) (llama and qwen2 families)")
+    p.add_argument("--liger-gen", dest="kernels", action="store_const", const="liger-gen",
+                   help="the same as --kernels liger-gen")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer in the backward (transformers'\n"
+                        "gradient_checkpointing_enable, non-reentrant)")
+    p.add_argument("--zero3-persistence-threshold", type=int, default=None,
+                   help="zero3: DeepSpeed's stage3_param_persistence_threshold (parameters with fewer\n"
+                        "elements are never partitioned; default: DeepSpeed's); 0 partitions every one")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every decoder layer (in place, before sharding)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps in all (a resumed run continues to it)")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step on each rank")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -87,14 +106,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                    "first attempt only")
     p.add_argument("--fail-rank", type=int, default=1)
     args = p.parse_args(argv)
+    if args.parallel == "zero3" and args.checkpoint_dir:
+        p.error("--checkpoint-dir saves with torch.distributed.checkpoint (fsdp, ddp, none); DeepSpeed keeps its own "
+                "checkpoint format (engine.save_checkpoint)")
     for name in ("steps", "batch_size", "seq_len", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
-def shard(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torch.device):
-    """FSDP2 (every decoder layer, then the root), DDP, or the model itself."""
+def patch_kernels(model: torch.nn.Module, kernels: str, name: str) -> None:
+    """Swap in the fused kernels of ``kernels`` (before sharding: ``liger_gen.apply_to`` refuses a model whose
+    parameters are already DTensors)."""
+    if kernels == "liger-gen":
+        import liger_gen
+
+        liger_gen.apply_to(model)
+    elif kernels == "liger-kernel":
+        from liger_gen.bench.step import STEP_MODELS, _apply_liger_kernel
+
+        family = STEP_MODELS[name].family if name in STEP_MODELS else None
+        if family not in ("llama", "qwen2"):
+            raise SystemExit(f"--kernels liger-kernel: this example patches the llama and qwen2 families; "
+                             f"{name} is {family or 'not one of them'}")
+        _apply_liger_kernel(model, family)
+
+
+def shard(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torch.device, *, lr: float = 1e-3,
+          batch_size: int = 1, persistence_threshold: int | None = None):
+    """FSDP2 (every decoder layer, then the root), DDP, a DeepSpeed ZeRO-3 engine (with its AdamW), or the model
+    itself."""
+    if parallel == "zero3":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3}, "bf16": {"enabled": dtype == torch.bfloat16},
+                  "fp16": {"enabled": dtype == torch.float16}}
+        if persistence_threshold is not None:
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence_threshold
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return engine
     if parallel == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -220,13 +272,22 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int,
 
     dtype = _DTYPES[args.dtype]
     # the same weights on every rank (built in float32 from the seed); FSDP2 keeps float32 shards
-    model = build_model(args.model, device, torch.float32 if args.parallel == "fsdp" else dtype, args.seed)
-    if args.liger_gen:
-        import liger_gen
-
-        liger_gen.apply_to(model)  # before sharding: it refuses a model whose parameters are DTensors
-    model = shard(model, args.parallel, dtype, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+    master = torch.float32 if args.parallel in ("fsdp", "zero3") else dtype  # kept in fp32 where sharded
+    model = build_model(args.model, device, master, args.seed)
+    patch_kernels(model, args.kernels, args.model)
+    if args.activation_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:
+        for layer in model.model.layers:
+            layer.compile()  # in place: parameter names (and so checkpoints) stay those of the eager model
+    model = shard(model, args.parallel, dtype, device, lr=args.lr, batch_size=args.batch_size,
+                  persistence_threshold=args.zero3_persistence_threshold)
+    engine = model if args.parallel == "zero3" else None
+    optimizer = engine.optimizer if engine is not None else \
+        torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     start = 0
     if root is not None:
@@ -246,9 +307,13 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int,
         batch = batches[step, rows].to(device)
         t0 = time.perf_counter()
         loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if engine is not None:  # DeepSpeed owns the backward (its loss scaling, gradient partitioning) and the step
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         mean = loss.detach().float()
         if distributed:
             dist.all_reduce(mean)
@@ -263,7 +328,8 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int,
                                     "peak_allocated_bytes": peak, "restart": restart}) + "\n")
         if root is not None and (step + 1) % args.save_every == 0:
             save_checkpoint(root, step, model, optimizer, rank, distributed)
-    summary = {"rank": rank, "world_size": world, "start_step": start, "last_loss": loss_value,
+    summary = {"rank": rank, "world_size": world, "kernels": args.kernels, "parallel": args.parallel,
+               "start_step": start, "last_loss": loss_value,
                "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
                "peak_allocated_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30
                                       if device.type == "cuda" else None)}

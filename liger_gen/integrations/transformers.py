@@ -45,6 +45,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -182,18 +183,20 @@ def family_of(model: nn.Module) -> ModelFamily:
 def _replace_norm(module: nn.Module, kind: str) -> nn.Module | None:
     """A liger-gen norm sharing ``module``'s Parameters, or None where the weight is not 1-D."""
     weight = module.weight
-    if weight is None or weight.dim() != 1:
+    # a DeepSpeed ZeRO-3 partition (deepspeed.zero.Init) is an empty tensor; its ds_shape is the parameter's
+    shape = tuple(getattr(weight, "ds_shape", weight.shape)) if weight is not None else None
+    if weight is None or len(shape) != 1:
         return None
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     if kind == "layer":
         bias = getattr(module, "bias", None)
-        new = LayerNorm(weight.shape[0], eps=eps, bias=bias is not None, device="meta")
+        new = LayerNorm(shape[0], eps=eps, bias=bias is not None, device="meta")
         new.weight = weight
         if bias is not None:
             new.bias = bias
     else:
         offset, casting = {"llama": (0.0, "llama"), "gemma": (1.0, "gemma"), "fp32": (0.0, "gemma")}[kind]
-        new = RMSNorm(weight.shape[0], eps=eps, offset=offset, casting_mode=casting, device="meta")
+        new = RMSNorm(shape[0], eps=eps, offset=offset, casting_mode=casting, device="meta")
         new.weight = weight
     new.train(module.training)
     return new
@@ -427,8 +430,9 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     x = hidden.reshape(-1, hidden.shape[-1])
     if scale is not None:
         x = x * scale
-    loss = fused_linear_cross_entropy(x, head.weight, shift_labels.reshape(-1).to(hidden.device), bias=head.bias,
-                                      ignore_index=-100, reduction=reduction, softcap=softcap)
+    with zero3_gathered(head.weight, head.bias):
+        loss = fused_linear_cross_entropy(x, head.weight, shift_labels.reshape(-1).to(hidden.device),
+                                          bias=head.bias, ignore_index=-100, reduction=reduction, softcap=softcap)
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
@@ -645,18 +649,43 @@ def _group(left: list[tuple[str, str]]) -> list[str]:
     return [f"{cls} ×{n} ({why})" for (cls, why), n in counts.items()]
 
 
+def zero3_gathered(*params: torch.Tensor | None):
+    """A context in which DeepSpeed ZeRO-3 partitioned ``params`` hold their full data (``deepspeed.zero.
+    GatheredParameters``, read-only); a no-op context for every other tensor and None.
+
+    ZeRO-3 keeps a parameter partitioned (an empty tensor with ``ds_shape``) outside the forward of the module
+    that owns it. The fused loss reads ``lm_head.weight`` without calling ``lm_head`` (that is how it avoids the
+    logits), so it gathers the weight for the call. The loss computes its gradients in the forward, and the
+    gradient of the full weight goes to the parameter in the backward, where DeepSpeed's hooks reduce it into
+    the partition, as for any parameter."""
+    partitioned = [p for p in params  # gathered already: inside its module's forward, or a persistent small one
+                   if p is not None and hasattr(p, "ds_id") and getattr(p.ds_status, "name", "") != "AVAILABLE"]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
 def _check_not_sharded(model: nn.Module) -> None:
     """ValueError when ``model``'s parameters are already DTensors (FSDP2's ``fully_shard`` or tensor parallelism
-    ran first): the replacement modules would hold sharded weights the kernels cannot take."""
+    ran first), or DeepSpeed ZeRO-3 already hooked its modules (``deepspeed.initialize`` ran first): the
+    replacement modules would hold sharded weights the kernels cannot take."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - a torch without DTensor
-        return
-    sharded = next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
-    if sharded is not None:
-        raise ValueError(f"liger_gen.apply_to: the model is already sharded (parameter {sharded!r} is a DTensor); "
-                         f"call liger_gen.apply_to(model) before fully_shard / parallelize_module, then shard the "
-                         f"patched model")
+        DTensor = ()
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"liger_gen.apply_to: the model is already sharded (parameter {name!r} is a DTensor); "
+                             f"call liger_gen.apply_to(model) before fully_shard / parallelize_module, then shard "
+                             f"the patched model")
+    if hasattr(model, "ds_id"):  # deepspeed.initialize registered its ZeRO-3 hooks on the modules
+        raise ValueError("liger_gen.apply_to: DeepSpeed ZeRO-3 already manages this model (deepspeed.initialize "
+                         "registered its hooks on its modules; replacement modules would have none and see "
+                         "empty weights); call liger_gen.apply_to(model) before deepspeed.initialize (with "
+                         "transformers' Trainer: before the Trainer is built). Parameters partitioned by "
+                         "deepspeed.zero.Init, before initialize, are fine.")
 
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,

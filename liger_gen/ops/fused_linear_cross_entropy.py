@@ -36,7 +36,7 @@ from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEn
                                          check_prediction_flags, cross_entropy_mean_scale, cross_entropy_reduce,
                                          cross_entropy_torch, loss_and_grad_unchecked, target_probability,
                                          with_predictions)
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime.binding import Differentiable, Kernel, refuse_dtensors, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
                                    kernel_module, use_custom_op, uses_triton)
 
@@ -767,8 +767,12 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, optio
         if not (need_dx or need_dw or need_db) and not use_custom_op():
             # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd
             # node)
-            out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False,
-                            need_pred=need_pred, token_scaling=token_scaling)
+            try:
+                out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False,
+                                need_pred=need_pred, token_scaling=token_scaling)
+            except Exception as exc:  # noqa: BLE001 - re-raised; a DTensor input is named instead
+                refuse_dtensors("fused_linear_cross_entropy", (x, lm_head_weight, target, bias, weight), exc)
+                raise
             return out[0], out[1], out[2]
     out = _fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, *options, need_dx, need_dw,
                                          need_db, need_pred, token_scaling)
@@ -795,13 +799,22 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     hidden = x.shape[-1]
     if hidden < 1:
         raise ValueError(f"{op}: x must have a hidden size >= 1 in its last dim; got {describe('x', x)}")
+    for name, t in (("lm_head_weight", lm_head_weight), ("bias", bias)):
+        full = getattr(t, "ds_shape", None)  # DeepSpeed ZeRO-3 marks its partitioned parameters
+        if full is not None and tuple(t.shape) != tuple(full):
+            raise ValueError(f"{op}: {name} is a DeepSpeed ZeRO-3 partition ({describe(name, t)}) of a parameter of "
+                             f"shape {tuple(full)}; the loss needs the whole weight: call it inside "
+                             f"deepspeed.zero.GatheredParameters([...]) (liger_gen.integrations.transformers."
+                             f"zero3_gathered; the forward patched by liger_gen.apply_to does this)")
+    if lm_head_weight.numel() == 0:
+        raise ValueError(f"{op}: lm_head_weight is empty ({describe('lm_head_weight', lm_head_weight)}): an empty "
+                         f"shard, as a sharded model's parameter read outside its module's forward; pass the whole "
+                         f"(vocab, {hidden}) weight (gathered, e.g. DTensor.full_tensor() or DeepSpeed's "
+                         f"GatheredParameters)")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden:
         raise ValueError(f"{op}: lm_head_weight must have shape (vocab, {hidden}) to match x's last dim; got "
                          f"{describe('lm_head_weight', lm_head_weight)} and {describe('x', x)}")
     vocab = lm_head_weight.shape[0]
-    if vocab < 1:
-        raise ValueError(f"{op}: lm_head_weight must have at least one row (class); got "
-                         f"{describe('lm_head_weight', lm_head_weight)}")
     if tuple(target.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{op}: target must have x's leading shape {tuple(x.shape[:-1])} (one class index per "
                          f"row); got {describe('target', target)} and {describe('x', x)}")

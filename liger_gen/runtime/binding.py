@@ -97,11 +97,37 @@ class Differentiable:
         })
         self._op = forward.op
         self._apply = self.function.apply
+        self._name = op_name
 
     def __call__(self, *args: Any) -> Any:
-        if use_custom_op():
-            return self._op(*args)
-        return self._apply(*args)
+        try:
+            if use_custom_op():
+                return self._op(*args)
+            return self._apply(*args)
+        except Exception as exc:  # costs nothing until something fails: then say so if a DTensor was the cause
+            refuse_dtensors(self._name, args, exc)
+            raise
+
+
+def refuse_dtensors(op: str, args: Iterable[Any], cause: BaseException | None = None) -> None:
+    """TypeError naming the first ``torch.distributed.tensor.DTensor`` among ``args``, with what to do instead.
+
+    The kernels read raw pointers of local tensors; a DTensor has no storage of its own. FSDP2 (``fully_shard``)
+    hands modules plain tensors inside their forward, so ``apply_to`` before sharding never meets one; tensor or
+    sequence parallel code that holds DTensors must pass local shards or full tensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    for pos, arg in enumerate(args):
+        if isinstance(arg, DTensor):
+            raise TypeError(
+                f"liger_gen {op}: input {pos} is a DTensor (global shape {tuple(arg.shape)}, local shape "
+                f"{tuple(arg._local_tensor.shape)}, placements {tuple(arg.placements)}, dtype {arg.dtype}); the "
+                f"kernels take plain tensors. Under FSDP2 call liger_gen.apply_to(model) before fully_shard (the "
+                f"modules then see unsharded plain tensors); with tensor or sequence parallelism pass the local "
+                f"shard (dtensor.to_local(), for row-wise ops on rows sharded with Shard(0)) or "
+                f"dtensor.full_tensor().") from cause
 
 
 def saved(ctx, *tensors: torch.Tensor | None) -> None:

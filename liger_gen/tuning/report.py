@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 import statistics
 import sys
 import time
@@ -17,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from liger_gen.codegen.spaces import dtype_name
-from liger_gen.tuning.tuner import (TuneJob, TuneResult, Tuner, plan_units, prior_configs, prior_entries, tune_ops,
-                                    write_entries)
+from liger_gen.tuning.tuner import (TuneJob, TuneResult, Tuner, display_storage, plan_units, prior_configs,
+                                    prior_entries, tune_ops, write_entries)
 from liger_gen.runtime.tables import entry_sort_key
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
@@ -30,7 +31,8 @@ TARGET_MEDIAN_GAIN = 0.10
 def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
                polish: int | None = None, budget_s: float | None = None, devices: Sequence[Any] | None = None,
                compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None,
-               refresh: bool = False) -> TuneResult:
+               refresh: bool = False, run_id: str | None = None, write_tables: bool = True,
+               stale_s: float = 600.0, poll_s: float = 2.0) -> TuneResult:
     """Tune the ops of ``specs`` (``OpSpec``s) at the model's shapes, write one table per op as soon as the op is done, print the time each
     op took and, at the end, the summary per op and shape with the median gain over the heuristic.
 
@@ -40,9 +42,23 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     seconds of search and polish per op (None: no cap). ``tuner`` and ``make_problems`` replace the default
     Tuner and the ops' ``tuning_problems`` (tests). Returns the ``TuneResult``; the caller decides how to fail
     when ``unfinished`` or ``errors`` is not empty.
+
+    ``run_id``: a run shared by several hosts (``liger-gen tune --run-id``): every host calls this with the same
+    ``storage`` (a database URL or a journal path all of them can open; ValueError otherwise) and ``run_id``;
+    each tunes the units it claims, waits until the whole run is done and takes over units abandoned by a dead
+    process of this host at once, or by any process showing no progress for ``stale_s`` seconds (the storage is
+    read every ``poll_s``). Only hosts with ``write_tables`` write the tables; the others say so at the end.
+    Running the same call again resumes the run.
     """
     from liger_gen.optional import require
 
+    shared = run_id is not None
+    if shared and (storage is None or not isinstance(storage, (str, Path)) or str(storage).rstrip("/") in (
+            "sqlite:", "sqlite:///:memory:")):
+        raise ValueError(f"a shared run (run_id {run_id!r}) needs a storage every host can open: a database URL "
+                         f"(postgresql://user@host/db) or a journal file path, got {storage!r}")
+    if not write_tables and not shared:
+        raise ValueError("write_tables=False needs a shared run (run_id): some other host must write the tables")
     optuna = require("optuna", "liger-gen tune")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     device = torch.device(device)
@@ -58,8 +74,12 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     roots = dict.fromkeys([Path(out_root), packaged_root()])
     priors = prior_entries(specs, roots, gpu) if refresh else prior_configs(specs, roots, gpu)
     job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, specs=by_name, make_problems=make_problems,
-                  priors=priors, seed=seed, device=device.type, gpu=gpu if several and device.type == "cuda" else None,
-                  refresh=refresh)
+                  priors=priors, seed=seed, device=device.type,
+                  gpu=gpu if (several or shared) and device.type == "cuda" else None, refresh=refresh,
+                  shared=shared, write_tables=write_tables, stale_s=stale_s, poll_s=poll_s)
+    if shared:
+        job.run_id = run_id
+    writer_note = "the tables are written by the host(s) started without --no-write-tables"
     own_journal = None
     if several and storage is None:
         own_journal = Path(out_root) / gpu / f".tune-{job.run_id}.journal"
@@ -68,7 +88,9 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     console.print(f"tuning {len(ops)} op(s), {len(units)} unit(s) (op x dtype x rows) of {model.name} on "
                   f"{device_name} with {workers} worker(s); search+polish budget "
                   + (f"{budget_s:g} s per op" if budget_s else "none")
-                  + (f"; studies in {job.storage}" if job.storage else ""))
+                  + (f"; studies in {display_storage(job.storage)}" if job.storage else "")
+                  + (f"; shared run {run_id!r} on host {socket.gethostname()}"
+                     + ("" if write_tables else f" ({writer_note})") if shared else ""))
     paths: dict[str, Path] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -90,11 +112,28 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
                 console.print(f"[red]worker {event['worker']} failed: {event['error']}[/red]")
             elif kind == "skip":
                 console.print(f"{event['op']} {event['key']}: no entry to refresh (tune it without --refresh)")
+            elif kind == "waiting" and event["for"] == "writer":
+                console.print(f"waiting for a host started without --no-write-tables to join run {run_id!r} "
+                              f"(this host tunes from the priors that host stores)")
+            elif kind == "waiting":
+                console.print(f"waiting for {len(event['units'])} unit(s) being tuned by "
+                              f"{', '.join(event['owners'])} (taken over after {stale_s:g} s without progress, "
+                              f"or at once if their process on this host is gone)")
+            elif kind == "takeover":
+                console.print(f"[yellow]taking over unit {event['unit']} ({event['op']} {event['dtype']} "
+                              f"rows={event['rows']}) as {event['claim'].rsplit(':', 1)[-1]}: {event['why']}"
+                              f"[/yellow]")
+            elif kind == "lost":
+                console.print(f"[yellow]worker {event['worker']} stopped unit {event['unit']} ({event['op']}): "
+                              f"{event['reason']}[/yellow]")
             if kind in ("start", "done"):
                 progress.update(task, description="tuning " + (", ".join(sorted(set(running.values())))
                                                                  or "...") + f" on {device_name}")
 
         def on_op_done(op: str, entries: list[dict], seconds: dict[str, float]) -> None:
+            if not write_tables:
+                console.print(f"{op}: {len(entries)} shape(s) {'refreshed' if refresh else 'tuned'}; {writer_note}")
+                return
             if not entries:
                 console.print(f"{op}: no shape {'refreshed' if refresh else 'tuned'}; its table is left as it is")
                 return
@@ -111,9 +150,11 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
             result = tune_ops(job, devices=devices if several else (devices or None), on_event=on_event,
                               on_op_done=on_op_done)
         except KeyboardInterrupt:
-            console.print("[yellow]interrupted; tables of finished ops are written"
-                          + (f"; run the same command with --storage {job.storage} to resume the studies"
-                             if job.storage else "; with --storage, a run can be resumed") + "[/yellow]")
+            console.print("[yellow]interrupted; " + ("" if not write_tables else "tables of finished ops are written; ")
+                          + (f"run the same command (--storage {display_storage(job.storage)} --run-id {run_id}) to "
+                             f"resume the run" if shared else
+                             f"run the same command with --storage {display_storage(job.storage)} to resume the "
+                             f"studies" if job.storage else "with --storage, a run can be resumed") + "[/yellow]")
             raise
         elapsed = time.monotonic() - start
     console.print(f"tuned {sum(len(e) for e in result.entries.values())} shape(s) of {len(result.entries)} op(s) "
@@ -125,11 +166,15 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     if result.unfinished or result.errors:
         for error in result.errors:
             console.print(f"[red]{error}[/red]")
-        if job.storage:
+        if job.storage and (result.unfinished or not shared):
+            shown = display_storage(job.storage)
             console.print(f"[yellow]{len(result.unfinished)} unit(s) unfinished; their studies are kept in "
-                          f"{job.storage}: run the same command with --storage {job.storage} to resume[/yellow]")
+                          f"{shown}: run the same command with --storage {shown}"
+                          + (f" --run-id {run_id}" if shared else "") + " to resume[/yellow]")
     elif own_journal is not None and own_journal.exists():
         own_journal.unlink()  # every entry is in the tables; the trials too
+    if shared and not result.unfinished and not write_tables:
+        console.print(f"run {run_id!r} is complete; {writer_note}")
     return result
 
 

@@ -31,6 +31,30 @@ so every study is run start to finish by one worker with the same seeded sequenc
 their entries in the claim study's user attrs; the lead reads them back in unit order and writes the same tables
 a one-GPU run writes. A worker that dies leaves its studies in the storage: the same command with the same
 ``--storage`` resumes them.
+
+Several hosts (``TuneJob.shared``, ``liger-gen tune --run-id``): tuner processes on several machines, each with its
+own workers, share one database storage (PostgreSQL; SQLite and journal files stay the embedded storages of one
+machine). The claims are named by the run id every host is given, so each unit is still tuned once, and:
+
+- a unit claim records its owner (host name, pid) and a ``beat`` counter that the owner raises on every trial and
+  problem (written at most every ``BEAT_INTERVAL_S``);
+- the first host stores the run's plan (units, tuner settings, model) and every other host checks its own
+  against it, so hosts started with different options stop at once; a table-writing host stores the priors (the
+  configs of the tables it replaces) and every host tunes from those;
+- once its own workers have tried every unit, a host waits for the units claimed by others. A unit is abandoned
+  when its latest attempt's owner is a process of this host that is gone, or when its ``beat`` has not changed
+  for ``stale_s`` seconds of this host's clock (host clocks are never compared). An abandoned unit is taken
+  over by creating the claim ``<unit claim>:retry<k>`` (one creator wins) and tuning it in the waiting process;
+  its problems keep the entries already stored, and a problem its dead attempt had claimed without storing an
+  entry is claimed again as ``<problem claim>:retry<k>``. The Optuna studies are named by problem, so the
+  trials already stored are resumed. An owner that sees a retry claim of its unit at its next beat stops
+  working on it;
+- a unit is done when any of its attempts is; entries are read back in one-GPU order (unit, then position),
+  one per problem;
+- only a process with ``write_tables`` writes the tables (``report.run_tuning``); the others only tune.
+
+Re-running a host's command with the same run id resumes it: its own dead attempts (this host, pid gone) are
+taken over at once.
 """
 
 from __future__ import annotations
@@ -42,6 +66,8 @@ import math
 import multiprocessing
 import os
 import queue as queue_module
+import re
+import socket
 import stat
 import statistics
 import time
@@ -689,12 +715,19 @@ def open_storage(spec: Any):
     """An Optuna storage from ``spec``: None stays None (in memory); a URL (``sqlite:///tune.db``,
     ``postgresql://...``) opens that database; any other string or path is a journal file (``JournalStorage``,
     safe for several processes on one disk; created with its folder, and first checked by ``repair_journal``: a
-    torn tail is cut off, a corrupt middle raises ``JournalError``); a storage object is returned as is."""
+    torn tail is cut off, a corrupt middle raises ``JournalError``); a storage object is returned as is.
+
+    A database other than SQLite (PostgreSQL, shared by the hosts of a ``--run-id`` run) is opened with
+    connections checked before use (a server restart or a closed idle connection is not an error), and its
+    tables are created by the first opener (hosts starting at once retry the creation the other won). A missing
+    driver raises ``MissingExtraError`` with the pip command; a server that cannot be reached, ``StorageError``."""
     if spec is None or not isinstance(spec, (str, os.PathLike)):
         return spec
     spec = str(spec)
     if "://" in spec:
-        return optuna.storages.get_storage(spec)
+        if spec.startswith("sqlite"):
+            return optuna.storages.get_storage(spec)
+        return _open_database(spec)
     from optuna.storages.journal import JournalFileBackend
 
     Path(spec).parent.mkdir(parents=True, exist_ok=True)
@@ -705,6 +738,79 @@ def open_storage(spec: Any):
         raise JournalError(f"tuning journal {spec} cannot be replayed by Optuna ({type(exc).__name__}: {exc}): a "
                            f"record in it is corrupt. Nothing was changed; move it aside to start the studies over "
                            f"(tables already written are kept).") from exc
+
+
+class StorageError(ValueError):
+    """A tuning storage cannot be opened (a database that cannot be reached, refuses the login, ...)."""
+
+
+def display_storage(spec: Any) -> str:
+    """``spec`` as it may be printed: the password of a database URL replaced by ``***``."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/@:]*):[^/@]*@", r"\1:***@", str(spec))
+
+
+def _open_database(url: str):
+    """An RDB storage on ``url`` (not SQLite): see ``open_storage``."""
+    import sqlalchemy.exc
+
+    from liger_gen.optional import MissingExtraError
+
+    shown = display_storage(url)
+    url = _with_driver(url)
+    for attempt in range(6):
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+            return optuna.storages.get_storage(storage)  # Optuna's cache of finished trials in front of it
+        except ImportError as exc:
+            cause, missing = exc, None
+            while cause is not None and missing is None:
+                missing = getattr(cause, "name", None)
+                cause = cause.__cause__ or cause.__context__
+            dialect = url.split("://", 1)[0]
+            if dialect in ("postgresql", "postgresql+psycopg2"):
+                hint = ("pip install 'liger-gen[tune]' (it brings psycopg2-binary; from a source checkout: pip "
+                        "install -e '.[tune]'), or pip install psycopg2-binary")
+            elif dialect == "postgresql+psycopg":
+                hint = "pip install 'psycopg[binary]'"
+            else:
+                hint = "pip install the Python driver that SQLAlchemy names for it"
+            raise MissingExtraError(f"the tuning storage {shown} needs the database driver "
+                                    f"{missing or dialect}, which is not installed ({exc}); install it with: "
+                                    f"{hint}") from exc
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as exc:
+            # several hosts creating the tables of an empty database at once: all but one fail on a duplicate
+            # table or type; by the next try the winner's tables are there
+            last = exc
+            time.sleep(0.1 * 2 ** attempt)
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            raise StorageError(f"cannot open the tuning storage {shown}: {type(exc).__name__}: "
+                               f"{_first_line(exc)}") from exc
+    raise StorageError(f"cannot create Optuna's tables in the tuning storage {shown}: {type(last).__name__}: "
+                       f"{_first_line(last)}") from last
+
+
+def _with_driver(url: str) -> str:
+    """``url`` with the PostgreSQL driver that is installed: a ``postgresql://`` URL names none, and SQLAlchemy
+    2.1 takes psycopg (3) for it, 2.0 psycopg2 (the driver liger-gen's ``tune`` extra brings); with only psycopg2
+    installed it becomes ``postgresql+psycopg2://``. Any other URL, or one that names its driver, is kept."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if scheme != "postgresql":
+        return url
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+            return False
+
+    return f"postgresql+psycopg2{sep}{rest}" if installed("psycopg2") and not installed("psycopg") else url
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def claim(storage, name: str) -> int | None:
@@ -724,7 +830,13 @@ class TuneJob:
     ``on_trial`` are set by the process that runs it), the run id that names the claims, the storage spec,
     the op specs by name (their ``tuning_problems`` build each unit's problems, unless ``make_problems(unit,
     model, device, seed) -> [Problem]`` is given), the input seed, the device type ("cuda" or "cpu") and the
-    canonical GPU name every worker must see (None: not checked)."""
+    canonical GPU name every worker must see (None: not checked).
+
+    A run shared by several hosts (``shared``, with the same ``run_id`` and storage on every host) also checks
+    that every host plans the same run, tunes from the priors of a table-writing host, and waits until every
+    unit is done, taking over abandoned ones (see the module docstring): ``write_tables`` says whether this
+    process writes the tables (``report.run_tuning`` reads it), ``stale_s`` how long an attempt of another host
+    may show no progress before it is taken over, ``poll_s`` how often the storage is read while waiting."""
 
     units: list[WorkUnit]
     model: Any
@@ -738,6 +850,10 @@ class TuneJob:
     device: str = "cuda"
     gpu: str | None = None
     refresh: bool = False  # re-time each problem's existing entry (``priors`` holds whole entries) instead of tuning
+    shared: bool = False
+    write_tables: bool = True
+    stale_s: float = 600.0
+    poll_s: float = 2.0
 
 
 @dataclasses.dataclass
@@ -752,6 +868,21 @@ class TuneResult:
     run_id: str
 
 
+class SharedRunError(ValueError):
+    """A host cannot join a shared run: it plans other units or settings than the run was started with."""
+
+
+class TakenOver(Exception):
+    """Another process took over the unit attempt this one works on (a retry claim of it exists)."""
+
+
+#: Least seconds between two writes of a unit attempt's ``beat`` (every trial and problem raises it).
+BEAT_INTERVAL_S = 0.5
+_RETRY = ":retry"
+_RETRY_RE = re.compile(r":retry(\d+)$")
+_TOKEN = uuid.uuid4().hex  # tells this process from an earlier one that had the same host name and pid
+
+
 def _unit_claim(run_id: str, unit: WorkUnit) -> str:
     return f"{CLAIM_PREFIX}:{run_id}:unit:{unit.index}"
 
@@ -760,25 +891,188 @@ def _problem_claim(run_id: str, op: str, key: str) -> str:
     return f"{CLAIM_PREFIX}:{run_id}:problem:{op}:{key}"
 
 
-def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: int = 0, device=None) -> None:
-    """The worker loop: claim each unit in order, build its problems, claim and tune each problem, store the
-    entry in the problem's claim study, report events (dicts with ``kind``: start, problem, trial, done)."""
+def attempt_name(base: str, k: int) -> str:
+    """The claim of attempt ``k`` of the claim ``base``: ``base`` itself, then ``base:retry1``, ``base:retry2``..."""
+    return base if k == 0 else f"{base}{_RETRY}{k}"
+
+
+def _base_name(name: str) -> str:
+    return _RETRY_RE.sub("", name)
+
+
+def _retry_index(name: str) -> int:
+    found = _RETRY_RE.search(name)
+    return int(found.group(1)) if found else 0
+
+
+def _study_attrs(storage, name: str) -> dict[str, Any] | None:
+    """The user attrs of the study ``name``; None if there is no such study."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return None
+    return storage.get_study_user_attrs(study_id)
+
+
+def attempts(storage, base: str) -> list[tuple[int, str, dict[str, Any]]]:
+    """The attempts at the claim ``base``, oldest first: (k, claim name, user attrs) of ``base``, ``base:retry1``,
+    ... as far as they exist (retry k+1 is only ever created after retry k)."""
+    out: list[tuple[int, str, dict[str, Any]]] = []
+    while True:
+        name = attempt_name(base, len(out))
+        attrs = _study_attrs(storage, name)
+        if attrs is None:
+            return out
+        out.append((len(out), name, attrs))
+
+
+@functools.lru_cache(maxsize=None)
+def _machine() -> tuple[str | None, int | None]:
+    """(boot id, PID namespace) of this process on Linux, None where they cannot be read: with the host name
+    they say whether a pid recorded in a claim can be looked up here."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        boot = None
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = None
+    return boot, pidns
+
+
+def this_process() -> dict[str, Any]:
+    """The ``owner`` a unit claim of this process records: host name and pid, the boot id and PID namespace that
+    make the pid meaningful (containers that share the host name, machines with the same name), and a token that
+    tells this process from an earlier one with the same pid (a container's process 1)."""
+    boot, pidns = _machine()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot": boot, "pidns": pidns, "token": _TOKEN}
+
+
+def same_host(owner: Mapping[str, Any], me: Mapping[str, Any]) -> bool:
+    """Whether the process ``owner`` of a claim ran where ``me`` runs, so that its pid can be checked here: the
+    same host name, and the same boot and PID namespace where both are known (after a reboot, or from another
+    container or machine of the same name, only the heartbeat tells)."""
+    return owner.get("host") == me["host"] and all(
+        owner.get(k) == me.get(k) for k in ("boot", "pidns") if owner.get(k) is not None and me.get(k) is not None)
+
+
+def pid_alive(pid: Any) -> bool:
+    """Whether process ``pid`` of this host is running (a zombie is not); True when it cannot be told."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return True  # os.kill(0, ...) would signal this process group: never ask about such a pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, as another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
+
+
+def owner_text(owner: Any) -> str:
+    """'host pid 123' for a claim's ``owner`` attr; 'an unknown process' when it has none (yet)."""
+    if not isinstance(owner, Mapping) or "host" not in owner:
+        return "an unknown process"
+    return f"{owner['host']} pid {owner.get('pid', '?')}"
+
+
+class _Heartbeat:
+    """The ``owner`` and ``beat`` of one unit attempt: recorded when it is claimed, the beat raised by every call
+    and written at most every ``BEAT_INTERVAL_S``. With ``fenced`` (a shared run), each write also looks for
+    the next retry claim of the unit and raises ``TakenOver`` when another process has created it."""
+
+    def __init__(self, storage, study_id: int, name: str, *, fenced: bool):
+        self.storage, self.study_id, self.name, self.fenced = storage, study_id, name, fenced
+        self.successor = attempt_name(_base_name(name), _retry_index(name) + 1)
+        self.count = 0
+        storage.set_study_user_attr(study_id, "owner", this_process())
+        storage.set_study_user_attr(study_id, "beat", 0)
+        self.written = time.monotonic()
+
+    def __call__(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.written < BEAT_INTERVAL_S:
+            return
+        self.written = now
+        self.storage.set_study_user_attr(self.study_id, "beat", self.count)
+        successor = _study_attrs(self.storage, self.successor) if self.fenced else None
+        if successor is not None:
+            raise TakenOver(f"{self.name} was taken over by {owner_text(successor.get('owner'))} (as "
+                            f"{self.successor}), which saw no progress of this process for its stale time")
+
+
+def _claim_problem(storage, base: str, attempt: str, retry: bool) -> int | None:
+    """Claim the problem ``base`` for the unit attempt ``attempt``: the claim's id, or None when the problem is
+    not this attempt's to tune. A first attempt of a unit claims ``base`` (taken: another unit gives the same
+    problem and tunes it). A retry skips a problem any attempt of which holds an entry, and claims the next retry
+    of a problem whose latest claim an earlier attempt of the same unit made (one of another unit's is left to
+    that unit)."""
+    if not retry:
+        study_id = claim(storage, base)
+    else:
+        found = attempts(storage, base)
+        if any("entry" in attrs for _, _, attrs in found):
+            return None
+        if not found:
+            study_id = claim(storage, base)
+        else:
+            k, name, attrs = found[-1]
+            by = attrs.get("attempt")
+            if by is None:  # claimed an instant ago, or by a process that died right after claiming: look again
+                time.sleep(1.0)
+                attrs = _study_attrs(storage, name) or {}
+                if "entry" in attrs:
+                    return None
+                by = attrs.get("attempt")
+            if by is not None and _base_name(by) != _base_name(attempt):
+                return None
+            study_id = claim(storage, attempt_name(base, k + 1))
+    if study_id is not None:
+        storage.set_study_user_attr(study_id, "attempt", attempt)
+    return study_id
+
+
+def _unit_tuner(job: TuneJob, storage, report: Callable[[dict], None], worker: Any) -> tuple[Tuner, list]:
+    """A copy of the job's tuner on ``storage`` whose trials are reported and beat the running attempt's
+    heartbeat (the list's one item, set while an attempt runs)."""
     tuner = copy.copy(job.tuner)
     tuner.storage = storage
-    tuner.on_trial = lambda: report({"kind": "trial", "worker": worker})
-    for unit in job.units:
-        unit_id = claim(storage, _unit_claim(job.run_id, unit))
-        if unit_id is None:
-            continue
-        start = time.monotonic()
-        report({"kind": "start", "unit": unit.index, "op": unit.op, "worker": worker})
+    beat: list = [None]
+
+    def on_trial() -> None:
+        if beat[0] is not None:
+            beat[0]()
+        report({"kind": "trial", "worker": worker})
+
+    tuner.on_trial = on_trial
+    return tuner, beat
+
+
+def _run_attempt(job: TuneJob, storage, tuner: Tuner, beat: list, unit: WorkUnit, unit_id: int, name: str,
+                 report: Callable[[dict], None], *, worker: Any, device) -> None:
+    """Tune ``unit`` under the unit claim ``name`` (id ``unit_id``) just created: build its problems, claim and
+    tune each, store each entry in its problem claim, then mark the unit claim done. Another process taking the
+    unit over ends the attempt with a "lost" event."""
+    heartbeat = beat[0] = _Heartbeat(storage, unit_id, name, fenced=job.shared)
+    retry = _retry_index(name) > 0
+    start = time.monotonic()
+    report({"kind": "start", "unit": unit.index, "op": unit.op, "worker": worker, "claim": name})
+    try:
         make = job.make_problems or functools.partial(spec_problems, specs=job.specs)
         problems = make(unit, job.model, device, job.seed)
         share = None if unit.budget_s is None else unit.budget_s / max(1, len(problems))
         tuned = 0
         for pos in range(len(problems)):
             problem, problems[pos] = problems[pos], None  # freed (GPU buffers) once tuned
-            problem_id = claim(storage, _problem_claim(job.run_id, unit.op, problem.key()))
+            heartbeat()
+            problem_id = _claim_problem(storage, _problem_claim(job.run_id, unit.op, problem.key()), name, retry)
             if problem_id is None:  # the same problem from another row count (capped rows): tuned once
                 continue
             prior = job.priors.get(unit.op, {}).get(problem_key(problem))
@@ -794,37 +1088,239 @@ def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: 
             tuned += 1
             del problem
         del problems
+    except TakenOver as exc:
+        report({"kind": "lost", "unit": unit.index, "op": unit.op, "worker": worker, "reason": str(exc)})
+        return
+    finally:
+        beat[0] = None
         if device is not None and getattr(device, "type", device) == "cuda":
             import torch
 
             torch.cuda.empty_cache()
-        seconds = time.monotonic() - start
-        storage.set_study_user_attr(unit_id, "seconds", seconds)
-        storage.set_study_user_attr(unit_id, "done", True)
-        report({"kind": "done", "unit": unit.index, "op": unit.op, "seconds": seconds, "problems": tuned,
-                "worker": worker})
+    seconds = time.monotonic() - start
+    storage.set_study_user_attr(unit_id, "seconds", seconds)
+    storage.set_study_user_attr(unit_id, "done", True)
+    report({"kind": "done", "unit": unit.index, "op": unit.op, "seconds": seconds, "problems": tuned,
+            "worker": worker})
+
+
+def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: int = 0, device=None) -> None:
+    """The worker loop: claim each unit in order (recording this process as its owner, with a heartbeat), build
+    its problems, claim and tune each problem, store the entry in the problem's claim study, report events
+    (dicts with ``kind``: start, problem, trial, skip, done, and lost when another host took the unit over)."""
+    tuner, beat = _unit_tuner(job, storage, report, worker)
+    for unit in job.units:
+        name = _unit_claim(job.run_id, unit)
+        unit_id = claim(storage, name)
+        if unit_id is None:
+            continue
+        _run_attempt(job, storage, tuner, beat, unit, unit_id, name, report, worker=worker, device=device)
 
 
 def collect_entries(storage, run_id: str, units: Sequence[WorkUnit]) -> dict[str, list[dict[str, Any]]]:
-    """Entries stored by the workers of ``run_id``, per op, in one-GPU order (unit, then problem)."""
+    """Entries stored by the workers of ``run_id``, per op, in one-GPU order (unit, then problem): one per
+    problem, whichever of its attempts stored it (the first in that order if two did)."""
     by_index = {u.index: u for u in units}
     prefix = f"{CLAIM_PREFIX}:{run_id}:problem:"
-    found = []
+    found: dict[str, tuple] = {}
     for study in storage.get_all_studies():
         attrs = study.user_attrs
         if study.study_name.startswith(prefix) and "entry" in attrs and attrs.get("unit") in by_index:
-            found.append((attrs["unit"], attrs["pos"], attrs["entry"]))
+            item = (attrs["unit"], attrs["pos"], _retry_index(study.study_name), attrs["entry"])
+            problem = _base_name(study.study_name)
+            if problem not in found or item[:3] < found[problem][:3]:
+                found[problem] = item
     out: dict[str, list[dict[str, Any]]] = {}
-    for index, _pos, entry in sorted(found, key=lambda f: (f[0], f[1])):
+    for index, _pos, _k, entry in sorted(found.values(), key=lambda f: f[:3]):
         out.setdefault(by_index[index].op, []).append(entry)
     return out
 
 
 def finished_units(storage, run_id: str, units: Sequence[WorkUnit]) -> set[int]:
-    """Indices of the units of ``run_id`` whose worker finished them."""
+    """Indices of the units of ``run_id`` that an attempt (the first claim or a retry) finished."""
     names = {_unit_claim(run_id, u): u.index for u in units}
-    return {names[s.study_name] for s in storage.get_all_studies()
-            if s.study_name in names and s.user_attrs.get("done")}
+    return {names[_base_name(s.study_name)] for s in storage.get_all_studies()
+            if _base_name(s.study_name) in names and s.user_attrs.get("done")}
+
+
+class UnitWatch:
+    """What a process waiting on a shared run makes of a unit it does not run itself.
+
+    ``check(unit)`` reads the unit's attempts and returns (state, detail):
+
+    - ("done", None): an attempt finished it;
+    - ("unclaimed", claim name): nobody has claimed it yet;
+    - ("mine", claim name): its latest attempt is this process's and did not finish;
+    - ("abandoned", (claim name of the next attempt, why)): its latest attempt's owner is a process of this
+      host (``same_host``) that is gone (or an earlier process with this process's pid), or its ``beat`` has
+      not changed for ``stale_s`` seconds of ``clock`` since this watch first saw that value (the clocks of
+      hosts are never compared);
+    - ("running", owner): none of these.
+    """
+
+    def __init__(self, storage, run_id: str, stale_s: float, clock: Callable[[], float] = time.monotonic):
+        self.storage, self.run_id, self.stale_s, self.clock = storage, run_id, stale_s, clock
+        self._seen: dict[int, tuple[str, Any, float]] = {}  # unit -> (latest claim, its beat, when first seen)
+
+    def check(self, unit: WorkUnit) -> tuple[str, Any]:
+        base = _unit_claim(self.run_id, unit)
+        found = attempts(self.storage, base)
+        if any(attrs.get("done") for _, _, attrs in found):
+            return "done", None
+        if not found:
+            return "unclaimed", base
+        k, name, attrs = found[-1]
+        owner = attrs.get("owner") if isinstance(attrs.get("owner"), Mapping) else {}
+        now = self.clock()
+        seen = self._seen.get(unit.index)
+        if seen is None or seen[:2] != (name, attrs.get("beat")):
+            seen = self._seen[unit.index] = (name, attrs.get("beat"), now)
+        successor = attempt_name(base, k + 1)
+        me = this_process()
+        if same_host(owner, me):
+            if owner.get("pid") == me["pid"]:
+                if owner.get("token") == me["token"]:
+                    return "mine", name
+                return "abandoned", (successor, f"its owner {owner_text(owner)} was an earlier process of this "
+                                                f"host (this process has that pid now)")
+            if not pid_alive(owner.get("pid")):
+                return "abandoned", (successor, f"its owner {owner_text(owner)} is no longer running")
+        idle = now - seen[2]
+        if idle >= self.stale_s:
+            return "abandoned", (successor, f"{owner_text(owner)} showed no progress for {idle:.0f} s "
+                                            f"(stale after {self.stale_s:g} s)")
+        return "running", owner
+
+
+def _plan(job: TuneJob) -> dict[str, Any]:
+    """What every host of a shared run must agree on, as JSON: units, model, tuner and input settings, GPU."""
+    import json
+
+    tuner = job.tuner
+    if dataclasses.is_dataclass(job.model) and not isinstance(job.model, type):
+        model = dataclasses.asdict(job.model)
+        model.pop("name", None)  # a config.json's name comes from its folder, which may differ between hosts
+    else:
+        model = repr(job.model)
+    plan = {"units": [[u.index, u.op, u.dtype, u.rows, u.budget_s] for u in job.units], "model": model,
+            "tuner": {k: getattr(tuner, k, None) for k in ("n_trials", "polish_trials", "seed", "retime_top",
+                                                           "retime_rounds", "retime_margin", "search_share")},
+            "seed": job.seed, "refresh": job.refresh, "device": job.device, "gpu": job.gpu}
+    return json.loads(json.dumps(plan, default=str))
+
+
+def _tuplify(value: Any) -> Any:
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+def _wait_for_attr(storage, name: str, key: str, *, timeout: float | None, poll: float,
+                   on_wait: Callable[[], None] | None = None) -> Any:
+    """The user attr ``key`` of the study ``name`` once it is set; None after ``timeout`` seconds (None: never)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waited = False
+    while True:
+        attrs = _study_attrs(storage, name) or {}
+        if key in attrs:
+            return attrs[key]
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        if not waited and on_wait is not None:
+            on_wait()
+        waited = True
+        time.sleep(poll)
+
+
+def join_run(job: TuneJob, storage, report: Callable[[dict], None] = lambda event: None) -> TuneJob:
+    """Join the shared run ``job.run_id``: the first host stores its plan (``_plan``) and every later one must
+    plan the same (``SharedRunError`` says what differs); a table-writing host stores its priors unless another
+    was first, a host that writes no tables waits for them (a "waiting" event says so). Returns ``job`` with the
+    run's priors, so that every host starts each problem from the same configs."""
+    plan = _plan(job)
+    run_claim = f"{CLAIM_PREFIX}:{job.run_id}:run"
+    study_id = claim(storage, run_claim)
+    if study_id is not None:
+        storage.set_study_user_attr(study_id, "plan", plan)
+    else:
+        stored = _wait_for_attr(storage, run_claim, "plan", timeout=10.0, poll=0.2)
+        if stored is None:  # its creator died before storing the plan
+            storage.set_study_user_attr(storage.get_study_id_from_name(run_claim), "plan", plan)
+        elif stored != plan:
+            differ = [k for k in plan if plan[k] != stored.get(k)]
+
+            def short(value: Any) -> str:
+                text = repr(value)
+                return text if len(text) <= 200 else text[:200] + "..."
+
+            raise SharedRunError(
+                f"run {job.run_id!r} in this storage was started with other settings: "
+                + "; ".join(f"{k}: the run has {short(stored.get(k))}, this host {short(plan[k])}" for k in differ)
+                + ". Every host of a shared run must run the same command (only --workers/--devices, --out, "
+                  "--no-write-tables and --stale-after may differ); use another --run-id for another run.")
+    priors_claim = f"{CLAIM_PREFIX}:{job.run_id}:priors"
+    if job.write_tables:
+        study_id = claim(storage, priors_claim)
+        stored = None
+        if study_id is None:
+            stored = _wait_for_attr(storage, priors_claim, "priors", timeout=10.0, poll=0.2)
+        if stored is None:  # this host is the first table writer (or the first died before storing its priors)
+            import json
+
+            stored = json.loads(json.dumps({op: [[list(key), value] for key, value in by_key.items()]
+                                            for op, by_key in job.priors.items()}))
+            storage.set_study_user_attr(storage.get_study_id_from_name(priors_claim), "priors", stored)
+            return job
+    else:
+        stored = _wait_for_attr(storage, priors_claim, "priors", timeout=None, poll=job.poll_s,
+                                on_wait=lambda: report({"kind": "waiting", "for": "writer", "units": []}))
+    return dataclasses.replace(job, priors={op: {_tuplify(key): value for key, value in items}
+                                            for op, items in stored.items()})
+
+
+def _wait_for_run(job: TuneJob, storage, report: Callable[[dict], None], note_done: Callable[[WorkUnit], None],
+                  errors: list[str], done: set[int], *, worker: Any, device: Callable[[], Any]) -> None:
+    """After this host's workers have tried every unit of a shared run: until every unit is done, wait for the
+    units other processes run, take over abandoned ones (``UnitWatch``) and tune them in this process. A unit
+    whose takeover fails here is given up (its error added to ``errors``)."""
+    watch = UnitWatch(storage, job.run_id, job.stale_s)
+    tuner, beat = _unit_tuner(job, storage, report, worker)
+    given_up: set[int] = set()
+    waiting_for: list[int] | None = None
+    while True:
+        pending = [u for u in job.units if u.index not in done and u.index not in given_up]
+        if not pending:
+            return
+        took = False
+        running: list[tuple[WorkUnit, Any]] = []
+        for unit in pending:
+            state, detail = watch.check(unit)
+            if state == "done":
+                note_done(unit)
+            elif state == "mine":
+                given_up.add(unit.index)
+            elif state == "running":
+                running.append((unit, detail))
+            else:
+                name, why = (detail, "nobody had claimed it") if state == "unclaimed" else detail
+                unit_id = claim(storage, name)
+                if unit_id is None:  # another waiting process was first
+                    continue
+                took = True
+                report({"kind": "takeover", "unit": unit.index, "op": unit.op, "dtype": unit.dtype,
+                        "rows": unit.rows, "claim": name, "why": why, "worker": worker})
+                try:
+                    _run_attempt(job, storage, tuner, beat, unit, unit_id, name, report, worker=worker,
+                                 device=device())
+                except Exception as exc:  # noqa: BLE001 - reported; the run waits on for the other units
+                    errors.append(f"unit {unit.index} ({unit.op} {unit.dtype} rows={unit.rows}), taken over as "
+                                  f"{name}: {type(exc).__name__}: {exc}")
+                    given_up.add(unit.index)
+        if not took:
+            indices = [u.index for u, _ in running]
+            if running and indices != waiting_for:
+                waiting_for = indices
+                report({"kind": "waiting", "for": "units", "units": indices,
+                        "owners": sorted({owner_text(o) for _, o in running})})
+            time.sleep(job.poll_s)
 
 
 def cuda_visible(devices: Sequence[int]) -> list[str]:
@@ -868,6 +1364,15 @@ def _worker_main(worker: int, visible: str | None, job: TuneJob, events) -> None
         raise SystemExit(1) from None
 
 
+def _local_device(job: TuneJob):
+    """The device this process tunes on: the current CUDA device, or ``job.device`` (None: left to the problems)."""
+    if job.device is None:
+        return None
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if job.device == "cuda" else torch.device(job.device)
+
+
 def tune_ops(job: TuneJob, *, devices: Sequence[Any] | None = None, on_event: Callable[[dict], None] | None = None,
              on_op_done: Callable[[str, list[dict], dict[str, float]], None] | None = None) -> TuneResult:
     """Tune every unit of ``job``; one worker process per entry of ``devices`` (each a ``CUDA_VISIBLE_DEVICES``
@@ -878,7 +1383,14 @@ def tune_ops(job: TuneJob, *, devices: Sequence[Any] | None = None, on_event: Ca
     database URL); ValueError otherwise. ``on_event(event)`` sees every worker event in this process (progress);
     ``on_op_done(op, entries, seconds)`` is called once all of an op's units are finished, with its entries in
     one-GPU order. The result is the same, entry for entry, whichever worker ran which unit.
+
+    A shared run (``job.shared``: other hosts run the same job with the same ``run_id`` and storage) first joins
+    the run (``join_run``: same plan, the run's priors), then, once this host's workers have tried every unit,
+    waits until every unit is done, taking over the abandoned ones in this process (``UnitWatch``; events
+    "waiting" and "takeover"); ``on_op_done`` is also called for ops that other hosts finished.
     """
+    if job.shared and not (job.stale_s > 0 and job.poll_s > 0):
+        raise ValueError(f"stale_s and poll_s must be > 0 seconds, got {job.stale_s} and {job.poll_s}")
     units_of: dict[str, set[int]] = {}
     for unit in job.units:
         units_of.setdefault(unit.op, set()).add(unit.index)
@@ -890,22 +1402,29 @@ def tune_ops(job: TuneJob, *, devices: Sequence[Any] | None = None, on_event: Ca
     current: dict[int, int] = {}  # worker -> unit it is on
     entries: dict[str, list[dict]] = {}
     state: dict[str, Any] = {}
+    began = time.monotonic()
+
+    def op_finished(op: str) -> None:
+        if op in entries or not units_of[op] <= done:
+            return
+        now = ended[op] = time.monotonic()
+        entries[op] = collect_entries(state["storage"], job.run_id, job.units).get(op, [])
+        if on_op_done is not None:
+            on_op_done(op, entries[op], {"wall": now - started.get(op, began), "busy": busy.get(op, 0.0)})
 
     def handle(event: dict) -> None:
-        kind, now = event["kind"], time.monotonic()
+        kind = event["kind"]
         if kind == "start":
-            started.setdefault(event["op"], now)
+            started.setdefault(event["op"], time.monotonic())
             current[event["worker"]] = event["unit"]
         elif kind == "done":
             op = event["op"]
             done.add(event["unit"])
             busy[op] = busy.get(op, 0.0) + event["seconds"]
             current.pop(event["worker"], None)
-            if units_of[op] <= done:
-                ended[op] = now
-                entries[op] = collect_entries(state["storage"], job.run_id, job.units).get(op, [])
-                if on_op_done is not None:
-                    on_op_done(op, entries[op], {"wall": ended[op] - started.get(op, now), "busy": busy[op]})
+            op_finished(op)
+        elif kind == "lost":
+            current.pop(event["worker"], None)
         elif kind == "error":
             unit = current.get(event["worker"])
             where = f" on unit {unit} ({job.units[unit].op} {job.units[unit].dtype} rows={job.units[unit].rows})" \
@@ -914,21 +1433,32 @@ def tune_ops(job: TuneJob, *, devices: Sequence[Any] | None = None, on_event: Ca
         if on_event is not None:
             on_event(event)
 
-    if devices is None or len(devices) <= 1:
+    def note_done(unit: WorkUnit) -> None:  # finished by another process
+        done.add(unit.index)
+        op_finished(unit.op)
+
+    several = devices is not None and len(devices) > 1
+    if not several:
         storage = open_storage(job.storage)
         state["storage"] = storage if storage is not None else optuna.storages.InMemoryStorage()
-        device = None
-        if job.device is not None:
-            import torch
-
-            device = torch.device("cuda", torch.cuda.current_device()) if job.device == "cuda" \
-                else torch.device(job.device)
-        run_units(job, state["storage"], handle, worker=0, device=device)
     else:
         if job.storage is None or not isinstance(job.storage, (str, os.PathLike)):
             raise ValueError("several workers need a shared storage that every process can open: a journal file "
                              f"path or a database URL, got {job.storage!r}")
         state["storage"] = open_storage(job.storage)
+    if job.shared:
+        job = join_run(job, state["storage"], handle)
+    lead, chosen = 0, []
+
+    def local_device():  # the device of this process's takeovers, chosen when the first one starts
+        if not chosen:
+            chosen.append(_local_device(job))
+        return chosen[0]
+
+    if not several:
+        run_units(job, state["storage"], handle, worker=0, device=local_device())
+    else:
+        lead = len(devices)  # the worker number of this process's own takeovers
         tuner = copy.copy(job.tuner)
         tuner.storage, tuner.on_trial = None, None  # each worker opens the storage and reports its own trials
         job = dataclasses.replace(job, tuner=tuner)
@@ -962,6 +1492,8 @@ def tune_ops(job: TuneJob, *, devices: Sequence[Any] | None = None, on_event: Ca
             p.join()
             if p.exitcode and not any(e.startswith(f"worker {procs.index(p)}") for e in errors):
                 errors.append(f"worker {procs.index(p)} exited with code {p.exitcode}")
+    if job.shared:
+        _wait_for_run(job, state["storage"], handle, note_done, errors, done, worker=lead, device=local_device)
     all_done = done | finished_units(state["storage"], job.run_id, job.units)  # a unit can end between the
     unfinished = [u for u in job.units if u.index not in all_done]            # last event read and the exit
     for op, indices in units_of.items():

@@ -1,0 +1,87 @@
+"""DeepSpeed ZeRO-3 on the CPU (gloo, 2 processes started by torchrun, ``DS_ACCELERATOR=cpu``): the fused
+linear cross-entropy gathers the partitioned ``lm_head.weight`` for its call and the gradient reaches the
+partition, so training with liger-gen takes the steps plain transformers takes under the same ZeRO-3 engine; an
+empty or partial shard handed to the op directly is refused with what to do."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import liger_gen.functional as F
+from liger_gen.bench.step import loss_rel_tolerance
+from test_distributed import STEPS, _run_script, _train
+
+REQUIRED = os.environ.get("LIGER_GEN_REQUIRE_DEEPSPEED") == "1"  # CI: a missing install fails, never skips
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None and not REQUIRED,
+    reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed")
+ZERO3 = ("--parallel", "zero3", "--batch-size", "2", "--zero3-persistence-threshold", "0")  # 0: every
+# parameter is partitioned, the tiny model's lm_head (tied to the embedding) too
+
+
+@pytest.fixture(autouse=True)
+def _cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+@needs_deepspeed
+def test_zero3_training_with_liger_gen_takes_the_steps_of_plain_transformers(tmp_path):
+    """Same engine, same data: the losses of liger-gen's kernels (Triton's interpreter) equal those of plain
+    transformers to fp32 rounding, step for step. (Both differ from one unsharded process by 3e-5 to 9e-5
+    relative from step 2 on: DeepSpeed's own update, the same with either model.)"""
+    plain = _train(tmp_path, "zero3_plain", *ZERO3, nproc=2)
+    ours = _train(tmp_path, "zero3_liger_gen", *ZERO3, "--kernels", "liger-gen", nproc=2, interpret="1")
+    tol = loss_rel_tolerance(torch.float32)
+    assert [r["step"] for r in ours] == [r["step"] for r in plain] == list(range(STEPS))
+    for g, w in zip(ours, plain):
+        assert abs(g["loss"] - w["loss"]) <= tol * abs(w["loss"]), (g, w)
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.1
+
+
+@needs_deepspeed
+def test_zero3_partitions_are_refused_by_the_op_and_apply_to_after_initialize(tmp_path):
+    out = _run_script(tmp_path, "zero3_refusals", """
+import deepspeed
+import liger_gen
+import liger_gen.functional as F
+from liger_gen.bench.step import build_model
+model = build_model("tiny", "cpu", torch.float32, 0)
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
+          "stage3_param_persistence_threshold": 0}}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+w = engine.module.lm_head.weight
+x, t = torch.randn(4, 64, requires_grad=True), torch.randint(0, 256, (4,))
+try:
+    F.fused_linear_cross_entropy(x, w, t)
+except ValueError as exc:
+    print("OP", "ZeRO-3 partition" in str(exc) and "(256, 64)" in str(exc) and "GatheredParameters" in str(exc))
+from liger_gen.integrations.transformers import zero3_gathered
+with zero3_gathered(w):
+    loss = F.fused_linear_cross_entropy(x, w, t)
+    full = w.detach().double().clone()
+ref = torch.nn.functional.cross_entropy(x.detach().double() @ full.T, t)
+print("GATHERED", tuple(w.shape), tuple(full.shape), bool(torch.allclose(loss.double(), ref, rtol=1e-5)))
+try:
+    liger_gen.apply_to(engine.module)
+except ValueError as exc:
+    print("APPLY", "before deepspeed.initialize" in str(exc))
+""")
+    assert "OP True" in out and "APPLY True" in out and "GATHERED (0,) (256, 64) True" in out, out
+
+
+def test_an_empty_or_partitioned_lm_head_weight_is_refused_with_what_to_do():
+    """Without DeepSpeed: an empty weight, and one that carries ZeRO-3's ds_shape (a partition of another shape),
+    never reach the kernels (no ZeroDivisionError, no loss over zero classes)."""
+    x, t = torch.randn(4, 8), torch.randint(0, 16, (4,))
+    with pytest.raises(ValueError, match=r"lm_head_weight is empty .*shape \(0, 8\).*whole \(vocab, 8\) weight"):
+        F.fused_linear_cross_entropy(x, torch.empty(0, 8), t)
+    part = torch.nn.Parameter(torch.empty(0))
+    part.ds_shape = torch.Size([16, 8])
+    with pytest.raises(ValueError, match=r"ZeRO-3 partition .*shape \(0,\).*shape \(16, 8\).*GatheredParameters"):
+        F.fused_linear_cross_entropy(x, part, t)
+    half = torch.nn.Parameter(torch.randn(8, 8))
+    half.ds_shape = torch.Size([16, 8])
+    with pytest.raises(ValueError, match=r"ZeRO-3 partition .*shape \(8, 8\).*shape \(16, 8\)"):
+        F.fused_linear_cross_entropy(x, half, t)
