@@ -167,9 +167,10 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", run_id):
             raise click.BadParameter(f"expected a name of letters, digits, '.', '_' and '-' (at most 64), got "
                                      f"{run_id!r}", param_hint="--run-id")
-        if storage is None or storage.rstrip("/") in ("sqlite:", "sqlite:///:memory:"):
-            raise click.BadParameter("a shared run needs --storage that every host can open: a database URL "
-                                     "(postgresql://user@host/db) or a journal file path on a disk they share",
+        if storage is None or storage.startswith("sqlite"):
+            raise click.BadParameter("a shared run needs --storage that every host can open: a database server's "
+                                     "URL (postgresql://user@host/db; SQLite is a file of one machine), or a "
+                                     "journal file path on a disk every host mounts with working file locks",
                                      param_hint="--run-id")
     else:
         from click.core import ParameterSource
@@ -220,8 +221,7 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
         if others:
             raise click.ClickException(f"--gpu {gpu}: GPU(s) {', '.join(f'{d} is {n[1]!r}' for d, n in others)}; "
                                        f"every worker must tune on the GPU the tables are for.")
-        if len(devices) == 1:
-            torch.cuda.set_device(devices[0])
+        torch.cuda.set_device(devices[0])  # one GPU: this process tunes on it; several: the lead's takeovers do
     from liger_gen.tuning.tuner import JournalError, SharedRunError, StorageError
 
     out_root = out_dir or default_tune_root()
@@ -245,7 +245,8 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
     if result.errors:
         raise click.ClickException("every unit was tuned, but worker(s) failed on the way; see the messages above."
                                    + (" Running the same command again completes the run without tuning (it "
-                                      "writes the tables and compiles their kernels)." if run_id else ""))
+                                      "writes the tables and compiles their kernels)."
+                                      if run_id and not no_write_tables else ""))
     if build_kernels and not no_write_tables:
         _build_after_tune(gpu, model_name, ops, rows, dtypes, out_root)
 

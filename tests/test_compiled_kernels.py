@@ -212,6 +212,21 @@ def test_call_shapes_are_indexed_by_value_and_the_index_is_bounded(hooks, monkey
     assert len(fn.runs) == 2 and len(lk._lean_entries) == 2
 
 
+def test_keyword_values_that_compare_equal_but_differ_in_type_are_other_kernels(hooks):
+    """BLOCK=64, 64.0 and (for 1) True hash and compare equal, but Triton compiles each (its key is the value's
+    text): each gets its own entry; a value that never equals itself (NaN) does not grow the indexes unboundedly."""
+    from liger_gen.codegen import launch
+
+    lk, fn = _lean()
+    x, y = _aligned(64), _aligned(64)
+    for block in (1, True, 1.0, 1):
+        lk[(4,)](x, y, 17, ACT="gelu", BLOCK=block)
+    assert len(fn.runs) == 3 and len(lk._lean_entries) == 3
+    for _ in range(launch.MAX_ENTRIES + 3):
+        lk[(4,)](x, y, 17, ACT="gelu", BLOCK=float("nan"))
+    assert len(lk._lean_entries) <= launch.MAX_ENTRIES and len(lk._lean_fast) <= launch.MAX_ENTRIES
+
+
 def test_the_constexpr_tail_comes_from_kwargs_or_defaults_in_parameter_order_without_launch_options(hooks):
     lk, fn = _lean()
     x, y = _aligned(8), _aligned(8)

@@ -376,6 +376,20 @@ def test_unit_watch_takes_over_a_silent_attempt_and_not_a_beating_one():
     assert watch.check(units[1])[0] == "mine"
 
 
+def test_a_claim_whose_process_died_before_recording_itself_is_taken_over_after_a_grace():
+    storage = optuna.storages.InMemoryStorage()
+    now = [0.0]
+    watch = UnitWatch(storage, "r", stale_s=600, clock=lambda: now[0])
+    unit = WorkUnit(0, "rms_norm", "float32", 16)
+    claim(storage, f"{tuner_module.CLAIM_PREFIX}:r:unit:0")  # claimed, no owner written
+    assert watch.check(unit)[0] == "running"
+    now[0] = tuner_module.OWNERLESS_S - 1
+    assert watch.check(unit)[0] == "running"
+    now[0] = tuner_module.OWNERLESS_S
+    state, (successor, why) = watch.check(unit)
+    assert state == "abandoned" and successor.endswith(":unit:0:retry1") and "never recorded itself" in why
+
+
 def test_a_shared_run_takes_over_after_stale_s_and_not_while_the_owner_beats(reference):
     """tune_ops of a shared run (in-memory storage) whose two units were claimed by processes of another host:
     unit 0's owner is silent and is taken over once stale_s has passed; unit 1's owner beats for a while and is
@@ -488,6 +502,18 @@ def test_a_host_with_other_options_cannot_join_and_every_host_gets_the_writers_p
     assert join_run(follower, storage).priors == {"rms_norm": {key: {"A": 1}}}  # tuple keys again
 
 
+def test_a_host_on_other_software_cannot_join(monkeypatch):
+    """Another Triton (or torch, liger-gen, or template) on one host would tune other kernels than the tables the
+    run writes say: it is refused, naming what differs."""
+    storage = optuna.storages.InMemoryStorage()
+    first = dataclasses.replace(job(storage=storage), run_id="r", shared=True)
+    join_run(first, storage)
+    real = tuner_module._version
+    monkeypatch.setattr(tuner_module, "_version", lambda dist: "0.0.0" if dist == "triton" else real(dist))
+    with pytest.raises(SharedRunError, match=r"software: the run has .*'triton': '0\.0\.0'"):
+        join_run(dataclasses.replace(job(storage=storage), run_id="r", shared=True, write_tables=False), storage)
+
+
 def test_storage_errors_say_what_to_do(monkeypatch):
     from liger_gen.optional import MissingExtraError
 
@@ -497,6 +523,18 @@ def test_storage_errors_say_what_to_do(monkeypatch):
         with pytest.raises(MissingExtraError, match=r"needs the database driver psycopg.*liger-gen\[tune\]") as failed:
             open_storage(url)
         assert "hunter2" not in str(failed.value) and "tuner:***@" in str(failed.value)
+
+
+def test_printed_urls_hide_any_password_and_a_bad_port_is_a_storage_error():
+    show = tuner_module.display_storage
+    assert show("postgresql://tuner:pa/ss:w%40rd@127.0.0.1:5432/t1") == "postgresql://tuner:***@127.0.0.1:5432/t1"
+    assert "secret" not in show("postgresql://u:secret@127.0.0.1:notaport/t1")
+    assert show("sqlite:///tune.db") == "sqlite:///tune.db" and show("/tmp/x.journal") == "/tmp/x.journal"
+    with pytest.raises(StorageError, match="cannot open the tuning storage") as failed:
+        open_storage("postgresql+psycopg2://u:secret@127.0.0.1:notaport/t1")
+    assert "secret" not in str(failed.value)
+    kwargs = tuner_module._engine_kwargs("postgresql+psycopg2://u@h/db")
+    assert kwargs["connect_args"]["connect_timeout"] > 0 and kwargs["connect_args"]["keepalives"] == 1
 
 
 def test_a_postgresql_url_without_a_driver_gets_the_installed_one(monkeypatch):
@@ -516,6 +554,8 @@ def test_shared_run_options_are_checked(tmp_path):
     assert result.exit_code == 2 and "needs --storage" in result.output
     result = runner.invoke(main, ["tune", "--gpu", "h200", "--run-id", "r 1", "--storage", "x.journal"])
     assert result.exit_code == 2 and "--run-id" in result.output
+    result = runner.invoke(main, ["tune", "--gpu", "h200", "--run-id", "r1", "--storage", "sqlite:///tune.db"])
+    assert result.exit_code == 2 and "SQLite is a file of one machine" in result.output
     result = runner.invoke(main, ["tune", "--gpu", "h200", "--no-write-tables"])
     assert result.exit_code == 2 and "only applies to a shared run" in result.output
     help_text = runner.invoke(main, ["tune", "--help"]).output

@@ -12,7 +12,7 @@ The argument key is at least as fine as Triton's own specialization, so two call
 same compiled kernel from Triton: a tensor contributes its dtype and whether its address is 16-byte aligned; an
 int its value (``arg_key``'s coarser form — whether it equals 1, whether 16 divides it, its width: int32, int64,
 uint64 — indexes the compiled kernel cache); floats, bools and None their kind; keyword arguments (constexprs
-and launch options) their values. An argument of another kind, a callable grid, a constexpr passed by position,
+and launch options) their values and types. An argument of another kind, a callable grid, a constexpr passed by position,
 a keyword argument that is not a plain value, Triton's launch hooks (a profiler such as Proton),
 ``TRITON_DEBUG``, an instrumentation mode (sanitizers) or a Triton that lacks the pieces used here all take
 Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
@@ -143,7 +143,8 @@ class LeanLaunch:
             return self._lean_jit(grid, args, kwargs)
         device = self._lean_device()
         try:  # ints by value, without a call per int: one entry per call shape, found by one dict lookup
-            key = (device, *[a if type(a) is int else arg_key(a) for a in args], *kwargs.items())
+            key = (device, *[a if type(a) is int else arg_key(a) for a in args], *kwargs.items(),
+                   tuple(map(type, kwargs.values())))  # BLOCK=1, True and 1.0 are equal keys, other kernels
             entry = self._lean_fast.get(key)
         except TypeError:  # an argument kind without a key, or an unhashable keyword value
             return self._lean_jit(grid, args, kwargs)
@@ -158,10 +159,10 @@ class LeanLaunch:
     def _lean_miss(self, key: tuple, grid, args: tuple, kwargs: dict):
         """A call shape not seen yet: the entry of its Triton specialization (``arg_key``), else a first call."""
         try:
-            coarse = (key[0], *map(arg_key, args), *kwargs.items())
+            coarse = (key[0], *map(arg_key, args), *kwargs.items())  # what key_text writes for the kernel cache
+            entry = self._lean_entries.get(coarse + key[-1:])  # with the keyword values' types, as ``key``
         except TypeError:  # an int that fits no Triton int type
             return self._lean_jit(grid, args, kwargs)
-        entry = self._lean_entries.get(coarse)
         if entry is None:
             return self._lean_first(coarse, grid, args, kwargs, fast_key=key)
         with _lock:
@@ -211,10 +212,13 @@ class LeanLaunch:
             return compiled if launched else self._lean_jit(grid, args, kwargs)
         run = compiled.run  # loads the binary and builds the launcher on first access
         entry = (run, compiled.function, compiled.packed_metadata, tail)
+        types = tuple(map(type, kwargs.values()))
         with _lock:
-            self._lean_entries[key] = entry
-            if fast_key is not None:
-                self._lean_fast[fast_key] = entry
+            for index, k in ((self._lean_entries, key + (types,)), (self._lean_fast, fast_key)):
+                if k is not None:
+                    if len(index) >= MAX_ENTRIES:  # a key that never matches again (a NaN constexpr): bounded
+                        index.clear()
+                    index[k] = entry
         if not launched:
             n = len(grid)
             try:
@@ -222,7 +226,7 @@ class LeanLaunch:
                     compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
             except Exception:  # noqa: BLE001 - a cached kernel that cannot be launched: Triton's own path
                 with _lock:
-                    self._lean_entries.pop(key, None)
+                    self._lean_entries.pop(key + (types,), None)
                     if fast_key is not None:
                         self._lean_fast.pop(fast_key, None)
                 for on_failure in STORE_FAILED:

@@ -330,7 +330,7 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int,
             save_checkpoint(root, step, model, optimizer, rank, distributed)
     summary = {"rank": rank, "world_size": world, "kernels": args.kernels, "parallel": args.parallel,
                "start_step": start, "last_loss": loss_value,
-               "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
+               "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,  # upper median
                "peak_allocated_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30
                                       if device.type == "cuda" else None)}
     return summary

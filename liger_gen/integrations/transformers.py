@@ -183,20 +183,18 @@ def family_of(model: nn.Module) -> ModelFamily:
 def _replace_norm(module: nn.Module, kind: str) -> nn.Module | None:
     """A liger-gen norm sharing ``module``'s Parameters, or None where the weight is not 1-D."""
     weight = module.weight
-    # a DeepSpeed ZeRO-3 partition (deepspeed.zero.Init) is an empty tensor; its ds_shape is the parameter's
-    shape = tuple(getattr(weight, "ds_shape", weight.shape)) if weight is not None else None
-    if weight is None or len(shape) != 1:
+    if weight is None or weight.dim() != 1:
         return None
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     if kind == "layer":
         bias = getattr(module, "bias", None)
-        new = LayerNorm(shape[0], eps=eps, bias=bias is not None, device="meta")
+        new = LayerNorm(weight.shape[0], eps=eps, bias=bias is not None, device="meta")
         new.weight = weight
         if bias is not None:
             new.bias = bias
     else:
         offset, casting = {"llama": (0.0, "llama"), "gemma": (1.0, "gemma"), "fp32": (0.0, "gemma")}[kind]
-        new = RMSNorm(shape[0], eps=eps, offset=offset, casting_mode=casting, device="meta")
+        new = RMSNorm(weight.shape[0], eps=eps, offset=offset, casting_mode=casting, device="meta")
         new.weight = weight
     new.train(module.training)
     return new
@@ -684,8 +682,7 @@ def _check_not_sharded(model: nn.Module) -> None:
         raise ValueError("liger_gen.apply_to: DeepSpeed ZeRO-3 already manages this model (deepspeed.initialize "
                          "registered its hooks on its modules; replacement modules would have none and see "
                          "empty weights); call liger_gen.apply_to(model) before deepspeed.initialize (with "
-                         "transformers' Trainer: before the Trainer is built). Parameters partitioned by "
-                         "deepspeed.zero.Init, before initialize, are fine.")
+                         "transformers' Trainer: before the Trainer is built).")
 
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,

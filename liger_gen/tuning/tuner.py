@@ -33,8 +33,8 @@ a one-GPU run writes. A worker that dies leaves its studies in the storage: the 
 ``--storage`` resumes them.
 
 Several hosts (``TuneJob.shared``, ``liger-gen tune --run-id``): tuner processes on several machines, each with its
-own workers, share one database storage (PostgreSQL; SQLite and journal files stay the embedded storages of one
-machine). The claims are named by the run id every host is given, so each unit is still tuned once, and:
+own workers, share one database storage (PostgreSQL; SQLite stays the storage of one machine, and a journal file
+serves hosts that mount one disk with working file locks). The claims are named by the run id every host is given, so each unit is still tuned once, and:
 
 - a unit claim records its owner (host name, pid) and a ``beat`` counter that the owner raises on every trial and
   problem (written at most every ``BEAT_INTERVAL_S``);
@@ -745,8 +745,17 @@ class StorageError(ValueError):
 
 
 def display_storage(spec: Any) -> str:
-    """``spec`` as it may be printed: the password of a database URL replaced by ``***``."""
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/@:]*):[^/@]*@", r"\1:***@", str(spec))
+    """``spec`` as it may be printed: the password of a database URL replaced by ``***`` (SQLAlchemy's own URL
+    parsing, so a password holding '/', ':' or '@' is hidden too)."""
+    text = str(spec)
+    if "://" not in text:
+        return text
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(text).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: hide everything between :// and the last @
+        return re.sub(r"^([^:/]+://)[^@]*@", r"\1***@", text)
 
 
 def _open_database(url: str):
@@ -759,7 +768,7 @@ def _open_database(url: str):
     url = _with_driver(url)
     for attempt in range(6):
         try:
-            storage = optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
             return optuna.storages.get_storage(storage)  # Optuna's cache of finished trials in front of it
         except ImportError as exc:
             cause, missing = exc, None
@@ -782,11 +791,26 @@ def _open_database(url: str):
             # table or type; by the next try the winner's tables are there
             last = exc
             time.sleep(0.1 * 2 ** attempt)
-        except sqlalchemy.exc.SQLAlchemyError as exc:
+        except (sqlalchemy.exc.SQLAlchemyError, ValueError) as exc:  # ValueError: a malformed URL (its port)
             raise StorageError(f"cannot open the tuning storage {shown}: {type(exc).__name__}: "
                                f"{_first_line(exc)}") from exc
     raise StorageError(f"cannot create Optuna's tables in the tuning storage {shown}: {type(last).__name__}: "
                        f"{_first_line(last)}") from last
+
+
+#: Seconds a PostgreSQL connection attempt may take, and the TCP keepalive settings that notice a server gone
+#: silent (a host must not hang forever on a dead connection; the other hosts would take its units over).
+CONNECT_TIMEOUT_S = 20
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+
+
+def _engine_kwargs(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine options: connections checked before use; for PostgreSQL through psycopg2 or psycopg, a
+    connect timeout and TCP keepalives (libpq's parameters)."""
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.split("://", 1)[0] in ("postgresql", "postgresql+psycopg2", "postgresql+psycopg"):
+        kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S, **_KEEPALIVES}
+    return kwargs
 
 
 def _with_driver(url: str) -> str:
@@ -878,6 +902,11 @@ class TakenOver(Exception):
 
 #: Least seconds between two writes of a unit attempt's ``beat`` (every trial and problem raises it).
 BEAT_INTERVAL_S = 0.5
+#: Seconds between two notices of a host that waits (for a table-writing host to join, ...).
+REMIND_S = 300.0
+#: Seconds a unit claim may stay without its owner record (written right after the claim) before it counts as
+#: abandoned by a process that stopped in between.
+OWNERLESS_S = 30.0
 _RETRY = ":retry"
 _RETRY_RE = re.compile(r":retry(\d+)$")
 _TOKEN = uuid.uuid4().hex  # tells this process from an earlier one that had the same host name and pid
@@ -1177,6 +1206,9 @@ class UnitWatch:
             seen = self._seen[unit.index] = (name, attrs.get("beat"), now)
         successor = attempt_name(base, k + 1)
         me = this_process()
+        if not owner and now - seen[2] >= OWNERLESS_S:  # its claimer died before recording itself
+            return "abandoned", (successor, f"it was claimed {now - seen[2]:.0f} s ago by a process that never "
+                                            f"recorded itself (it stopped right after claiming)")
         if same_host(owner, me):
             if owner.get("pid") == me["pid"]:
                 if owner.get("token") == me["token"]:
@@ -1205,8 +1237,34 @@ def _plan(job: TuneJob) -> dict[str, Any]:
     plan = {"units": [[u.index, u.op, u.dtype, u.rows, u.budget_s] for u in job.units], "model": model,
             "tuner": {k: getattr(tuner, k, None) for k in ("n_trials", "polish_trials", "seed", "retime_top",
                                                            "retime_rounds", "retime_margin", "search_share")},
-            "seed": job.seed, "refresh": job.refresh, "device": job.device, "gpu": job.gpu}
+            "seed": job.seed, "refresh": job.refresh, "device": job.device, "gpu": job.gpu,
+            "software": _software(sorted({u.op for u in job.units}), job.specs)}
     return json.loads(json.dumps(plan, default=str))
+
+
+def _software(ops: Sequence[str], specs: Mapping[str, Any]) -> dict[str, Any]:
+    """The versions a table entry depends on: each op's template hash, Triton's, torch's and liger-gen's (hosts
+    on other code would tune other kernels than the table written by the run says)."""
+    import torch
+
+    from liger_gen.codegen.render import template_hash
+
+    out: dict[str, Any] = {"triton": _version("triton"), "torch": torch.__version__, "liger-gen": _version("liger-gen")}
+    for op in ops:
+        space = getattr(specs.get(op), "space", None)
+        for template in (getattr(space, "template", None), *getattr(space, "also_renders", ())):
+            if template is not None:
+                out[f"template {template}"] = template_hash(template)
+    return out
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _tuplify(value: Any) -> Any:
@@ -1217,16 +1275,16 @@ def _wait_for_attr(storage, name: str, key: str, *, timeout: float | None, poll:
                    on_wait: Callable[[], None] | None = None) -> Any:
     """The user attr ``key`` of the study ``name`` once it is set; None after ``timeout`` seconds (None: never)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    waited = False
+    said = None  # when on_wait last ran: at the first wait, then every REMIND_S
     while True:
         attrs = _study_attrs(storage, name) or {}
         if key in attrs:
             return attrs[key]
         if deadline is not None and time.monotonic() >= deadline:
             return None
-        if not waited and on_wait is not None:
+        if on_wait is not None and (said is None or time.monotonic() - said >= REMIND_S):
             on_wait()
-        waited = True
+            said = time.monotonic()
         time.sleep(poll)
 
 
