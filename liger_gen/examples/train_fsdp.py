@@ -15,7 +15,7 @@ AdamW on windows of a text read as bytes (token ids 0..255; tiny Shakespeare by 
 - ``--parallel ddp``: ``torch.nn.parallel.DistributedDataParallel``;
 - ``--parallel zero3``: DeepSpeed ZeRO stage 3 (``deepspeed.initialize``; ``pip install deepspeed``; on the CPU
   set ``DS_ACCELERATOR=cpu``), parameters, gradients and optimizer state partitioned over the ranks; the fused
-  loss gathers ``lm_head.weight`` for its call (``liger_gen.integrations.transformers.zero3_gathered``);
+  loss reads ``lm_head.weight`` inside the model's forward, where DeepSpeed gathers it;
 - ``--parallel none``: one process, no process group (the reference the distributed runs are compared with).
 
 Order: ``liger_gen.apply_to`` patches the transformers model before it is sharded or wrapped (it replaces

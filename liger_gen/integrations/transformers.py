@@ -45,7 +45,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -428,9 +427,10 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     x = hidden.reshape(-1, hidden.shape[-1])
     if scale is not None:
         x = x * scale
-    with zero3_gathered(head.weight, head.bias):
-        loss = fused_linear_cross_entropy(x, head.weight, shift_labels.reshape(-1).to(hidden.device),
-                                          bias=head.bias, ignore_index=-100, reduction=reduction, softcap=softcap)
+    # under DeepSpeed ZeRO-3, reading head.weight here (inside the forward of a module it manages) gathers the
+    # partitioned weight and registers it with this module, so its backward gathers it again
+    loss = fused_linear_cross_entropy(x, head.weight, shift_labels.reshape(-1).to(hidden.device), bias=head.bias,
+                                      ignore_index=-100, reduction=reduction, softcap=softcap)
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
@@ -645,24 +645,6 @@ def _group(left: list[tuple[str, str]]) -> list[str]:
     for item in left:
         counts[item] = counts.get(item, 0) + 1
     return [f"{cls} ×{n} ({why})" for (cls, why), n in counts.items()]
-
-
-def zero3_gathered(*params: torch.Tensor | None):
-    """A context in which DeepSpeed ZeRO-3 partitioned ``params`` hold their full data (``deepspeed.zero.
-    GatheredParameters``, read-only); a no-op context for every other tensor and None.
-
-    ZeRO-3 keeps a parameter partitioned (an empty tensor with ``ds_shape``) outside the forward of the module
-    that owns it. The fused loss reads ``lm_head.weight`` without calling ``lm_head`` (that is how it avoids the
-    logits), so it gathers the weight for the call. The loss computes its gradients in the forward, and the
-    gradient of the full weight goes to the parameter in the backward, where DeepSpeed's hooks reduce it into
-    the partition, as for any parameter."""
-    partitioned = [p for p in params  # gathered already: inside its module's forward, or a persistent small one
-                   if p is not None and hasattr(p, "ds_id") and getattr(p.ds_status, "name", "") != "AVAILABLE"]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
 
 
 def _check_not_sharded(model: nn.Module) -> None:

@@ -803,14 +803,16 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
         full = getattr(t, "ds_shape", None)  # DeepSpeed ZeRO-3 marks its partitioned parameters
         if full is not None and tuple(t.shape) != tuple(full):
             raise ValueError(f"{op}: {name} is a DeepSpeed ZeRO-3 partition ({describe(name, t)}) of a parameter of "
-                             f"shape {tuple(full)}; the loss needs the whole weight: call it inside "
-                             f"deepspeed.zero.GatheredParameters([...]) (liger_gen.integrations.transformers."
-                             f"zero3_gathered; the forward patched by liger_gen.apply_to does this)")
+                             f"shape {tuple(full)}; the loss needs the whole weight, which DeepSpeed gathers when "
+                             f"it is read inside the forward of a module it manages: compute the loss there (the "
+                             f"forward liger_gen.apply_to patches does), or register the weight with "
+                             f"deepspeed.zero.register_external_parameter(module, weight) for the module whose "
+                             f"forward computes it")
     if lm_head_weight.numel() == 0:
         raise ValueError(f"{op}: lm_head_weight is empty ({describe('lm_head_weight', lm_head_weight)}): an empty "
                          f"shard, as a sharded model's parameter read outside its module's forward; pass the whole "
-                         f"(vocab, {hidden}) weight (gathered, e.g. DTensor.full_tensor() or DeepSpeed's "
-                         f"GatheredParameters)")
+                         f"(vocab, {hidden}) weight (a DTensor's full_tensor(); under DeepSpeed ZeRO-3, read it "
+                         f"inside the forward of a module DeepSpeed manages)")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden:
         raise ValueError(f"{op}: lm_head_weight must have shape (vocab, {hidden}) to match x's last dim; got "
                          f"{describe('lm_head_weight', lm_head_weight)} and {describe('x', x)}")
