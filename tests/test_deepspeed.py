@@ -185,3 +185,18 @@ def test_transformers_trainer_with_zero3_trains_as_with_plain_transformers(tmp_p
     assert len(ours) == len(plain) == 3 and ours[-1] < ours[0]
     assert all(abs(a - b) <= tol * abs(b) for a, b in zip(ours, plain)), (ours, plain)
     assert abs(our_head - plain_head) <= 1e-6 * plain_head, (our_head, plain_head)
+
+
+def test_the_example_says_how_to_install_a_missing_deepspeed_or_liger_kernel(monkeypatch, capsys):
+    import importlib.util
+
+    from liger_gen.examples import train_fsdp
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("deepspeed", "liger_kernel") else real(name, *a))
+    for args, needed in ((["--parallel", "zero3"], "--no-build-isolation deepspeed"),
+                         (["--kernels", "liger-kernel"], "pip install liger-kernel")):
+        with pytest.raises(SystemExit) as stopped:
+            train_fsdp.parse_args(args)
+        assert stopped.value.code == 2 and needed in capsys.readouterr().err

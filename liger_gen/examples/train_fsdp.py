@@ -106,6 +106,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                                    "first attempt only")
     p.add_argument("--fail-rank", type=int, default=1)
     args = p.parse_args(argv)
+    import importlib.util
+
+    if args.parallel == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        p.error("--parallel zero3 needs DeepSpeed, which is not installed; install it with: DS_BUILD_OPS=0 pip "
+                "install --no-build-isolation deepspeed==0.19.8 (built against the torch installed; its first run "
+                "compiles a small CPU communication op, which needs a C++ compiler)")
+    if args.kernels == "liger-kernel" and importlib.util.find_spec("liger_kernel") is None:
+        p.error("--kernels liger-kernel needs Liger-Kernel, which is not installed; install it with: pip install "
+                "liger-kernel")
     if args.parallel == "zero3" and args.checkpoint_dir:
         p.error("--checkpoint-dir saves with torch.distributed.checkpoint (fsdp, ddp, none); DeepSpeed keeps its own "
                 "checkpoint format (engine.save_checkpoint)")
