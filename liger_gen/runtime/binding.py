@@ -123,7 +123,7 @@ def refuse_dtensors(op: str, args: Iterable[Any], cause: BaseException | None = 
         if isinstance(arg, DTensor):
             raise TypeError(
                 f"liger_gen {op}: input {pos} is a DTensor (global shape {tuple(arg.shape)}, local shape "
-                f"{tuple(arg._local_tensor.shape)}, placements {tuple(arg.placements)}, dtype {arg.dtype}); the "
+                f"{tuple(arg.to_local().shape)}, placements {tuple(arg.placements)}, dtype {arg.dtype}); the "
                 f"kernels take plain tensors. Under FSDP2 call liger_gen.apply_to(model) before fully_shard (the "
                 f"modules then see unsharded plain tensors); with tensor or sequence parallelism pass the local "
                 f"shard (dtensor.to_local(), for row-wise ops on rows sharded with Shard(0)) or "
