@@ -35,13 +35,26 @@ def _train(tmp_path, name, *args, nproc=None, restarts=0, interpret="0"):
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+SCRIPT_HEAD = """import os, sys, torch, torch.distributed as dist
+dist.init_process_group('gloo')
+_said = []
+def say(*parts):  # a line of this rank's output; rank 0 prints every rank's at the end (prints interleave)
+    _said.append(" ".join(map(str, parts)))
+"""
+SCRIPT_TAIL = """every = [None] * dist.get_world_size()
+dist.all_gather_object(every, _said)
+if dist.get_rank() == 0 and any(every):
+    print("\\n".join(line for lines in every for line in lines), flush=True)
+dist.destroy_process_group()
+sys.stdout.flush(); os._exit(0)  # as train_fsdp: no gloo teardown race at exit
+"""
+
+
 def _run_script(tmp_path, name: str, body: str, *, nproc: int = 2, interpret: str = "0") -> str:
-    """Run ``body`` in ``nproc`` processes under torchrun (a gloo group is initialised first); their stdout."""
+    """Run ``body`` in ``nproc`` processes under torchrun (a gloo group is initialised first, and ``say(...)``
+    records a line that rank 0 prints with every rank's at the end); their stdout."""
     script = tmp_path / f"{name}.py"
-    script.write_text("import os, sys, torch, torch.distributed as dist\n"
-                      "dist.init_process_group('gloo')\n" + body +
-                      "dist.destroy_process_group()\n"
-                      "sys.stdout.flush(); os._exit(0)  # as train_fsdp: no gloo teardown race at exit\n")
+    script.write_text(SCRIPT_HEAD + body + SCRIPT_TAIL)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": interpret}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(script)], env=env, capture_output=True, text=True, timeout=300,
@@ -104,13 +117,9 @@ def test_apply_to_after_sharding_is_refused_with_what_to_do(tmp_path):
                       "fully_shard(model)\n"
                       "try:\n"
                       "    liger_gen.apply_to(model)\n"
-                      "    said = 'PATCHED'\n"
+                      "    say('PATCHED')\n"
                       "except ValueError as exc:\n"
-                      "    said = f'REFUSED {exc}'\n"
-                      "every = [None, None]\n"
-                      "dist.all_gather_object(every, said)  # one printer: the ranks' output can interleave\n"
-                      "if dist.get_rank() == 0:\n"
-                      "    print('\\n'.join(every), flush=True)\n")
+                      "    say('REFUSED', exc)\n")
     assert out.count("REFUSED") == 2 and "before fully_shard" in out and "DTensor" in out
 
 
@@ -203,9 +212,8 @@ for m in (ours, ref):
     fully_shard(m)
 g = torch.Generator().manual_seed(rank)
 ids = torch.randint(0, 256, (2, 64) if rank == 0 else (3, 32), generator=g)  # unequal shapes across ranks
-results = []
 def report(name, ok):
-    results.append(f"CASE {rank} {name} {bool(ok)}")
+    say("CASE", rank, name, bool(ok))
 def close(a, b):
     return a is not None and b is not None and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 def grads_close():
@@ -239,10 +247,6 @@ with torch.no_grad():
     rr = ref(input_ids=ids, labels=ids if rank == 0 else None)
 report("no_labels", (oo.loss is None and rr.loss is None and close(oo.logits, rr.logits))
        if rank == 1 else close(oo.loss, rr.loss))
-every = [None] * dist.get_world_size()
-dist.all_gather_object(every, results)  # rank 0 prints all: two ranks writing one pipe can interleave lines
-if rank == 0:
-    print("\\n".join(line for lines in every for line in lines), flush=True)
 """
 
 

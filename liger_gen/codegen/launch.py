@@ -12,8 +12,8 @@ The argument key is at least as fine as Triton's own specialization, so two call
 same compiled kernel from Triton: a tensor contributes its dtype and whether its address is 16-byte aligned; an
 int its value (``arg_key``'s coarser form — whether it equals 1, whether 16 divides it, its width: int32, int64,
 uint64 — indexes the compiled kernel cache); floats, bools and None their kind; keyword arguments (constexprs
-and launch options) their values and types. An argument of another kind, a callable grid, a constexpr passed by position,
-a keyword argument that is not a plain value, Triton's launch hooks (a profiler such as Proton),
+and launch options) their values and types. An argument of another kind, a callable grid, a constexpr passed by
+position, a keyword argument that is not a plain value, Triton's launch hooks (a profiler such as Proton),
 ``TRITON_DEBUG``, an instrumentation mode (sanitizers) or a Triton that lacks the pieces used here all take
 Triton's own path, ``JITFunction.run``, unchanged. The direct path skips what ``JITFunction.run`` does besides
 the launch: its pre-run hooks (none are registered on these kernels) and its check that globals the kernel
@@ -40,10 +40,18 @@ RECORDERS: list[Callable[..., None]] = []
 STORE_FAILED: list[Callable[..., None]] = []
 
 _I32 = 2 ** 31
-#: call shapes memoised per kernel before the per-shape index is dropped (it is rebuilt from the per-specialization one)
-MAX_ENTRIES = 4096
 _I64 = 2 ** 63
 _lock = threading.Lock()
+#: entries one launch index of a kernel holds before it starts over (the per-shape index is rebuilt from the
+#: per-specialization one; a key that never matches again, such as a NaN constexpr, cannot grow it without bound)
+MAX_ENTRIES = 4096
+
+
+def _remember(index: dict, key: tuple, entry: tuple) -> None:
+    """``index[key] = entry``, the index started over once it holds ``MAX_ENTRIES`` (call with ``_lock`` held)."""
+    if len(index) >= MAX_ENTRIES:
+        index.clear()
+    index[key] = entry
 
 
 def arg_key(a: Any) -> tuple:
@@ -166,14 +174,16 @@ class LeanLaunch:
         if entry is None:
             return self._lean_first(coarse, grid, args, kwargs, fast_key=key)
         with _lock:
-            if len(self._lean_fast) >= MAX_ENTRIES:  # many distinct shapes (dynamic sequence lengths): bounded
-                self._lean_fast.clear()
-            self._lean_fast[key] = entry
+            _remember(self._lean_fast, key, entry)
+        self._lean_run(entry, grid, key[0], args)
+        return None
+
+    def _lean_run(self, entry: tuple, grid: tuple, device, args: tuple) -> None:
+        """Launch a memoised entry (the same call as ``_lean_launch``'s, which inlines it: that path is hot)."""
         run, function, packed, tail = entry
         n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(key[0]), function, packed,
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(device), function, packed,
             None, None, None, *args, *tail)
-        return None
 
     def _lean_tail(self, args: tuple, kwargs: dict) -> tuple | None:
         """The values of the parameters after the positional ones, in order (None if one is missing)."""
@@ -214,16 +224,12 @@ class LeanLaunch:
         entry = (run, compiled.function, compiled.packed_metadata, tail)
         types = tuple(map(type, kwargs.values()))
         with _lock:
-            for index, k in ((self._lean_entries, key + (types,)), (self._lean_fast, fast_key)):
-                if k is not None:
-                    if len(index) >= MAX_ENTRIES:  # a key that never matches again (a NaN constexpr): bounded
-                        index.clear()
-                    index[k] = entry
+            _remember(self._lean_entries, key + (types,), entry)
+            if fast_key is not None:
+                _remember(self._lean_fast, fast_key, entry)
         if not launched:
-            n = len(grid)
             try:
-                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(key[0]),
-                    compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+                self._lean_run(entry, grid, key[0], args)
             except Exception:  # noqa: BLE001 - a cached kernel that cannot be launched: Triton's own path
                 with _lock:
                     self._lean_entries.pop(key + (types,), None)
