@@ -15,8 +15,10 @@ from liger_gen.ops.layer_norm import layer_norm
 from liger_gen.ops.moe import moe_experts, moe_permute, moe_routing, moe_unpermute
 from liger_gen.ops.rms_norm import rms_norm
 from liger_gen.ops.rope import rope
+from liger_gen.ops.selective_log_softmax import selective_log_softmax
 from liger_gen.ops.glu import swiglu, swiglu_gate_up
 
 __all__ = ["clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fused_add_rms_norm",
            "fused_linear_cross_entropy", "geglu", "geglu_gate_up", "jsd", "kl_div", "layer_norm", "moe_experts",
-           "moe_permute", "moe_routing", "moe_unpermute", "rms_norm", "rope", "swiglu", "swiglu_gate_up"]
+           "moe_permute", "moe_routing", "moe_unpermute", "rms_norm", "rope", "selective_log_softmax", "swiglu",
+           "swiglu_gate_up"]

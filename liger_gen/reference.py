@@ -17,6 +17,7 @@ from liger_gen.ops.layer_norm import layer_norm_float64, layer_norm_torch
 from liger_gen.ops.moe import moe_experts_torch, moe_permute_torch, moe_unpermute_torch
 from liger_gen.ops.rms_norm import CASTING_MODES, rms_norm_float64, rms_norm_out_dtype, rms_norm_torch
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
+from liger_gen.ops.selective_log_softmax import selective_log_softmax_float64, selective_log_softmax_torch
 from liger_gen.ops.glu import glu_float64, glu_gate_up_torch, glu_torch, swiglu_float64, swiglu_torch
 
 __all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_torch", "clamped_swiglu_torch",
@@ -28,4 +29,5 @@ __all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_to
            "kl_div_float64", "kl_div_torch", "layer_norm_float64", "layer_norm_torch",
            "moe_experts_torch", "moe_permute_torch", "moe_unpermute_torch",
            "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch", "rope_float64", "rope_out_dtype",
-           "rope_torch", "rotate_half", "swiglu_float64", "swiglu_torch"]
+           "rope_torch", "rotate_half", "selective_log_softmax_float64", "selective_log_softmax_torch",
+           "swiglu_float64", "swiglu_torch"]

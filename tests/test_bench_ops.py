@@ -72,6 +72,8 @@ def _expected_bytes(op, t, up, rows):
         return 2 * _nb(t["logits"]) + _nb(t["target"])
     if op == "fused_linear_cross_entropy":
         return 2 * _nb(t["x"]) + 2 * _nb(t["w"]) + _nb(t["target"])
+    if op == "selective_log_softmax":  # logits GEMMs in both passes; log p, lse written; lse, d log p read
+        return 3 * _nb(t["x"]) + 3 * _nb(t["w"]) + 2 * _nb(t["target"]) + 4 * f32_row
     if op == "kl_div":
         return _nb(t["input"]) + _nb(t["target"]) + _nb(t["input"])
     if op == "jsd":

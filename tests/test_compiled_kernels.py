@@ -415,6 +415,185 @@ def test_recorders_get_every_kernel_triton_compiled(hooks):
                         ("add_0123abcd", "add_kernel", text1, fn.made[1])]
 
 
+# ------------------------------------------------------------------------------------------ record and replay
+
+
+def _two_launches(lk, x, y, out, n):
+    """A launch function as the templates write them: views of the tensors, two launches, scalars."""
+    lk[(n // 4,)](x.view(-1), out, n, BLOCK=16)
+    lk[(2, 3)](out, y, n + 1)
+
+
+def _warm(lk, *args):
+    _two_launches(lk, *args)  # first calls compile through (fake) Triton
+    return lk._lean_fast and lk.fn.made[-1]
+
+
+def test_a_replay_makes_the_recorded_launches_with_the_new_tensors(hooks):
+    lk, fn = _lean()
+    n = 64
+    x, y, out = _aligned(n), _aligned(n), _aligned(n)
+    _warm(lk, x, y, out, n)
+    with launch.record() as rec:
+        _two_launches(lk, x, y, out, n)
+    assert [r[0] for r in rec.launches] == [lk, lk] and rec.other_work is None
+    replay = launch.compile_replay(rec, (x, y, out))
+    assert replay is not None
+    x2, y2, out2 = _aligned(n), _aligned(n), _aligned(n)
+    calls = {c.tag: len(c.calls) for c in fn.made}
+    assert replay(x2, y2, out2) is True
+    ptrs = lambda call: tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in call)  # noqa: E731
+    got = [ptrs(a) for c in fn.made for a in c.calls[calls[c.tag]:]]
+    # the lean path itself, given the same new tensors, launches exactly this
+    before = {c.tag: len(c.calls) for c in fn.made}
+    _two_launches(lk, x2, y2, out2, n)
+    want = [ptrs(a) for c in fn.made for a in c.calls[before[c.tag]:]]
+    assert got == want and len(got) == 2
+    assert x2.data_ptr() in got[0] and y2.data_ptr() in got[1] and x.data_ptr() not in got[0]
+    assert len(fn.runs) == 2  # nothing was compiled again
+
+
+def test_a_replay_declines_when_the_recorded_kernels_would_not_be_tritons_choice(hooks):
+    lk, fn = _lean()
+    current = [0]
+    lk._lean_device = lambda: current[0]
+    n = 64
+    x, y, out = _aligned(n), _aligned(n), _aligned(n)
+    _warm(lk, x, y, out, n)
+    with launch.record() as rec:
+        _two_launches(lk, x, y, out, n)
+    replay = launch.compile_replay(rec, (x, y, out))
+    count = lambda: sum(len(c.calls) for c in fn.made)  # noqa: E731
+    start = count()
+    assert replay(_misaligned(), y, out) is False  # another alignment: another specialization
+    current[0] = 1
+    assert replay(x, y, out) is False  # another current device
+    current[0] = 0
+    lk._lean_knobs = _hooks(launch_enter_hook=types.SimpleNamespace(calls=[print]))
+    assert replay(x, y, out) is False  # a launch hook (a profiler) must see Triton's own launches
+    lk._lean_knobs = _hooks(debug=True)
+    assert replay(x, y, out) is False
+    assert count() == start
+    lk._lean_knobs = _hooks()
+    assert replay(x, y, out) is True and count() == start + 2
+
+
+def test_an_unaligned_slot_replays_only_with_unaligned_tensors(hooks):
+    lk, fn = _lean()
+    x = _misaligned()
+    y, out = _aligned(16), _aligned(16)
+    def launch_fn(x, y, out):
+        lk[(1,)](x, out, 16)
+    launch_fn(x, y, out)
+    with launch.record() as rec:
+        launch_fn(x, y, out)
+    replay = launch.compile_replay(rec, (x, y, out))
+    assert replay(_aligned(16, torch.uint8), y, out) is False
+    assert replay(_misaligned(), y, out) is True
+
+
+@pytest.mark.parametrize("case", ["nothing", "triton_path", "torch_work", "temporary", "shared_address",
+                                  "two_devices"])
+def test_recordings_that_cannot_be_replayed(hooks, case):
+    lk, fn = _lean()
+    x, y, out = _aligned(64), _aligned(64), _aligned(64)
+    slots = (x, y, out)
+
+    def launch_fn():
+        if case == "nothing":
+            return
+        if case == "triton_path":
+            lk[lambda meta: (4,)](x, out, 64)  # a callable grid: Triton's own path
+        elif case == "torch_work":
+            lk[(4,)](x, out, 64)
+            out.zero_()  # work a replay of the launches would leave out
+        elif case == "temporary":
+            lk[(4,)](x, torch.empty(64), 64)
+        elif case == "shared_address":
+            lk[(4,)](x, out, 64)
+        elif case == "two_devices":
+            lk[(4,)](x, out, 64)
+            lk._lean_device = lambda: 1
+            lk[(4,)](x, out, 64)
+            lk._lean_device = lambda: 0
+
+    launch_fn()
+    with launch.record() as rec:
+        launch_fn()
+    if case == "shared_address":
+        slots = (x, out, out)
+    if case == "torch_work":
+        assert rec.other_work is not None and "zero" in rec.other_work
+    assert launch.compile_replay(rec, slots) is None
+
+
+def test_views_are_not_other_work_and_recording_ends_with_the_block(hooks):
+    lk, fn = _lean()
+    x = _aligned(64)
+    with launch.record() as rec:
+        x.view(8, 8).transpose(0, 1)[:4].unsqueeze(0).detach()
+        x.reshape(2, 32).t()
+    assert rec.other_work is None and rec.launches == []
+    assert launch._recordings == 0 and getattr(launch._tls, "recording", None) is None
+    lk[(1,)](x, x, 1)
+    assert rec.launches == []  # after the block nothing is recorded
+
+
+def test_launches_record_once_replay_after_and_fall_back_when_declined(hooks, monkeypatch):
+    from liger_gen.runtime import plans
+
+    lk, fn = _lean()
+    n = 64
+    x, y, out = _aligned(n), _aligned(n), _aligned(n)
+    seen = []
+
+    def launch_fn(x, y, out):
+        seen.append(1)
+        _two_launches(lk, x, y, out, n)
+
+    launches = plans.Launches()
+    launches((x, y, out), launch_fn, x, y, out)  # compiles and records
+    assert launches.replay is not None and len(seen) == 1
+    launches((x, y, out), launch_fn, x, y, out)
+    assert len(seen) == 1  # replayed: the launch function did not run
+    m = _misaligned()
+    launches((m, y, out), launch_fn, m, y, out)
+    assert len(seen) == 2  # declined: the launch function ran
+
+
+def test_launches_give_up_recording_after_a_few_tries_and_may_never_record(hooks):
+    from liger_gen.runtime import plans
+
+    seen = []
+    launches = plans.Launches()
+    for _ in range(plans.RECORD_TRIES + 3):
+        launches((), lambda: seen.append(launch._recordings))
+    assert launches.replay is None and launches.tries_left == 0
+    assert seen == [1] * plans.RECORD_TRIES + [0] * 3  # recorded only while tries were left
+    seen.clear()
+    never = plans.Launches(record=False)
+    for _ in range(2):
+        never((), lambda: seen.append(launch._recordings))
+    assert seen == [0, 0] and never.replay is None
+
+
+def test_every_launch_in_a_template_is_of_a_lean_kernel():
+    """Replays repeat only lean launches: a template must launch nothing else from Python."""
+    import re
+
+    import liger_gen
+
+    found = 0
+    for path in sorted((Path(liger_gen.__file__).parent / "templates").glob("*.jinja")):
+        text = path.read_text()
+        launched = set(re.findall(r"^\s+(\w+)\[[^\]\n]*\]\(", text, flags=re.M))
+        found += len(launched)
+        for name in launched:
+            assert name.endswith("_kernel"), (path.name, name)
+            assert not re.search(rf"(?<!def )(?<![\w.]){name}\(", text), (path.name, name)  # called by no kernel
+    assert found >= 25  # the pattern finds the launches
+
+
 # ------------------------------------------------------------------------------------------ wrap_module_kernels
 
 

@@ -72,3 +72,119 @@ def test_sft_trainer_trains_a_patched_model_like_the_plain_one(corpus, tmp_path)
     # fp32 on the plain CPU path: the same functions, other summation orders (see tests/test_families.py)
     for a, b in zip(patched, plain):
         assert abs(a - b) <= 2e-6 * abs(b), (patched, plain)
+
+
+# ------------------------------------------------------------------------------ post-training trainers
+
+
+@pytest.fixture
+def liger_gen_log_probs(monkeypatch):
+    """TRL's fused LM head on liger-gen's kernels (in Triton's interpreter where the machine has no GPU)."""
+    from liger_gen.integrations.trl import restore_trl_log_probs, use_liger_gen_log_probs
+
+    calls = []
+    from liger_gen.ops import selective_log_softmax as S
+
+    original = S._Chunks.forward
+
+    def counted(self, need):
+        calls.append(self.module is not None)
+        return original(self, need)
+
+    monkeypatch.setattr(S._Chunks, "forward", counted)
+
+    def start():
+        if not torch.cuda.is_available():
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_liger_gen_log_probs()
+        return calls
+
+    yield start
+    restore_trl_log_probs()
+
+
+def _preference_data(corpus):
+    """Prompt, chosen and rejected texts cut from the Shakespeare passages (the rejected one from another)."""
+    _, dataset = corpus
+    texts = [t for t in dataset["text"] if len(t) > 100][:16]
+    return datasets.Dataset.from_dict({"prompt": [t[:40] for t in texts], "chosen": [t[40:80] for t in texts],
+                                       "rejected": [texts[(i + 5) % len(texts)][40:80] for i in range(len(texts))]})
+
+
+def _dpo_history(corpus, out_dir, loss_type):
+    tokenizer, _ = corpus
+    args = trl.DPOConfig(output_dir=str(out_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+                         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, max_length=64,
+                         dataloader_num_workers=0, disable_tqdm=True, loss_type=loss_type, bf16=False)
+    trainer = trl.DPOTrainer(model=_model(len(tokenizer)), ref_model=_model(len(tokenizer)), args=args,
+                             train_dataset=_preference_data(corpus), processing_class=tokenizer)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+METRICS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins", "entropy", "kl")
+
+
+def _assert_same_history(ours, theirs, rtol):
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        for key in METRICS:
+            if key in b:
+                assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_trainer_on_liger_gen_log_probs_trains_as_on_trls(corpus, tmp_path, liger_gen_log_probs, loss_type):
+    """TRL's DPOTrainer (its losses, its reference model) with the log-probabilities, entropy and logged
+    statistics of the fused LM head from liger-gen's kernels: the same losses, gradient norms, log-probabilities
+    and rewards as with TRL's own chunked function, in fp32."""
+    theirs = _dpo_history(corpus, tmp_path / "trl", loss_type)
+    calls = liger_gen_log_probs()
+    ours = _dpo_history(corpus, tmp_path / "lg", loss_type)
+    assert calls and (torch.cuda.is_available() or all(calls))  # the kernels ran (interpreter on a CPU machine)
+    _assert_same_history(ours, theirs, 2e-5)
+    assert ours[0]["logps/chosen"] < 0
+
+
+def _grpo_history(model_dir, corpus, out_dir):
+    tokenizer, dataset = corpus
+    prompts = datasets.Dataset.from_dict({"prompt": [t[:40] for t in dataset["text"][:16]]})
+
+    def vowels(completions, **kwargs):
+        return [float(sum(c.count(v) for v in "aeiou")) for c in completions]
+
+    # beta > 0: a reference model and its KL term; num_iterations 2: the second pass clips the ratio
+    args = trl.GRPOConfig(output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, learning_rate=1e-3, logging_steps=1, report_to=[],
+                          save_strategy="no", use_cpu=True, seed=0, bf16=False, dataloader_num_workers=0,
+                          disable_tqdm=True, loss_type="dr_grpo", beta=0.04, num_iterations=2, temperature=0.9)
+    trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=[vowels], args=args, train_dataset=prompts,
+                              processing_class=tokenizer)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_grpo_trainer_on_liger_gen_log_probs_trains_as_on_trls(corpus, tmp_path, liger_gen_log_probs):
+    """TRL's GRPOTrainer (sampled completions, clipped ratios, KL to the reference, the temperature): the same
+    losses, gradient norms, KL and entropy with liger-gen's log-probabilities as with TRL's."""
+    model_dir = tmp_path / "model"
+    _model(len(corpus[0])).save_pretrained(model_dir)
+    theirs = _grpo_history(model_dir, corpus, tmp_path / "trl")
+    calls = liger_gen_log_probs()
+    ours = _grpo_history(model_dir, corpus, tmp_path / "lg")
+    assert calls and (torch.cuda.is_available() or all(calls))
+    assert any(h.get("clip_ratio/region_mean", 0) > 0 for h in theirs)  # the clipping took part
+    _assert_same_history(ours, theirs, 2e-5)
+
+
+def test_the_patch_is_undone_and_idempotent():
+    from trl.trainer import utils
+
+    from liger_gen.integrations.trl import LigerGenLogProbFunction, restore_trl_log_probs, use_liger_gen_log_probs
+
+    own = utils._ChunkedLogProbFunction
+    use_liger_gen_log_probs()
+    use_liger_gen_log_probs()
+    assert utils._ChunkedLogProbFunction is LigerGenLogProbFunction
+    restore_trl_log_probs()
+    assert utils._ChunkedLogProbFunction is own

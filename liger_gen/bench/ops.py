@@ -35,7 +35,8 @@ from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
                                  geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch, moe_permute_torch,
-                                 moe_unpermute_torch, rms_norm_torch, rope_torch, swiglu_torch)
+                                 moe_unpermute_torch, rms_norm_torch, rope_torch, selective_log_softmax_torch,
+                                 swiglu_torch)
 
 # A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
 TINY = PRESETS["tiny"]
@@ -253,6 +254,29 @@ def _cce_flce():
                                               reduction="mean"),)
 
 
+def _slsm_eager(t, o):
+    # TRL's unfused path: the LM head in the activations' dtype, then log_softmax of the fp32 logits, gathered
+    return (selective_log_softmax_torch(t["x"], t["w"], t["target"])[0],)
+
+
+def _slsm_lg(t, o):
+    return (lg.selective_log_softmax(t["x"], t["w"], t["target"]),)
+
+
+def _trl_slsm():
+    from trl.kernels import ChunkedLogProbFunction
+
+    # (hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs): TRL's chunked
+    # log-probabilities; TRL's trainers score only the non-ignored tokens (compacted) and zero the others
+    def run(t, o):
+        mask = t["target"] != IGNORE_INDEX
+        logp = ChunkedLogProbFunction.apply(t["x"][mask], t["w"], None, t["target"][mask], 1.0, 4096, None, 1.0,
+                                            ("log_probs",))[0]
+        return (torch.zeros(t["target"].shape, dtype=logp.dtype, device=logp.device).masked_scatter(mask, logp),)
+
+    return run
+
+
 def _kl_eager(t, o):
     return (kl_div_torch(t["input"], t["target"], "batchmean"),)
 
@@ -321,6 +345,12 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("kl_div", _kl_eager, "F.kl_div(reduction='batchmean')", _kl_lg, _lk_kl,
          "LigerKLDivLossFunction(reduction='batchmean', eps=1e-10): t·(log max(t, eps) − x) and an fp32 loss "
          "(liger-gen returns the inputs' dtype)"),
+    Case("selective_log_softmax", _slsm_eager,
+         "TRL's unfused selective_log_softmax: x @ W.T in the activations' dtype, log_softmax of the fp32 logits, "
+         "gathered at the targets (0 where ignored)", _slsm_lg,
+         peers={"trl": (_trl_slsm, "trl.kernels.ChunkedLogProbFunction (4096-column vocab tiles) on the "
+                                   "non-ignored tokens, zeros elsewhere, as TRL's fused LM head returns them; "
+                                   "boolean-mask compaction syncs the host")}),
     Case("jsd", _jsd_eager, "jsd_torch (fp32 math), beta 0.5, with labels", _jsd_lg, _lk_jsd,
          "LigerJSDFunction(beta=0.5, shift_labels=label): d student computed in the forward next to an fp32 "
          "(rows, vocab) loss buffer"),

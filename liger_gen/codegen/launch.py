@@ -26,9 +26,10 @@ compiler. ``RECORDERS`` are called with every kernel Triton compiled here (``lig
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -45,6 +46,10 @@ _lock = threading.Lock()
 #: entries one launch index of a kernel holds before it starts over (the per-shape index is rebuilt from the
 #: per-specialization one; a key that never matches again, such as a NaN constexpr, cannot grow it without bound)
 MAX_ENTRIES = 4096
+
+
+_tls = threading.local()  # the open ``record()`` of this thread, if any
+_recordings = 0  # open ``record()``s in all threads: the hot path reads only this global
 
 
 def _remember(index: dict, key: tuple, entry: tuple) -> None:
@@ -147,6 +152,8 @@ class LeanLaunch:
         return self._lean_fn.run(*args, grid=grid, warmup=False, **kwargs)
 
     def _lean_launch(self, grid, args: tuple, kwargs: dict):
+        if _recordings and getattr(_tls, "recording", None) is not None:
+            return self._lean_record(_tls.recording, grid, args, kwargs)
         if type(grid) is not tuple or len(args) > self._lean_max_positional or not self._lean_direct():
             return self._lean_jit(grid, args, kwargs)
         device = self._lean_device()
@@ -163,6 +170,29 @@ class LeanLaunch:
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._lean_stream(device), function, packed,
             None, None, None, *args, *tail)
         return None
+
+    def _lean_key(self, device, args: tuple, kwargs: dict) -> tuple:
+        """The per-call-shape key ``_lean_launch`` builds inline (TypeError for arguments without one)."""
+        return (device, *[a if type(a) is int else arg_key(a) for a in args], *kwargs.items(),
+                tuple(map(type, kwargs.values())))
+
+    def _lean_record(self, recording: "Recording", grid, args: tuple, kwargs: dict):
+        """Launch as usual, then add the launch (with its memoised entry, or None if it took Triton's own
+        path) to ``recording``."""
+        _tls.recording = None
+        try:
+            result = self._lean_launch(grid, args, kwargs)
+        finally:
+            _tls.recording = recording
+        entry = device = None
+        if type(grid) is tuple and len(args) <= self._lean_max_positional and self._lean_direct():
+            device = self._lean_device()
+            try:
+                entry = self._lean_fast.get(self._lean_key(device, args, kwargs))
+            except TypeError:
+                entry = None
+        recording.launches.append((self, entry, grid, args, device))
+        return result
 
     def _lean_miss(self, key: tuple, grid, args: tuple, kwargs: dict):
         """A call shape not seen yet: the entry of its Triton specialization (``arg_key``), else a first call."""
@@ -290,3 +320,111 @@ def wrap_module_kernels(module, module_stem: str) -> None:
         if any(f"{name}(" in other.src for other_name, other in jitted.items() if other_name != name):
             continue
         make_lean(fn, module_stem)
+
+
+# ------------------------------------------------------------------------------------------ record and replay
+
+
+class Recording:
+    """What ran inside one ``record()``: ``launches`` holds (kernel, entry, grid, args, device) per lean launch
+    (entry None: it took Triton's own path); ``other_work`` names the first PyTorch operator that did more than
+    make a view (a copy, an allocation, a fill), which a replay of the launches alone would leave out."""
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self.other_work: str | None = None
+
+
+def _views_only_mode(recording: Recording):
+    """A dispatch mode that lets every operator run and notes in ``recording`` the first one that is not a view
+    (views change metadata only; anything else is work on the device a replay would not repeat)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ViewsOnly(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if recording.other_work is None and not getattr(func, "is_view", False) \
+                    and func.overloadpacket is not torch.ops.aten.detach:
+                recording.other_work = str(func)
+            return func(*args, **(kwargs or {}))
+
+    return ViewsOnly()
+
+
+@contextlib.contextmanager
+def record():
+    """Record the lean launches this thread makes inside the block (they still run), and whether any PyTorch
+    operator other than a view ran there. Nested blocks record into the innermost one."""
+    global _recordings
+    recording = Recording()
+    outer = getattr(_tls, "recording", None)
+    _tls.recording = recording
+    with _lock:
+        _recordings += 1
+    try:
+        with _views_only_mode(recording):
+            yield recording
+    finally:
+        _tls.recording = outer
+        with _lock:
+            _recordings -= 1
+
+
+def compile_replay(recording: Recording, slots: Sequence[Any]) -> Callable[..., bool] | None:
+    """A function ``replay(*tensors) -> bool`` that makes ``recording``'s launches again with ``tensors`` in the
+    places of ``slots`` (the tensors the recorded call was given, in the same order; None entries are skipped),
+    or None when the recording cannot be replayed: nothing was launched, a launch took Triton's own path, other
+    PyTorch work ran, the launches used more than one device, or a tensor argument is not the data of exactly one
+    slot (an internal temporary, or two slots sharing one address).
+
+    Each recorded launch is repeated through the compiled kernel's launcher with the same grid, scalars and
+    constexprs, and a tensor argument replaced by its slot's new tensor (a view of a slot with the slot's data
+    address counts as the slot: the kernels take addresses). ``replay`` returns False, launching nothing, when
+    the recorded kernels would not be the ones Triton picks now: another current device, a tensor whose
+    16-byte alignment differs from the recorded one, or launch hooks, debug or instrumentation switched on.
+    The caller then runs its launch function as usual. The recorded scalars are only valid for calls whose
+    shapes, strides, dtypes and scalar arguments equal the recorded call's: the caller keys replays by those.
+    """
+    if not recording.launches or recording.other_work is not None:
+        return None
+    ptrs = [None if s is None else s.data_ptr() for s in slots]
+    device = recording.launches[0][4]
+    names: dict[str, Any] = {}
+    lines = []
+    for i, (kernel, entry, grid, args, dev) in enumerate(recording.launches):
+        if entry is None or dev != device:
+            return None
+        run, function, packed, tail = entry
+        n = len(grid)
+        g = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        names.update({f"r{i}": run, f"f{i}": function, f"p{i}": packed,
+                      f"g{i}x": g[0], f"g{i}y": g[1], f"g{i}z": g[2]})
+        call = [f"g{i}x", f"g{i}y", f"g{i}z", "st", f"f{i}", f"p{i}", "None", "None", "None"]
+        for j, a in enumerate((*args, *tail)):
+            if isinstance(a, torch.Tensor):
+                match = [k for k, p in enumerate(ptrs) if p is not None and p == a.data_ptr()]
+                if len(match) != 1:
+                    return None
+                call.append(f"s{match[0]}")
+            else:
+                names[f"c{i}_{j}"] = a
+                call.append(f"c{i}_{j}")
+        lines.append(f"    r{i}({', '.join(call)})")
+    first = recording.launches[0][0]
+    knobs = {id(k._lean_knobs): k for k, *_ in recording.launches}
+    checks = [f"d{n}()" for n in range(len(knobs))]
+    names.update({f"d{n}": k._lean_direct for n, k in enumerate(knobs.values())})
+    names.update(cur=first._lean_device, stream=first._lean_stream, D=device)
+    checks.append("cur() == D")
+    for k, p in enumerate(ptrs):
+        if p is not None:
+            checks.append(f"{'not ' if p % 16 else ''}s{k}.data_ptr() % 16 == 0")
+    params = ", ".join(f"s{k}" for k in range(len(slots)))
+    src = (f"def replay({params}):\n"
+           f"    if not ({' and '.join(checks)}):\n"
+           f"        return False\n"
+           f"    st = stream(D)\n" + "\n".join(lines) + "\n    return True\n")
+    scope: dict[str, Any] = dict(names)
+    exec(compile(src, f"<liger_gen replay of {first._lean_stem}>", "exec"), scope)  # noqa: S102 - generated above
+    replay = scope["replay"]
+    replay.source = src
+    return replay

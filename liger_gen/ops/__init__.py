@@ -32,6 +32,7 @@ OP_MODULES: dict[str, str] = {
     "fused_linear_cross_entropy": "liger_gen.ops.fused_linear_cross_entropy",
     "kl_div": "liger_gen.ops.kl_div",
     "jsd": "liger_gen.ops.jsd",
+    "selective_log_softmax": "liger_gen.ops.selective_log_softmax",
 }
 
 

@@ -17,9 +17,11 @@ from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Input
                                         reference_by_autograd)
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   uses_triton)
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe,
+                                   interpreter_enabled, kernel_module, no_double_backward, uses_triton)
+from liger_gen.runtime.tables import heuristic_only_enabled
 
 CASTING_MODES = ("llama", "gemma", "none")
 
@@ -341,6 +343,84 @@ rms_norm_2d = Differentiable(rms_norm_fwd, _save, _backward, reference="liger_ge
 and weight."""
 
 
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+class _Plan:
+    """One validated call shape of ``rms_norm`` on the Triton path: the kernel module, the output layout and
+    the recorded launches (``liger_gen.runtime.plans``). The launch functions are the ones ``_fwd_impl`` and
+    ``_bwd_impl`` use, with the same arguments."""
+
+    __slots__ = ("shape", "rows", "n_cols", "x_dtype", "out_dtype", "device", "eps", "offset", "casting_mode",
+                 "module", "num_sms", "n_programs", "fwd", "bwd")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str):
+        self.shape, self.n_cols = x.shape, x.shape[-1]
+        self.rows = math.prod(x.shape[:-1])
+        self.x_dtype, self.device = x.dtype, x.device
+        self.out_dtype = rms_norm_out_dtype(x.dtype, weight.dtype, casting_mode)
+        self.eps, self.offset, self.casting_mode = eps, offset, casting_mode
+        self.module, _, limits = kernel_module(RMSNormSpace, x, self.n_cols, self.rows, casting_mode=casting_mode)
+        self.num_sms = limits.num_sms
+        self.n_programs = self.module.num_bwd_programs(self.rows, limits.num_sms)
+        self.fwd = plans.Launches(record=x.is_cuda)
+        self.bwd: dict[tuple, plans.Launches] = {}  # per upstream gradient layout
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        rstd = torch.empty((self.rows,), dtype=torch.float32, device=self.device)
+        self.fwd((x, weight, y, rstd), self._launch_fwd, x, weight, y, rstd)
+        return y, rstd
+
+    def _launch_fwd(self, x, weight, y, rstd):
+        self.module.forward(_rows(x), weight, _rows(y), rstd, self.eps, self.offset)
+
+    def backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (dy.shape, dy.stride(), dy.dtype)
+        launches = self.bwd.get(key)
+        if launches is None:
+            if len(self.bwd) >= 8:  # layouts seen by one forward shape are few; never grow without bound
+                self.bwd.clear()
+            launches = self.bwd[key] = plans.Launches(record=self.device.type == "cuda")
+        dx = torch.empty(self.shape, dtype=self.x_dtype, device=self.device)
+        dw = torch.empty((self.n_cols,), dtype=weight.dtype, device=self.device)
+        dw_partial = torch.empty((self.n_programs, self.n_cols), dtype=torch.float32, device=self.device)
+        launches((dy, x, weight, rstd, dx, dw, dw_partial), self._launch_bwd, dy, x, weight, rstd, dx, dw,
+                 dw_partial)
+        return dx, dw
+
+    def _launch_bwd(self, dy, x, weight, rstd, dx, dw, dw_partial):
+        dy2 = dy.reshape(self.rows, self.n_cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        self.module.backward(dy2, _rows(x), weight, rstd, _rows(dx), dw, dw_partial, self.offset, self.num_sms)
+
+
+class _Planned(torch.autograd.Function):
+    """``rms_norm`` through a plan: y of x, differentiable in x and weight (the kernels of ``rms_norm_2d``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, plan):
+        y, rstd = plan.forward(x, weight)
+        ctx.set_materialize_grads(False)
+        saved(ctx, x, weight, rstd)
+        ctx.plan = plan
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        no_double_backward("rms_norm", "liger_gen.reference.rms_norm_torch")
+        if dy is None:
+            return None, None, None
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = ctx.plan.backward(dy, x, weight, rstd)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None
+
+
+_PLANS = plans.new_cache()
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
@@ -374,6 +454,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
         ValueError: weight is not (hidden,), the tensors are on different devices, hidden exceeds the kernel's
             limit (65536), casting_mode is unknown, or a nonzero offset without a weight.
     """
+    if type(eps) in plans.NUMBERS and type(offset) in plans.NUMBERS and type(casting_mode) is str \
+            and plans.eager(x, weight):  # a call shape validated before skips the checks
+        key = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device,
+               eps, offset, casting_mode, heuristic_only_enabled(), interpreter_enabled())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return _Planned.apply(x, weight, plan)
+            return plan.forward(x, weight)[0]
+    else:
+        key = None
     op = "rms_norm"
     if not isinstance(x, torch.Tensor) or not (weight is None or isinstance(weight, torch.Tensor)):
         raise TypeError(f"{op}: x must be a tensor and weight a tensor or None, got {type(x).__name__} and "
@@ -403,6 +494,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
                          f"{RMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")
     if not (x.dim() == 2 and x.stride(-1) == 1) and not x.is_contiguous():
         x = x.contiguous()  # the op flattens rows with a view: 2-D with unit column stride, or contiguous
+        key = None
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+        key = None
+    if key is not None and x.numel():  # the same call shape skips the checks above from now on
+        plan = plans.remember(_PLANS, key, _Plan(x, weight, eps, offset, casting_mode))
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _Planned.apply(x, weight, plan)
+        return plan.forward(x, weight)[0]
     return rms_norm_2d(x, weight, eps, offset, casting_mode)[0]

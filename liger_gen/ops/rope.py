@@ -22,9 +22,11 @@ import torch
 from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, randn, reference_by_autograd
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe, kernel_module,
-                                   uses_triton)
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe,
+                                   interpreter_enabled, kernel_module, no_double_backward, uses_triton)
+from liger_gen.runtime.tables import heuristic_only_enabled
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -428,6 +430,94 @@ rope_4d = Differentiable(rope_fwd, _save, _backward, reference="liger_gen.refere
 k, cos and sin."""
 
 
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+class _Plan:
+    """One validated call shape of ``rope`` on the Triton path, in the kernels' (batch, heads, seq, head_dim)
+    order: the kernel module, the output dtype and the recorded launches (``liger_gen.runtime.plans``) of the
+    launch functions ``_fwd_impl`` and ``_bwd_impl`` call."""
+
+    __slots__ = ("q_dtype", "out_dtype", "module", "fwd", "bwd")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        self.q_dtype = q.dtype
+        self.out_dtype = rope_out_dtype(q.dtype, cos.dtype, sin.dtype)
+        self.module = kernel_module(RoPESpace, q, _dims(q, k, cos), q.shape[0] * q.shape[2])[0]
+        self.fwd = plans.Launches(record=q.is_cuda)
+        self.bwd: dict[tuple, plans.Launches] = {}  # per layout of the incoming gradients
+
+    def forward(self, q, k, cos, sin, position_ids):
+        q_out = torch.empty_like(q, dtype=self.out_dtype)
+        k_out = torch.empty_like(k, dtype=self.out_dtype)
+        self.fwd((q, k, cos, sin, position_ids, q_out, k_out), self.module.forward, q, k, cos, sin, position_ids,
+                 q_out, k_out)
+        return q_out, k_out
+
+    def backward(self, dq_out, dk_out, cos, sin, position_ids):
+        if dq_out.stride(-1) != 1 or dk_out.stride(-1) != 1:
+            return _bwd_impl(dq_out, dk_out, cos, sin, position_ids, self.q_dtype)
+        key = (dq_out.shape, dq_out.stride(), dq_out.dtype, dk_out.shape, dk_out.stride(), dk_out.dtype)
+        launches = self.bwd.get(key)
+        if launches is None:
+            if len(self.bwd) >= 8:  # layouts seen by one forward shape are few; never grow without bound
+                self.bwd.clear()
+            launches = self.bwd[key] = plans.Launches(record=dq_out.is_cuda)
+        dq = torch.empty_like(dq_out, dtype=self.q_dtype)
+        dk = torch.empty_like(dk_out, dtype=self.q_dtype)
+        launches((dq_out, dk_out, cos, sin, position_ids, dq, dk), self.module.backward, dq_out, dk_out, cos, sin,
+                 position_ids, dq, dk)
+        return dq, dk
+
+
+class _Planned(torch.autograd.Function):
+    """``rope`` through a plan: (q_out, k_out) of (batch, heads, seq, head_dim)-indexed q and k, differentiable
+    in q and k (cos and sin, which do not require grad here, get none)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids, plan):
+        q_out, k_out = plan.forward(q, k, cos, sin, position_ids)
+        ctx.set_materialize_grads(False)
+        saved(ctx, cos, sin, position_ids)
+        ctx.plan = plan
+        ctx.out_meta = (q_out.shape, k_out.shape)
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        no_double_backward("rope", "liger_gen.reference.rope_torch")
+        cos, sin, position_ids = ctx.saved_tensors
+        if dq_out is None and dk_out is None:
+            return None, None, None, None, None, None
+        if dq_out is None:  # an output autograd did not materialise: its grad is zero
+            dq_out = torch.zeros(ctx.out_meta[0], dtype=ctx.plan.out_dtype, device=cos.device)
+        if dk_out is None:
+            dk_out = torch.zeros(ctx.out_meta[1], dtype=ctx.plan.out_dtype, device=cos.device)
+        dq, dk = ctx.plan.backward(dq_out, dk_out, cos, sin, position_ids)
+        return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, \
+            None, None
+
+
+_PLANS = plans.new_cache()
+
+
+def _run_plan(plan: _Plan, q, k, cos, sin, position_ids, transposed: bool):
+    """``rope``'s result through ``plan``; ``transposed``: q, k are (batch, seq, heads, head_dim)."""
+    if transposed:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        q_out, k_out = _Planned.apply(q, k, cos, sin, position_ids, plan)
+    else:
+        q_out, k_out = plan.forward(q, k, cos, sin, position_ids)
+    if transposed:
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    return q_out, k_out
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
@@ -487,6 +577,15 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     range after wrapping negatives reads cos = sin = 0 (its rows of q_out/k_out are zero in the rotated dims);
     the kernel never reads outside the table. The plain-PyTorch path raises IndexError, as indexing does.
     """
+    if half_tables is False and type(unsqueeze_dim) is int and plans.eager(q, k, cos, sin) and (
+            position_ids is None or type(position_ids) is torch.Tensor):  # a validated call shape
+        key = (_meta(q), _meta(k), _meta(cos), _meta(sin), _meta(position_ids), unsqueeze_dim,
+               cos.requires_grad or sin.requires_grad, heuristic_only_enabled(), interpreter_enabled())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return _run_plan(plan, q, k, cos, sin, position_ids, unsqueeze_dim % 4 == 2)
+    else:
+        key = None
     op = "rope"
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(op, name, t)
@@ -547,6 +646,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if head_dim > RoPESpace.MAX_HEAD_DIM:
         raise ValueError(f"{op}: head_dim {head_dim} exceeds the kernel's limit {RoPESpace.MAX_HEAD_DIM}; "
                          f"got {describe('q', q)}")
+    if key is not None and not key[6] and q.numel() and k.numel() and q.stride(-1) == k.stride(-1) == \
+            cos.stride(-1) == sin.stride(-1) == 1:  # the same call shape skips the checks above from now on
+        plan = plans.remember(_PLANS, key, _Plan(*((q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 2
+                                                  else (q, k)), cos, sin))
+        return _run_plan(plan, q, k, cos, sin, position_ids, unsqueeze_dim == 2)
     if unsqueeze_dim == 2:  # (batch, seq, heads, d) → (batch, heads, seq, d) views: the kernel reads strides
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     if q.stride(-1) != 1:

@@ -66,6 +66,8 @@ def module_for(template: str, config, variant: tuple) -> ModuleType:
 
 
 _chosen: dict[tuple, dict] = {}  # what _variant chose, for chosen_configs()
+#: called by ``clear_caches`` (modules that keep per-shape state built on the choices register here)
+CACHE_CLEARERS: list = []
 
 
 @functools.lru_cache(maxsize=4096)
@@ -108,6 +110,8 @@ def clear_caches() -> None:
     from liger_gen.runtime import compiled
 
     compiled.clear()
+    for clear in CACHE_CLEARERS:
+        clear()
 
 
 # ------------------------------------------------------------------------------------------ autograd helpers

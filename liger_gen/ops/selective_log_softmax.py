@@ -1,0 +1,670 @@
+"""Per-token log-probabilities of chosen tokens from hidden states and the LM head, without the full logits:
+the building block of preference and RL losses (DPO, KTO, GRPO, ...). References, search space, tuning problem,
+custom ops and the public op.
+
+For hidden states x (rows, hidden), LM head W (vocab, hidden), optional bias b and chosen tokens y:
+
+    u = logit_scale · (x @ W^T + b)            c = softcap · tanh(u / softcap)  (c = u without a softcap)
+    z = c / temperature                          log p = z_y − logsumexp(z)       (0 where y = ignore_index)
+    entropy = logsumexp(z) − Σ_v softmax(z)_v · z_v
+
+This is ``log_softmax(z).gather(-1, y)`` (TRL's ``selective_log_softmax``) and the entropy TRL's trainers log
+and regularise with, computed in chunks of rows: each chunk's logits come from a GEMM with fp32 accumulation
+(stored in x's dtype or in fp32, a tuned choice), one Triton launch reduces them to the per-token statistics;
+the backward recomputes each chunk's logits, one launch turns them into d/d(logits) in place, and two more
+GEMMs give dx and dW (dW summed in fp32 or added in x's dtype, a tuned choice). Optional per-token statistics
+that trainers log (not differentiable): log Σ_v p_v² (WPO weights), the mean of z, whether y is the argmax.
+
+Kernels: ``templates/selective_log_softmax.py.jinja``; the chunk plan is tuned with them under the same
+extra-memory budget as the fused linear cross-entropy (256 MiB).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from liger_gen.codegen.problems import REL_TOL, TARGET_BYTES, Inputs, Problem, randn, targets
+from liger_gen.codegen.spaces import KernelConfig, Param, Space
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.fused_linear_cross_entropy import _accumulate_dw, _mm_fp32_out
+from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
+                                   check_targets, describe, kernel_module, uses_triton)
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+TARGET_DTYPES = (torch.int64, torch.int32)
+#: the per-token outputs, in the order the 2-D op returns them
+OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+class LogProbOptions(NamedTuple):
+    """The scalar options of one call: the logit transform and the ignored token id."""
+
+    ignore_index: int = -100
+    temperature: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def _transform(logits: torch.Tensor, options: LogProbOptions) -> torch.Tensor:
+    u = logits * options.logit_scale
+    if options.softcap is not None:
+        u = options.softcap * torch.tanh(u / options.softcap)
+    return u / options.temperature
+
+
+def _token_stats(z: torch.Tensor, target: torch.Tensor, ignore_index: int):
+    """(log p_y, entropy, log Σp², mean z, is_top1) of transformed logits z (rows, vocab), 0 / False where y is
+    ignored; differentiable in z by autograd."""
+    valid = target != ignore_index
+    y = torch.where(valid, target, 0).long()
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, y[:, None])[:, 0]
+    p = logp_all.exp()
+    entropy = -(p * logp_all).sum(-1)
+    log_sq = torch.logsumexp(2 * logp_all, dim=-1)
+    mean = z.mean(-1)
+    top1 = z.argmax(-1) == y
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    return (torch.where(valid, logp, zero), torch.where(valid, entropy, zero), torch.where(valid, log_sq, zero),
+            torch.where(valid, mean, zero), top1 & valid)
+
+
+def selective_log_softmax_torch(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+                                bias: torch.Tensor | None = None, temperature: float = 1.0,
+                                ignore_index: int = -100, softcap: float | None = None, logit_scale: float = 1.0):
+    """Plain PyTorch, unfused: the LM head in x's dtype (as transformers' ``lm_head``), the logits upcast to
+    fp32 (float64 for float64 inputs), then ``log_softmax`` and the entropy. Returns (log_probs, entropy) of x's
+    leading shape; differentiable by autograd."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    logits = x @ lm_head_weight.t() if bias is None else x @ lm_head_weight.t() + bias
+    z = _transform(logits.to(dtype).reshape(-1, lm_head_weight.shape[0]),
+                   LogProbOptions(ignore_index, temperature, softcap, logit_scale))
+    logp, entropy, *_ = _token_stats(z, target.reshape(-1), ignore_index)
+    return logp.view(target.shape), entropy.view(target.shape)
+
+
+def selective_log_softmax_float64(x, lm_head_weight, target, bias=None, options: LogProbOptions = LogProbOptions(),
+                                  g_logp=None, g_entropy=None, rows_per_chunk: int = 256):
+    """The float64 truth, chunk by chunk (no (rows, vocab) float64 temporary of all rows): (log_probs, entropy,
+    dx, dW, db) for upstream gradients ``g_logp``, ``g_entropy`` ((rows,) or None); the gradients are None when
+    both upstream gradients are None."""
+    rows = x.shape[0]
+    w64 = lm_head_weight.detach().double().requires_grad_()
+    b64 = None if bias is None else bias.detach().double().requires_grad_()
+    logp = torch.empty(rows, dtype=torch.float64, device=x.device)
+    entropy = torch.empty(rows, dtype=torch.float64, device=x.device)
+    want = g_logp is not None or g_entropy is not None
+    dx = torch.zeros(x.shape, dtype=torch.float64, device=x.device) if want else None
+    for lo in range(0, rows, rows_per_chunk):
+        hi = min(lo + rows_per_chunk, rows)
+        xc = x[lo:hi].detach().double().requires_grad_()
+        with torch.enable_grad():
+            logits = xc @ w64.t() if b64 is None else xc @ w64.t() + b64
+            lp, ent, *_ = _token_stats(_transform(logits, options), target[lo:hi], options.ignore_index)
+            if want:
+                total = 0.0
+                if g_logp is not None:
+                    total = total + (lp * g_logp[lo:hi].double()).sum()
+                if g_entropy is not None:
+                    total = total + (ent * g_entropy[lo:hi].double()).sum()
+                total.backward()
+        logp[lo:hi], entropy[lo:hi] = lp.detach(), ent.detach()
+        if want:
+            dx[lo:hi] = xc.grad
+    if not want:
+        return logp, entropy, None, None, None
+    return logp, entropy, dx, w64.grad if w64.grad is not None else torch.zeros_like(w64), \
+        None if b64 is None else (b64.grad if b64.grad is not None else torch.zeros_like(b64))
+
+
+# ------------------------------------------------------------------------------------------------ space
+
+
+@dataclass(frozen=True)
+class SelectiveLogSoftmaxConfig(KernelConfig):
+    """Chunk plan and launch settings of one variant.
+
+    CHUNK_ROWS: rows per chunk (the M of the logits and dx GEMMs, the K of the dW GEMM).
+    LOGITS_FP32: 1 = fp32 logits (never rounded) and a separate gradient buffer in x's dtype; 0 = logits in
+        x's dtype (as transformers' bf16 ``lm_head`` output) and the gradient written over them.
+    DW_FP32: 1 = dW summed over chunks in fp32; 0 = added into dW in x's dtype per chunk (bfloat16 only).
+    BLOCK_V_*, num_warps_*, num_stages_*: the statistics (fwd) and gradient (bwd) kernels: one program per row,
+        walking the vocab in BLOCK_V columns.
+    """
+
+    CHUNK_ROWS: int = 1024
+    LOGITS_FP32: int = 0
+    DW_FP32: int = 0
+    BLOCK_V_FWD: int = 4096
+    num_warps_fwd: int = 8
+    num_stages_fwd: int = 1
+    BLOCK_V_BWD: int = 4096
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 1
+
+
+class SelectiveLogSoftmaxSpace(Space):
+    """Search space, constraints and heuristic at dims ``{"hidden": H, "vocab": V}`` and a dtype.
+
+    Tuned as one phase ("fwd": the forward and the backward of one training step, whose chunk plan they share).
+    Memory: the chunk buffers plus (DW_FP32=1 with bfloat16) the fp32 dW accumulator may take at most
+    MAX_EXTRA_BYTES, except that the smallest chunk is always allowed.
+    """
+
+    op = "selective_log_softmax"
+    template = "selective_log_softmax"
+    config_cls = SelectiveLogSoftmaxConfig
+    DIMS = ("hidden", "vocab")
+    phases = ("fwd",)
+    CHUNK_CHOICES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
+    MAX_EXTRA_BYTES = 256 * 2**20
+    MAX_ELEMS_PER_THREAD = 32
+    BLOCK_V_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+    PARAMS = (
+        Param("CHUNK_ROWS", CHUNK_CHOICES, "fwd"),
+        Param("LOGITS_FP32", (0, 1), "fwd"),
+        Param("DW_FP32", (0, 1), "fwd"),
+        Param("BLOCK_V_FWD", BLOCK_V_CHOICES, "fwd"),
+        Param("num_warps_fwd", (1, 2, 4, 8, 16), "fwd"),
+        Param("num_stages_fwd", (1, 2, 3), "fwd"),
+        Param("BLOCK_V_BWD", BLOCK_V_CHOICES, "fwd"),
+        Param("num_warps_bwd", (1, 2, 4, 8, 16), "fwd"),
+        Param("num_stages_bwd", (1, 2, 3), "fwd"),
+    )
+
+    def check_dims(self) -> None:
+        self.hidden, self.vocab = self.dims["hidden"], self.dims["vocab"]
+        self.max_block_v = max(self.BLOCK_V_CHOICES[0], 1 << max(0, (self.vocab - 1).bit_length()))
+
+    def extra_bytes(self, config: SelectiveLogSoftmaxConfig) -> int:
+        """Chunk buffers (+ the fp32 dW accumulator of bfloat16 with DW_FP32=1) in bytes."""
+        e = self.element_size
+        if e == 4:
+            return config.CHUNK_ROWS * self.vocab * 4
+        chunk = config.CHUNK_ROWS * self.vocab * ((4 + e) if config.LOGITS_FP32 else e)
+        accumulator = self.vocab * self.hidden * 4 if config.DW_FP32 and self.dtype == torch.bfloat16 else 0
+        return chunk + accumulator
+
+    def heuristic(self) -> SelectiveLogSoftmaxConfig:
+        """Logits in x's dtype, dW summed in x's dtype (bf16), the largest chunk within MAX_EXTRA_BYTES, and
+        4096-column (or vocab-wide) tiles at 8 warps."""
+        fp32 = self.element_size == 4
+        block = min(4096, self.max_block_v)
+        warps = self.fit_warps(8, block, 4)
+        best = SelectiveLogSoftmaxConfig(CHUNK_ROWS=self.CHUNK_CHOICES[0], LOGITS_FP32=int(fp32),
+                                         DW_FP32=int(fp32 or self.dtype == torch.float16), BLOCK_V_FWD=block,
+                                         num_warps_fwd=warps, BLOCK_V_BWD=block, num_warps_bwd=warps)
+        for choice in self.CHUNK_CHOICES:
+            config = SelectiveLogSoftmaxConfig(**{**best.to_dict(), "CHUNK_ROWS": choice})
+            if not self.shape_violations(config):
+                best = config
+        problems = self.violations(best)
+        assert not problems, f"heuristic is invalid for {self.dims}: {problems}"
+        return best
+
+    def shape_violations(self, config: SelectiveLogSoftmaxConfig) -> list[str]:
+        problems = []
+        if self.element_size == 4 and not (config.LOGITS_FP32 and config.DW_FP32):
+            problems.append("fwd: float32 inputs have fp32 logits and dW: LOGITS_FP32 and DW_FP32 must be 1")
+        if self.dtype == torch.float16 and not config.DW_FP32:
+            problems.append("fwd: float16 dW sums over chunks could overflow: DW_FP32 must be 1")
+        for name, block, warps, stages in (("fwd", config.BLOCK_V_FWD, config.num_warps_fwd, config.num_stages_fwd),
+                                           ("bwd", config.BLOCK_V_BWD, config.num_warps_bwd, config.num_stages_bwd)):
+            if block > self.max_block_v:
+                problems.append(f"{name}: BLOCK_V={block} > {self.max_block_v} (vocab={self.vocab})")
+            problems += self.threads_violations(name, warps, block, self.MAX_ELEMS_PER_THREAD)
+            problems += self.smem_violations(name, (stages - 1) * block * 4)
+        size = self.extra_bytes(config)
+        if config.CHUNK_ROWS > self.CHUNK_CHOICES[0] and size > self.MAX_EXTRA_BYTES:
+            problems.append(f"fwd: CHUNK_ROWS={config.CHUNK_ROWS} needs {size / 2**20:.0f} MiB of extra memory at "
+                            f"{self.dims} > {self.MAX_EXTRA_BYTES / 2**20:.0f} MiB")
+        return problems
+
+
+# ------------------------------------------------------------------------------------------------ chunk loop
+
+
+def _config(x: torch.Tensor, hidden: int, vocab: int, rows: int):
+    """(config, kernel module or None) for this call: the table's or the heuristic's; no module on the plain
+    CPU path."""
+    dims = {"hidden": hidden, "vocab": vocab}
+    if uses_triton(x):
+        module, config, _ = kernel_module(SelectiveLogSoftmaxSpace, x, dims, max(1, rows))
+        return config, module
+    space = SelectiveLogSoftmaxSpace(dims, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32)
+    return space.heuristic(), None
+
+
+class _Chunks:
+    """One call's chunk loop over the rows of x: the logits GEMM of each chunk and the kernels around it."""
+
+    def __init__(self, x, w, bias, target, options: LogProbOptions):
+        self.x, self.w, self.bias, self.target, self.options = x, w, bias, target, options
+        self.rows, self.hidden = x.shape
+        self.vocab = w.shape[0]
+        config, self.module = _config(x, self.hidden, self.vocab, self.rows)
+        low = x.dtype in _LOW_PRECISION
+        self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
+        self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype
+        chunk = config.CHUNK_ROWS
+        if not x.is_cuda:  # the CPU paths keep fp32 working copies: fewer rows within the same budget
+            chunk = max(SelectiveLogSoftmaxSpace.CHUNK_CHOICES[0],
+                        min(chunk, SelectiveLogSoftmaxSpace.MAX_EXTRA_BYTES // max(1, 12 * self.vocab)))
+        self.chunk = min(chunk, max(self.rows, 1))
+        self.kernel_args = (options.ignore_index, float(options.logit_scale), options.softcap,
+                            1.0 / options.temperature)
+
+    def logits(self, xc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if out.dtype == xc.dtype:
+            if self.bias is not None:
+                torch.addmm(self.bias, xc, self.w.t(), out=out)
+            else:
+                torch.mm(xc, self.w.t(), out=out)
+        else:
+            _mm_fp32_out(xc, self.w, out)
+            if self.bias is not None:
+                out.add_(self.bias)
+        return out
+
+    def forward(self, need: tuple[bool, bool, bool, bool]):
+        """(log_probs, entropy, log_sum_sq, mean, top1 as int8, lse) per row; unrequested ones are None."""
+        dev, rows = self.x.device, self.rows
+        f32 = dict(dtype=torch.float32, device=dev)
+        logp, lse = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        extra = [torch.empty(rows, **f32) if need[i] else None for i in range(3)]
+        top1 = torch.empty(rows, dtype=torch.int8, device=dev) if need[3] else None
+        if rows:
+            buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
+        for lo in range(0, rows, self.chunk):
+            hi = min(lo + self.chunk, rows)
+            z = self.logits(self.x[lo:hi], buf[:hi - lo])
+            parts = [None if t is None else t[lo:hi] for t in (*extra, top1)]
+            if self.module is not None:
+                self.module.forward(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi], *parts, *self.kernel_args)
+            else:
+                self._forward_torch(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi], parts)
+        return (logp, *extra, top1, lse)
+
+    def _forward_torch(self, logits, target, logp, lse, parts):
+        z = _transform(logits.float(), self.options)
+        lse.copy_(torch.logsumexp(z, dim=-1))
+        for out, value in zip((logp, *parts), _token_stats(z, target, self.options.ignore_index)):
+            if out is not None:
+                out.copy_(value)
+
+    def backward(self, g_logp, g_entropy, lse, entropy, need_dx: bool, need_dw: bool, need_db: bool):
+        """(dx, dW, db) of Σ g_logp·log_probs + Σ g_entropy·entropy; None where not needed."""
+        x, dev, rows, dtype = self.x, self.x.device, self.rows, self.x.dtype
+        dx = torch.empty((rows, self.hidden), dtype=dtype, device=dev) if need_dx else None
+        dw = None
+        if need_dw:  # x's dtype: the first chunk's GEMM writes it; fp32: summed from zero
+            dw = (torch.empty if self.dw_dtype == dtype and rows else torch.zeros)(
+                (self.vocab, self.hidden), dtype=self.dw_dtype, device=dev)
+        db = torch.zeros(self.vocab, dtype=torch.float32, device=dev) if need_db else None
+        if rows == 0:
+            return dx, dw, db
+        buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
+        separate = self.logits_dtype != dtype
+        entropy = lse if entropy is None else entropy  # read only with an entropy gradient
+        gbuf = torch.empty((self.chunk, self.vocab), dtype=dtype, device=dev) if separate else None
+        for lo in range(0, rows, self.chunk):
+            hi = min(lo + self.chunk, rows)
+            xc = x[lo:hi]
+            z = self.logits(xc, buf[:hi - lo])
+            grad = gbuf[:hi - lo] if separate else z
+            gl = None if g_logp is None else g_logp[lo:hi]
+            ge = None if g_entropy is None else g_entropy[lo:hi]
+            if self.module is not None:
+                self.module.backward(z, grad, self.target[lo:hi], lse[lo:hi], entropy[lo:hi], gl, ge,
+                                     *self.kernel_args)
+            else:
+                grad.copy_(self._grad_torch(z, self.target[lo:hi], gl, ge))
+            if need_dx:
+                torch.mm(grad, self.w, out=dx[lo:hi])
+            if need_dw:
+                if dw.dtype == dtype and lo == 0:
+                    torch.mm(grad.t(), xc, out=dw)
+                elif dw.dtype == dtype:
+                    dw.addmm_(grad.t(), xc)
+                else:
+                    _accumulate_dw(dw, grad.t(), xc)
+            if need_db:
+                db += grad.sum(dim=0, dtype=torch.float32)
+        return dx, dw, db
+
+    def _grad_torch(self, logits, target, g_logp, g_entropy):
+        with torch.enable_grad():
+            raw = logits.detach().float().requires_grad_()
+            lp, ent, *_ = _token_stats(_transform(raw, self.options), target, self.options.ignore_index)
+            total = 0.0
+            if g_logp is not None:
+                total = total + (lp * g_logp.float()).sum()
+            if g_entropy is not None:
+                total = total + (ent * g_entropy.float()).sum()
+            (grad,) = torch.autograd.grad(total, raw)
+        return grad
+
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class SelectiveLogSoftmaxProblem(Problem):
+    """The op at (rows, hidden, vocab) in ``dtype``: one training step (forward and backward) with a random
+    upstream gradient of the log-probabilities, 1 in 20 targets ignored."""
+
+    op = "selective_log_softmax"
+    SPACE = SelectiveLogSoftmaxSpace
+    OUTPUTS = ("log_probs",)
+    DEFAULT_ROWS = 8192
+    # x and W read by the forward's and the backward's logits GEMMs, dx and dW written, the targets read by both
+    # passes, log p and lse written (fp32), lse and the upstream gradient read; the logits stay in chunks
+    BYTES_FORMULA = "3·R·H·s + 3·V·H·s + 2·8·R + 16·R"
+    # four GEMMs of 2·R·H·V: logits in the forward and again in the backward, dx, dW
+    FLOPS_FORMULA = "8·R·H·V"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"hidden": model.hidden_size, "vocab": model.vocab_size}
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        r, h, v = dims["rows"], dims["hidden"], dims["vocab"]
+        g = torch.randn(r, generator=gen, device=gen.device, dtype=torch.float32).to(device)
+        return Inputs({"x": randn(gen, (r, h), dtype, device),
+                       "w": randn(gen, (v, h), dtype, device, 2.0 / math.sqrt(h)),
+                       "target": targets(gen, r, v, device)}, grad_of=("x", "w"), upstream={"log_probs": g})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        t = inputs.tensors
+        g = inputs.upstream["log_probs"]
+        rows = t["x"].shape[0]
+        g = torch.ones(rows, device=t["x"].device) if g is None else g.reshape(rows)
+        logp, _, dx, dw, _ = selective_log_softmax_float64(t["x"].reshape(rows, -1), t["w"], t["target"].reshape(-1),
+                                                           g_logp=g)
+        return {"log_probs": logp.view(t["target"].shape), "dx": dx.view(t["x"].shape), "dw": dw}
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        r, h, v = dims["rows"], dims["hidden"], dims["vocab"]
+        return {"fwd": 3 * r * h * s + 3 * v * h * s + r * (2 * TARGET_BYTES + 16)}
+
+    @classmethod
+    def step_flops(cls, dims) -> int:
+        return 8 * dims["rows"] * dims["hidden"] * dims["vocab"]
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
+        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {})
+        h, v = self.dims["hidden"], self.dims["vocab"]
+        self.g = inputs.upstream["log_probs"]
+        self.buffers = {**inputs.tensors,
+                        "log_probs": torch.empty(self.rows, dtype=torch.float32, device=self.device),
+                        "dx": torch.empty((self.rows, h), dtype=dtype, device=self.device),
+                        "dw": torch.empty((v, h), dtype=dtype, device=self.device)}
+        self.ref = self.reference(inputs)
+        eps = torch.finfo(dtype).eps
+        self.tol = {"log_probs": max(eps, 1e-6), "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
+        self.outputs = {"fwd": ("log_probs", "dx", "dw")}
+
+    def launcher(self, module, phase: str):
+        if phase != "fwd":
+            raise ValueError(f"phase must be 'fwd' (one training step), got {phase!r}")
+        b = self.buffers
+        plan = module.plan()
+
+        def launch():
+            run = _Chunks(b["x"], b["w"], None, b["target"], LogProbOptions())
+            run.module = module
+            _apply_plan(run, plan)
+            logp, _, _, _, _, lse = run.forward((False, False, False, False))
+            dx, dw, _ = run.backward(self.g, None, lse, None, True, True, False)
+            b["log_probs"].copy_(logp)
+            b["dx"].copy_(dx)
+            b["dw"].copy_(dw)
+
+        return launch
+
+    def flops(self, phase: str) -> int:
+        return self.step_flops(self.problem_dims)
+
+
+def _apply_plan(run: _Chunks, plan: dict) -> None:
+    """Give a chunk loop the chunk plan of a rendered variant (the tuner times variants other than the table's)."""
+    config = SelectiveLogSoftmaxConfig.from_dict(plan)
+    low = run.x.dtype in _LOW_PRECISION
+    run.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else run.x.dtype
+    run.dw_dtype = torch.float32 if (config.DW_FP32 or run.x.dtype != torch.bfloat16) else run.x.dtype
+    run.chunk = min(config.CHUNK_ROWS, max(run.rows, 1))
+
+
+MAX_TUNING_ROWS = 4096
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The model's LM head at (hidden_size, vocab_size); token counts capped at MAX_TUNING_ROWS."""
+    dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
+    return [SelectiveLogSoftmaxProblem(dtype, dims, r, device, seed=seed)
+            for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
+
+
+SPEC = OpSpec("selective_log_softmax", SelectiveLogSoftmaxSpace, SelectiveLogSoftmaxProblem, tuning_problems,
+              max_tuning_rows=MAX_TUNING_ROWS,
+              custom_ops=("liger_gen::selective_log_softmax_fwd", "liger_gen::selective_log_softmax_bwd"))
+SPECS = {SPEC.name: SPEC}
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+
+def _fwd_impl(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+              ignore_index: int, temperature: float, softcap: float | None, logit_scale: float,
+              need_entropy: bool, need_sq: bool, need_mean: bool,
+              need_top1: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor]:
+    """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, lse) of a 2-D x; unrequested outputs are
+    empty tensors (a custom op's outputs are tensors)."""
+    check_targets("selective_log_softmax", target, lm_head_weight.shape[0], ignore_index)
+    run = _Chunks(x, lm_head_weight, bias, target, LogProbOptions(ignore_index, temperature, softcap, logit_scale))
+    logp, entropy, sq, mean, top1, lse = run.forward((need_entropy, need_sq, need_mean, need_top1))
+    empty = lambda dtype=torch.float32: torch.empty(0, dtype=dtype, device=x.device)  # noqa: E731
+    return (logp, empty() if entropy is None else entropy, empty() if sq is None else sq,
+            empty() if mean is None else mean, empty(torch.bool) if top1 is None else top1.to(torch.bool), lse)
+
+
+def _bwd_impl(g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None, x: torch.Tensor,
+              lm_head_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
+              entropy: torch.Tensor, ignore_index: int, temperature: float, softcap: float | None,
+              logit_scale: float, need_dx: bool, need_dw: bool,
+              need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db) for per-row upstream gradients of the log-probabilities and the entropy (recomputes the
+    logits chunk by chunk); unrequested ones are empty tensors."""
+    run = _Chunks(x, lm_head_weight, bias, target, LogProbOptions(ignore_index, temperature, softcap, logit_scale))
+    dx, dw, db = run.backward(g_logp, g_entropy, lse, entropy, need_dx, need_dw, need_db)
+    empty = x.new_empty(0)
+    return (empty if dx is None else dx, empty.clone() if dw is None else dw.to(lm_head_weight.dtype),
+            empty.clone() if db is None else db.to(bias.dtype))
+
+
+def _fwd_fake(x, lm_head_weight, target, bias, ignore_index, temperature, softcap, logit_scale, need_entropy,
+              need_sq, need_mean, need_top1):
+    rows = x.shape[0]
+    f = dict(dtype=torch.float32)
+    return (x.new_empty(rows, **f), x.new_empty(rows if need_entropy else 0, **f),
+            x.new_empty(rows if need_sq else 0, **f), x.new_empty(rows if need_mean else 0, **f),
+            x.new_empty(rows if need_top1 else 0, dtype=torch.bool), x.new_empty(rows, **f))
+
+
+def _bwd_fake(g_logp, g_entropy, x, lm_head_weight, target, bias, lse, entropy, ignore_index, temperature, softcap,
+              logit_scale, need_dx, need_dw, need_db):
+    return (x.new_empty(x.shape if need_dx else (0,)),
+            lm_head_weight.new_empty(lm_head_weight.shape if need_dw else (0,)),
+            x.new_empty((0,)) if bias is None or not need_db else bias.new_empty(bias.shape))
+
+
+selective_log_softmax_fwd = Kernel("selective_log_softmax_fwd", _fwd_impl, _fwd_fake)
+selective_log_softmax_bwd = Kernel("selective_log_softmax_bwd", _bwd_impl, _bwd_fake)
+
+
+def _save(ctx, inputs, output):
+    x, w, target, bias, ignore_index, temperature, softcap, logit_scale, need_entropy, *_ = inputs
+    ctx.mark_non_differentiable(*output[2:])
+    saved(ctx, x, w, target, bias, output[5], output[1] if need_entropy else None)
+    ctx.options = (ignore_index, temperature, softcap, logit_scale)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, g_logp, g_entropy, *_unused):
+    x, w, target, bias, lse, entropy = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = ctx.has_bias and ctx.needs_input_grad[3]
+    if (g_logp is None and g_entropy is None) or not (need_dx or need_dw or need_db):
+        return (None,) * 12
+    if g_entropy is not None and entropy is None:  # cannot happen: entropy is an output only when computed
+        raise RuntimeError("liger_gen selective_log_softmax: an entropy gradient without a computed entropy")
+    g_logp = None if g_logp is None else g_logp.float().contiguous()
+    g_entropy = None if g_entropy is None else g_entropy.float().contiguous()
+    dx, dw, db = selective_log_softmax_bwd.run(ctx, g_logp, g_entropy, x, w, target, bias, lse,
+                                               lse if entropy is None else entropy, *ctx.options,
+                                               need_dx, need_dw, need_db)
+    return (dx if need_dx else None, dw if need_dw else None, None, db if need_db else None) + (None,) * 8
+
+
+_selective_log_softmax_2d = Differentiable(
+    selective_log_softmax_fwd, _save, _backward,
+    reference="liger_gen.ops.selective_log_softmax.selective_log_softmax_torch", outputs=5)
+
+
+def token_log_probs_2d(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+                       bias: torch.Tensor | None, options: LogProbOptions, outputs=("log_probs",)):
+    """The validated 2-D op: a tuple (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1) with None for
+    the names not in ``outputs`` (log_probs always); log_probs and entropy differentiable in x, W and bias."""
+    out = _selective_log_softmax_2d(x, lm_head_weight, target, bias, *options, "entropy" in outputs,
+                                    "log_sum_sq_probs" in outputs, "mean_logits" in outputs, "is_top1" in outputs)
+    return tuple(t if (name == "log_probs" or name in outputs) else None for name, t in zip(OUTPUT_NAMES, out))
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def check_inputs(op: str, x, lm_head_weight, target, bias, ignore_index, temperature, softcap,
+                 logit_scale) -> LogProbOptions:
+    """Validate every argument (TypeError / ValueError naming the tensor, its shape and dtype); the options."""
+    for name, t in (("x", x), ("lm_head_weight", lm_head_weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{op}: bias must be a tensor or None, got {type(bias).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    temperature = check_float_arg(op, "temperature", temperature)
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature}")
+    logit_scale = check_float_arg(op, "logit_scale", logit_scale)
+    if not math.isfinite(logit_scale):
+        raise ValueError(f"{op}: logit_scale must be finite, got {logit_scale}")
+    if softcap is not None:
+        softcap = check_float_arg(op, "softcap", softcap)
+        if not softcap > 0 or not math.isfinite(softcap):
+            raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{op}: x must be (..., hidden) with hidden >= 1; got {describe('x', x)}")
+    hidden = x.shape[-1]
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden or lm_head_weight.shape[0] < 1:
+        raise ValueError(f"{op}: lm_head_weight must be (vocab, {hidden}) for x's hidden size; got "
+                         f"{describe('lm_head_weight', lm_head_weight)} and {describe('x', x)}")
+    if target.shape != x.shape[:-1]:
+        raise ValueError(f"{op}: target must have x's leading shape {tuple(x.shape[:-1])}; got "
+                         f"{describe('target', target)} and {describe('x', x)}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"{op}: target must be int64 or int32 token ids; got {describe('target', target)}")
+    vocab = lm_head_weight.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != vocab):
+        raise ValueError(f"{op}: bias must be ({vocab},); got {describe('bias', bias)}")
+    check_same_device(op, x=x, lm_head_weight=lm_head_weight, target=target, bias=bias)
+    for name, t in (("x", x), ("lm_head_weight", lm_head_weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    for name, t in (("lm_head_weight", lm_head_weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} must have x's dtype; got {describe(name, t)} and {describe('x', x)}")
+    if x.dtype == torch.float64 and uses_triton(x):
+        check_kernel_dtypes(op, x=x)
+    return LogProbOptions(ignore_index, temperature, softcap, logit_scale)
+
+
+def selective_log_softmax(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,
+                          bias: torch.Tensor | None = None, temperature: float = 1.0, ignore_index: int = -100,
+                          softcap: float | None = None, logit_scale: float = 1.0,
+                          return_entropy: bool = False):
+    """Log-probability of each chosen token under the LM head, from hidden states, without the full logits.
+
+    With logits ``u = logit_scale·(x @ lm_head_weight.T + bias)``, soft-capped to ``c = softcap·tanh(u/softcap)``
+    if ``softcap`` is given (Gemma 2), and ``z = c / temperature``: ``log p_t = z_t[target_t] −
+    logsumexp(z_t)``, i.e. ``torch.log_softmax(z, -1).gather(-1, target[..., None])[..., 0]`` (TRL's
+    ``selective_log_softmax``; the per-token log-probabilities of DPO, Rafailov et al. 2023, and of GRPO's
+    policy ratio, Shao et al. 2024), and optionally the entropy ``H_t = logsumexp(z_t) − Σ_v softmax(z_t)_v
+    z_t,v``. Tokens whose target is ``ignore_index`` get 0 (and no gradient).
+
+    The rows are processed in chunks: each chunk's logits come from one GEMM with fp32 accumulation (stored in
+    x's dtype like transformers' ``lm_head`` output, or in fp32, as the tuned plan says), one Triton launch
+    reduces them to the per-token values; the backward recomputes each chunk's logits, turns them into their
+    gradient in place and computes dx and dW with two more GEMMs. Gradients are exact. Extra memory is bounded
+    by ``SelectiveLogSoftmaxSpace.MAX_EXTRA_BYTES`` (256 MiB) whatever the number of tokens.
+
+    Args:
+        x: (..., hidden) float32, bfloat16 or float16 hidden states (e.g. the last decoder layer's output,
+            shifted so that row t predicts target t); any strides.
+        lm_head_weight: (vocab, hidden), x's dtype, on x's device.
+        target: x's leading shape, int64 or int32 token ids in [0, vocab) or ``ignore_index``.
+        bias: optional (vocab,), x's dtype.
+        temperature: > 0; the logits are divided by it (sampling temperature of RL rollouts).
+        ignore_index: target value of tokens to skip (prompt and padding).
+        softcap: None, or > 0 for Gemma-2 style tanh soft-capping (applied before the temperature).
+        logit_scale: multiplies the logits first (models with ``logit_scale`` or ``logits_scaling``).
+        return_entropy: also return the entropy of each token's distribution.
+
+    Returns:
+        log_probs, float32 of x's leading shape (float64 for float64 inputs on the plain CPU path); with
+        ``return_entropy``, the tuple (log_probs, entropy). Both are differentiable in x, lm_head_weight and bias
+        (double backward is not supported).
+
+    CUDA tensors run the tuned chunk plan and Triton kernels for the current GPU; CPU tensors run the same
+    chunk loop in plain PyTorch, or with the Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1``.
+    float64 runs the unfused reference on the plain CPU path only.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor, x / lm_head_weight / bias are not floating or differ in
+            dtype, float64 on the kernel path, target is not int64/int32, a scalar option has the wrong type.
+        ValueError: lm_head_weight is not (vocab, hidden), target's shape is not x's leading shape, bias is not
+            (vocab,), tensors on different devices, temperature <= 0, softcap <= 0, a non-finite logit_scale, or
+            (CPU) a target outside [0, vocab) that is not ignore_index; on CUDA such a target stops the program
+            with a device-side assertion at the next synchronisation, as PyTorch's cross-entropy does.
+    """
+    op = "selective_log_softmax"
+    options = check_inputs(op, x, lm_head_weight, target, bias, ignore_index, temperature, softcap, logit_scale)
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"{op}: return_entropy must be a bool, got {type(return_entropy).__name__}")
+    if x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused reference
+        check_targets(op, target.reshape(-1), lm_head_weight.shape[0], ignore_index)
+        logp, entropy = selective_log_softmax_torch(x, lm_head_weight, target, bias, options.temperature,
+                                                    ignore_index, options.softcap, options.logit_scale)
+        return (logp, entropy) if return_entropy else logp
+    hidden = x.shape[-1]
+    x2d = x.reshape(-1, hidden)
+    if x2d.stride(0) != 1 and x2d.stride(1) != 1:  # GEMMs take row- or column-major operands without a copy
+        x2d = x2d.contiguous()
+    outputs = ("log_probs", "entropy") if return_entropy else ("log_probs",)
+    logp, entropy, *_ = token_log_probs_2d(x2d, lm_head_weight, target.reshape(-1).contiguous(), bias, options,
+                                           outputs)
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape)) if return_entropy else logp
