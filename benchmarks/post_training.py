@@ -181,7 +181,6 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "args": vars(args)}
     try:
-        import liger_kernel  # noqa: F401
         from importlib.metadata import version
 
         meta["liger-kernel"] = version("liger-kernel")

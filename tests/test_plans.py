@@ -181,3 +181,26 @@ def test_rope_with_trainable_tables_or_one_unused_output_keeps_exact_gradients(d
         q2 = q.detach().requires_grad_()
         dq2, = torch.autograd.grad(R.rope_4d(q2, k, cos, sin, None)[0].sum(), (q2,))
         assert torch.equal(dq, dq2)
+
+
+def test_forward_mode_ad_never_takes_a_plan(device):
+    """A plan's direct launches would drop the tangent of a dual tensor: under a dual level the op takes its
+    full path (which refuses forward AD on the kernel path, as the autograd Function has no jvp)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = _randn(4, 32, key=("x",), device=device)
+    w = _randn(32, key=("w",), device=device)
+    F.rms_norm(x, w)
+    F.rms_norm(x, w)  # a plan exists
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="jvp"):
+            F.rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w)
+
+
+def test_a_nan_eps_does_not_fill_the_plan_cache(device):
+    ops.clear_caches()
+    x = _randn(3, 16, key=("x",), device=device)
+    w = _randn(16, key=("w",), device=device)
+    for _ in range(3):
+        assert torch.isnan(F.rms_norm(x, w, eps=float("nan"))).all()
+    assert len(N._PLANS) == 0

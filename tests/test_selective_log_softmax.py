@@ -124,13 +124,14 @@ def _bad(**changes):
 
 
 @pytest.mark.parametrize("changes, error, match", [
-    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0, got 0.0"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 1e-30, got 0.0"),
+    (dict(temperature=1e-40), ValueError, "temperature must be a finite number > 1e-30"),
     (dict(temperature=-1.0), ValueError, "temperature must be"),
     (dict(temperature="hot"), TypeError, "temperature must be a real number"),
     (dict(softcap=0.0), ValueError, "softcap must be None or a finite number > 0"),
     (dict(logit_scale=float("inf")), ValueError, "logit_scale must be finite"),
     (dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
-    (dict(return_entropy=1), TypeError, "return_entropy must be a bool"),
+    (dict(return_entropy=1), TypeError, "return_entropy must be a Python bool, got builtins.int 1"),
 ], ids=lambda v: str(v)[:30])
 def test_bad_options_are_refused(changes, error, match):
     args = _bad()
@@ -157,3 +158,82 @@ def test_bad_tensors_are_refused_with_their_shapes_and_dtypes():
     bad[0] = 20
     with pytest.raises(ValueError, match=r"outside \[0, 20\)"):
         F.selective_log_softmax(x, w, bad)
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_compiled_forward_and_backward_equal_eager_with_entropy_and_softcap(interpret, monkeypatch):
+    """The backward runs inside the custom op, below autograd (also where torch.compile traced it): its gradient
+    is the closed form on both CPU paths, not autograd."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    x, w, _, t = _inputs(6, 8, 40, torch.float32, ("compile",))
+    x.requires_grad_()
+
+    def f(a):
+        return F.selective_log_softmax(a, w, t, softcap=2.0, temperature=0.9, return_entropy=True)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = compiled(x)
+    (g_got,) = torch.autograd.grad(got[0].sum() + got[1].sum(), x)
+    want = f(x)
+    (g_want,) = torch.autograd.grad(want[0].sum() + want[1].sum(), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_got, g_want)
+    ones = torch.ones(6)
+    ref = S.selective_log_softmax_float64(x, w, t, None, S.LogProbOptions(-100, 0.9, 2.0, 1.0), ones, ones)
+    assert rel_l2(g_got, ref[2]) < 1e-5
+    torch._dynamo.reset()
+
+
+def test_compiles_with_dynamic_shapes():
+    x, w, _, t = _inputs(5, 8, 30, torch.float32, ("dynamic",))
+    compiled = torch.compile(lambda a, b: F.selective_log_softmax(a, w, b, temperature=0.5), fullgraph=True,
+                             dynamic=True)
+    for rows in (3, 5):
+        torch.testing.assert_close(compiled(x[:rows], t[:rows]), F.selective_log_softmax(x[:rows], w, t[:rows],
+                                                                                          temperature=0.5))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_masked_vocabulary_entries_add_nothing(interpret, monkeypatch):
+    """-inf logits (tokens masked out through the bias), also filling a whole first vocabulary tile: finite
+    log-probabilities and entropy, equal to the float64 ones over the unmasked tokens."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    vocab = 5000
+    x, w, _, t = _inputs(4, 8, vocab, torch.float32, ("masked",), ignored=())
+    t = 4200 + t % 800
+    b = torch.zeros(vocab)
+    b[:4200] = float("-inf")
+    x.requires_grad_()
+    logp, ent = F.selective_log_softmax(x, w, t, b, return_entropy=True)
+    (dx,) = torch.autograd.grad((logp + ent).sum(), x)
+    z = x.detach().double() @ w[4200:].double().t()
+    z.requires_grad_()
+    lp_all = z.log_softmax(-1)
+    want_lp = lp_all.gather(-1, (t - 4200)[:, None])[:, 0]
+    want_ent = -(lp_all.exp() * lp_all).sum(-1)
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all() and torch.isfinite(dx).all()
+    assert rel_l2(logp, want_lp.detach()) < 1e-5 and rel_l2(ent, want_ent.detach()) < 1e-5
+
+
+def test_a_deepspeed_partition_or_an_empty_head_is_refused():
+    x, w, _, t = _inputs(4, 8, 20, torch.float32, ("zero3",))
+    part = torch.nn.Parameter(w[:5].clone())
+    part.ds_shape = w.shape
+    with pytest.raises(ValueError, match=r"lm_head_weight is a DeepSpeed ZeRO-3 partition .* of a parameter of "
+                                         r"shape \(20, 8\)"):
+        F.selective_log_softmax(x, part, t)
+    with pytest.raises(ValueError, match="lm_head_weight is empty"):
+        F.selective_log_softmax(x, w[:0], t)
+
+
+def test_integer_like_options():
+    import numpy as np
+
+    x, w, _, t = _inputs(4, 8, 20, torch.float32, ("np",))
+    want = F.selective_log_softmax(x, w, t, ignore_index=-100)
+    torch.testing.assert_close(F.selective_log_softmax(x, w, t, ignore_index=np.int64(-100)), want)
+    with pytest.raises(TypeError, match="return_entropy must be a Python bool, got numpy"):
+        F.selective_log_softmax(x, w, t, return_entropy=np.True_)
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        F.selective_log_softmax(x, w, t, ignore_index=2**70)

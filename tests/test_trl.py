@@ -111,12 +111,15 @@ def _preference_data(corpus):
                                        "rejected": [texts[(i + 5) % len(texts)][40:80] for i in range(len(texts))]})
 
 
-def _dpo_history(corpus, out_dir, loss_type):
+def _dpo_history(corpus, out_dir, loss_type, patched=False):
     tokenizer, _ = corpus
     args = trl.DPOConfig(output_dir=str(out_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
                          logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, max_length=64,
                          dataloader_num_workers=0, disable_tqdm=True, loss_type=loss_type, bf16=False)
-    trainer = trl.DPOTrainer(model=_model(len(tokenizer)), ref_model=_model(len(tokenizer)), args=args,
+    model = _model(len(tokenizer))
+    if patched:  # before the trainer, which wraps the forward apply_to sets
+        liger_gen.apply_to(model)
+    trainer = trl.DPOTrainer(model=model, ref_model=_model(len(tokenizer)), args=args,
                              train_dataset=_preference_data(corpus), processing_class=tokenizer)
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
@@ -133,14 +136,15 @@ def _assert_same_history(ours, theirs, rtol):
                 assert abs(a[key] - b[key]) <= rtol * max(1.0, abs(b[key])), (key, a[key], b[key])
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_trainer_on_liger_gen_log_probs_trains_as_on_trls(corpus, tmp_path, liger_gen_log_probs, loss_type):
+@pytest.mark.parametrize("loss_type, patched", [("sigmoid", False), ("ipo", True)])
+def test_dpo_trainer_on_liger_gen_log_probs_trains_as_on_trls(corpus, tmp_path, liger_gen_log_probs, loss_type,
+                                                              patched):
     """TRL's DPOTrainer (its losses, its reference model) with the log-probabilities, entropy and logged
-    statistics of the fused LM head from liger-gen's kernels: the same losses, gradient norms, log-probabilities
-    and rewards as with TRL's own chunked function, in fp32."""
+    statistics of the fused LM head from liger-gen's kernels (and, patched, the model's norms, RoPE and MLP by
+    apply_to): the same losses, gradient norms, log-probabilities and rewards as plain TRL, in fp32."""
     theirs = _dpo_history(corpus, tmp_path / "trl", loss_type)
     calls = liger_gen_log_probs()
-    ours = _dpo_history(corpus, tmp_path / "lg", loss_type)
+    ours = _dpo_history(corpus, tmp_path / "lg", loss_type, patched)
     assert calls and (torch.cuda.is_available() or all(calls))  # the kernels ran (interpreter on a CPU machine)
     _assert_same_history(ours, theirs, 2e-5)
     assert ours[0]["logps/chosen"] < 0
@@ -188,3 +192,31 @@ def test_the_patch_is_undone_and_idempotent():
     assert utils._ChunkedLogProbFunction is LigerGenLogProbFunction
     restore_trl_log_probs()
     assert utils._ChunkedLogProbFunction is own
+
+
+def test_calls_the_kernels_do_not_cover_go_to_trls_function(monkeypatch):
+    """A head of another dtype than the hidden states (outside autocast) and a ZeRO-3 partitioned head go to
+    TRL's own function; the others to liger-gen's."""
+    import liger_gen.integrations.trl as bridge
+
+    seen = []
+
+    class Original:
+        @staticmethod
+        def apply(*args):
+            seen.append("trl")
+            return (torch.zeros(args[0].shape[0]),) + (None,) * 4
+
+    monkeypatch.setattr(bridge, "_original", Original)
+    hidden, weight = torch.randn(3, 8), torch.randn(10, 8)
+    targets = torch.tensor([1, 2, 3])
+    bridge.LigerGenLogProbFunction.apply(hidden, weight.double(), None, targets, 1.0, 4096)
+    zero3 = torch.nn.Parameter(weight.clone())
+    zero3.ds_shape = weight.shape
+    bridge.LigerGenLogProbFunction.apply(hidden, zero3, None, targets, 1.0, 4096)
+    assert seen == ["trl", "trl"]
+    out = bridge.LigerGenLogProbFunction.apply(hidden, weight, None, targets, 2.0, 4096, None, 1.0,
+                                               ("log_probs", "entropy"))
+    want = ((hidden @ weight.t()) / 2.0).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(out[0], want) and out[2:] == (None, None, None)
+    assert seen == ["trl", "trl"] and out[1] is not None

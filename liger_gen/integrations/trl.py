@@ -16,8 +16,8 @@ Usage, before the trainer is built or at any time before training::
 
 Under autocast the hidden states and the LM head are cast to the autocast dtype first, as autocast casts
 them for the LM head's GEMM (the casts are differentiable: fp32 master weights get fp32 gradients). A hidden
-state whose dtype differs from the LM head's outside autocast (``cast_lm_head_to_fp32`` with a bf16 head) goes
-to TRL's own function.
+state whose dtype differs from the LM head's outside autocast (``cast_lm_head_to_fp32`` with a bf16 head) and
+a DeepSpeed ZeRO-3 head (TRL's function gathers it again in its backward) go to TRL's own function.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class LigerGenLogProbFunction:
                 return LigerGenLogProbFunction.apply(
                     hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), targets,
                     temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
-        if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype) \
+                or hasattr(weight, "ds_shape"):  # ZeRO-3: TRL's function gathers the head again in its backward
             return _original.apply(hidden, weight, bias, targets, temperature, chunk_size,
                                    final_logit_softcapping, logit_scale, outputs)
         unknown = set(outputs) - set(OUTPUT_NAMES)

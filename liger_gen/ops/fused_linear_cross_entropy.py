@@ -782,6 +782,25 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, optio
 # ------------------------------------------------------------------------------------------------ public op
 
 
+def check_lm_head(op: str, lm_head_weight: torch.Tensor, bias: torch.Tensor | None, hidden: int) -> None:
+    """ValueError for an LM head the chunked ops cannot use whole: a DeepSpeed ZeRO-3 partition (``ds_shape``
+    differs from the shape) or an empty weight (a shard read outside its module's forward)."""
+    for name, t in (("lm_head_weight", lm_head_weight), ("bias", bias)):
+        full = getattr(t, "ds_shape", None)  # DeepSpeed ZeRO-3 marks its partitioned parameters
+        if full is not None and tuple(t.shape) != tuple(full):
+            raise ValueError(f"{op}: {name} is a DeepSpeed ZeRO-3 partition ({describe(name, t)}) of a parameter of "
+                             f"shape {tuple(full)}; the loss needs the whole weight, which DeepSpeed gathers when "
+                             f"it is read inside the forward of a module it manages: compute the loss there (the "
+                             f"forward liger_gen.apply_to patches does), or register the weight with "
+                             f"deepspeed.zero.register_external_parameter(module, weight) for the module whose "
+                             f"forward computes it")
+    if lm_head_weight.numel() == 0:
+        raise ValueError(f"{op}: lm_head_weight is empty ({describe('lm_head_weight', lm_head_weight)}): an empty "
+                         f"shard, as a sharded model's parameter read outside its module's forward; pass the whole "
+                         f"(vocab, {hidden}) weight (a DTensor's full_tensor(); under DeepSpeed ZeRO-3, read it "
+                         f"inside the forward of a module DeepSpeed manages)")
+
+
 def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,
                   lse_square_scale, softcap, return_z_loss):
     """Validate every argument; returns the loss options (``CrossEntropyOptions.checked``)."""
@@ -799,20 +818,7 @@ def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, red
     hidden = x.shape[-1]
     if hidden < 1:
         raise ValueError(f"{op}: x must have a hidden size >= 1 in its last dim; got {describe('x', x)}")
-    for name, t in (("lm_head_weight", lm_head_weight), ("bias", bias)):
-        full = getattr(t, "ds_shape", None)  # DeepSpeed ZeRO-3 marks its partitioned parameters
-        if full is not None and tuple(t.shape) != tuple(full):
-            raise ValueError(f"{op}: {name} is a DeepSpeed ZeRO-3 partition ({describe(name, t)}) of a parameter of "
-                             f"shape {tuple(full)}; the loss needs the whole weight, which DeepSpeed gathers when "
-                             f"it is read inside the forward of a module it manages: compute the loss there (the "
-                             f"forward liger_gen.apply_to patches does), or register the weight with "
-                             f"deepspeed.zero.register_external_parameter(module, weight) for the module whose "
-                             f"forward computes it")
-    if lm_head_weight.numel() == 0:
-        raise ValueError(f"{op}: lm_head_weight is empty ({describe('lm_head_weight', lm_head_weight)}): an empty "
-                         f"shard, as a sharded model's parameter read outside its module's forward; pass the whole "
-                         f"(vocab, {hidden}) weight (a DTensor's full_tensor(); under DeepSpeed ZeRO-3, read it "
-                         f"inside the forward of a module DeepSpeed manages)")
+    check_lm_head(op, lm_head_weight, bias, hidden)
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden:
         raise ValueError(f"{op}: lm_head_weight must have shape (vocab, {hidden}) to match x's last dim; got "
                          f"{describe('lm_head_weight', lm_head_weight)} and {describe('x', x)}")

@@ -455,7 +455,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
             limit (65536), casting_mode is unknown, or a nonzero offset without a weight.
     """
     if type(eps) in plans.NUMBERS and type(offset) in plans.NUMBERS and type(casting_mode) is str \
-            and plans.eager(x, weight):  # a call shape validated before skips the checks
+            and eps == eps and plans.eager(x, weight):  # a call shape validated before skips the checks
         key = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device,
                eps, offset, casting_mode, heuristic_only_enabled(), interpreter_enabled())
         plan = _PLANS.get(key)

@@ -10,7 +10,7 @@ the key go straight to it. A plan's ``Launches`` record the lean launches its la
 replay does not apply the launch function runs as usual.
 
 Plans are used only in eager mode on plain tensors: not while torch.compile or torch.jit.trace record (those
-see the custom ops), not under functorch transforms, not for tensor subclasses (DTensor and others take the
+see the custom ops), not under functorch transforms or forward-mode AD, not for tensor subclasses (DTensor and others take the
 op's full path, which refuses or handles them).
 """
 
@@ -20,6 +20,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
 from liger_gen.codegen import launch
 from liger_gen.runtime.ops import CACHE_CLEARERS, use_custom_op
@@ -64,11 +65,12 @@ CACHE_CLEARERS.append(clear)
 
 def eager(*tensors: Any) -> bool:
     """Whether a call with these arguments may use a plan: eager mode (no torch.compile or torch.jit.trace
-    recording, no functorch transform) and every argument a plain ``torch.Tensor`` or ``nn.Parameter``."""
+    recording, no functorch transform, no forward-mode AD level, whose dual tensors a plan's direct launches
+    would not see) and every argument a plain ``torch.Tensor`` or ``nn.Parameter``."""
     for t in tensors:
         if type(t) not in _PLAIN:
             return False
-    return not use_custom_op() and not torch._C._are_functorch_transforms_active()
+    return not use_custom_op() and not torch._C._are_functorch_transforms_active() and forward_ad._current_level < 0
 
 
 class Launches:
