@@ -553,6 +553,46 @@ def bench_step(first_step, repeats, **options) -> None:
         sys.exit(1)
 
 
+@main.command("bench-losses")
+@click.option("--losses", default="dpo,orpo,cpo,simpo,kto,grpo,jsd", show_default=True,
+              help="Comma-separated: dpo, orpo, cpo, simpo, kto, grpo, jsd.")
+@click.option("--providers", default="torch-eager,torch-compile,liger-gen,liger-gen-logps,liger-kernel",
+              show_default=True, help="Comma-separated (torch-eager always runs: it is the reference).")
+@click.option("--hidden", default=4096, show_default=True, type=click.IntRange(1), help="Hidden size of the head.")
+@click.option("--vocab", default=128256, show_default=True, type=click.IntRange(2), help="Vocabulary size.")
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(1),
+              help="Sequences per side (DPO-family: chosen and as many rejected).")
+@click.option("--seq", default=1024, show_default=True, type=click.IntRange(8), help="Tokens per sequence.")
+@click.option("--iters", default=10, show_default=True, type=click.IntRange(1), help="Timed calls (median).")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(0), help="Untimed calls first.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu: a functional run in fp32 (host time, no memory figures).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for bench_losses.json (default: the current folder).")
+def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, device, out_dir) -> None:
+    """Post-training losses from hidden states (DPO, ORPO, CPO, SimPO, KTO, GRPO, JSD distillation) at an LM head:
+    liger-gen vs Liger-Kernel's chunked losses vs the PyTorch formula, eager and compiled. Forward + backward
+    time, peak extra memory, the loss and gradients against torch eager. bf16 on CUDA."""
+    import torch
+
+    from liger_gen.bench.losses import format_table, run_losses
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("no CUDA GPU is visible; `liger-gen bench-losses --device cpu --hidden 64 --vocab "
+                                   "512 --batch 2 --seq 32 --providers torch-eager,liger-gen` is a functional run "
+                                   "on the CPU")
+    folder = out_dir or Path(".")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_losses([k.strip() for k in losses.split(",") if k.strip()],
+                            [p.strip() for p in providers.split(",") if p.strip()], hidden, vocab, batch, seq,
+                            iters, warmup, device, folder / "bench_losses.json")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    click.echo(f"wrote {folder / 'bench_losses.json'}", err=True)
+    click.echo(format_table(result))
+
+
 def _bench_plot(report, data: dict, path: Path) -> Path | None:
     """The PNG, or None with a message when there is nothing to draw (a warning covers a missing matplotlib)."""
     try:

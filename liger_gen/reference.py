@@ -12,6 +12,7 @@ from liger_gen.ops.fused_linear_cross_entropy import (fused_linear_cross_entropy
                                                       fused_linear_cross_entropy_torch)
 from liger_gen.ops.glu import geglu_float64, geglu_torch
 from liger_gen.ops.jsd import jsd_float64, jsd_torch
+from liger_gen.ops.fused_linear_jsd import fused_linear_jsd_float64, fused_linear_jsd_torch
 from liger_gen.ops.kl_div import kl_div_float64, kl_div_torch
 from liger_gen.ops.layer_norm import layer_norm_float64, layer_norm_torch
 from liger_gen.ops.moe import moe_experts_torch, moe_permute_torch, moe_unpermute_torch
@@ -24,7 +25,7 @@ __all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_to
            "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64",
            "fused_add_rms_norm_torch",
            "fused_linear_cross_entropy_float64", "fused_linear_cross_entropy_float64_chunked",
-           "fused_linear_cross_entropy_torch", "geglu_float64", "geglu_torch",
+           "fused_linear_cross_entropy_torch", "fused_linear_jsd_float64", "fused_linear_jsd_torch", "geglu_float64", "geglu_torch",
            "glu_float64", "glu_gate_up_torch", "glu_torch", "jsd_float64", "jsd_torch",
            "kl_div_float64", "kl_div_torch", "layer_norm_float64", "layer_norm_torch",
            "moe_experts_torch", "moe_permute_torch", "moe_unpermute_torch",

@@ -74,6 +74,9 @@ def _expected_bytes(op, t, up, rows):
         return 2 * _nb(t["x"]) + 2 * _nb(t["w"]) + _nb(t["target"])
     if op == "selective_log_softmax":  # logits GEMMs in both passes; log p, lse written; lse, d log p read
         return 3 * _nb(t["x"]) + 3 * _nb(t["w"]) + 2 * _nb(t["target"]) + 4 * f32_row
+    if op == "fused_linear_jsd":  # both inputs and heads read once, dx and dW written, the targets read
+        return (_nb(t["student_x"]) + _nb(t["teacher_x"]) + _nb(t["student_x"]) + _nb(t["student_w"])
+                + _nb(t["teacher_w"]) + _nb(t["student_w"]) + _nb(t["target"]))
     if op == "kl_div":
         return _nb(t["input"]) + _nb(t["target"]) + _nb(t["input"])
     if op == "jsd":

@@ -3,8 +3,6 @@ plain one does."""
 
 from __future__ import annotations
 
-from importlib import resources
-
 import pytest
 import torch
 
@@ -24,21 +22,6 @@ def _plain_cpu_path_and_restore_rope(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     yield
     integration.restore_rope()
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    """A byte-level BPE tokenizer trained locally on the packaged Shakespeare text, and 48 passages of it."""
-    text = (resources.files("liger_gen") / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:200_000]
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([text], trainer=trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
-    passages = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 80][:48]
-    return tokenizer, datasets.Dataset.from_dict({"text": passages})
 
 
 def _model(vocab: int):

@@ -34,9 +34,9 @@ from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
-                                 geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch, moe_permute_torch,
-                                 moe_unpermute_torch, rms_norm_torch, rope_torch, selective_log_softmax_torch,
-                                 swiglu_torch)
+                                 fused_linear_jsd_torch, geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch,
+                                 moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
+                                 selective_log_softmax_torch, swiglu_torch)
 
 # A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
 TINY = PRESETS["tiny"]
@@ -277,6 +277,31 @@ def _trl_slsm():
     return run
 
 
+def _fljsd_eager(t, o):
+    return (fused_linear_jsd_torch(t["student_x"], t["student_w"], t["teacher_x"], t["teacher_w"], t["target"],
+                                   o.get("beta", 0.5)),)
+
+
+def _fljsd_lg(t, o):
+    return (lg.fused_linear_jsd(t["student_x"], t["student_w"], t["teacher_x"], t["teacher_w"], t["target"],
+                                beta=o.get("beta", 0.5)),)
+
+
+def _lk_fljsd():
+    from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
+
+    # (student_input, student_weight, teacher_input, teacher_weight, shift_labels, jsd_beta, ignore_index,
+    #  temperature): 2-D inputs, as its module wrapper passes them
+    def run(t, o):
+        h = t["student_x"].shape[-1]
+        return (LigerFusedLinearJSDFunction.apply(t["student_x"].reshape(-1, h), t["student_w"],
+                                                  t["teacher_x"].reshape(-1, t["teacher_x"].shape[-1]),
+                                                  t["teacher_w"], t["target"].reshape(-1), o.get("beta", 0.5),
+                                                  IGNORE_INDEX, 1.0),)
+
+    return run
+
+
 def _kl_eager(t, o):
     return (kl_div_torch(t["input"], t["target"], "batchmean"),)
 
@@ -351,6 +376,11 @@ CASES: dict[str, Case] = {c.op: c for c in (
          peers={"trl": (_trl_slsm, "trl.kernels.ChunkedLogProbFunction (4096-column vocab tiles) on the "
                                    "non-ignored tokens, zeros elsewhere, as TRL's fused LM head returns them; "
                                    "boolean-mask compaction syncs the host")}),
+    Case("fused_linear_jsd", _fljsd_eager,
+         "both LM heads in the activations' dtype, fp32 log_softmax of each, the JSD of the full logits (teacher "
+         "detached), beta 0.5, with labels", _fljsd_lg, _lk_fljsd,
+         "LigerFusedLinearJSDFunction(jsd_beta=0.5): fp32 logits from the GEMMs, log_softmax and softmax in "
+         "PyTorch, its JSD kernel per chunk; one host sync per forward"),
     Case("jsd", _jsd_eager, "jsd_torch (fp32 math), beta 0.5, with labels", _jsd_lg, _lk_jsd,
          "LigerJSDFunction(beta=0.5, shift_labels=label): d student computed in the forward next to an fp32 "
          "(rows, vocab) loss buffer"),

@@ -33,6 +33,7 @@ OP_MODULES: dict[str, str] = {
     "kl_div": "liger_gen.ops.kl_div",
     "jsd": "liger_gen.ops.jsd",
     "selective_log_softmax": "liger_gen.ops.selective_log_softmax",
+    "fused_linear_jsd": "liger_gen.ops.fused_linear_jsd",
 }
 
 

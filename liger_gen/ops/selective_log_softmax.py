@@ -21,6 +21,7 @@ extra-memory budget as the fused linear cross-entropy (256 MiB).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -168,6 +169,7 @@ class SelectiveLogSoftmaxSpace(Space):
     CHUNK_CHOICES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
     MAX_EXTRA_BYTES = 256 * 2**20
     MAX_ELEMS_PER_THREAD = 32
+    LOGITS_BUFFERS = 1  # (CHUNK_ROWS, vocab) logits buffers of a chunk (plus a gradient buffer with fp32 logits)
     BLOCK_V_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
     PARAMS = (
@@ -190,8 +192,9 @@ class SelectiveLogSoftmaxSpace(Space):
         """Chunk buffers (+ the fp32 dW accumulator of bfloat16 with DW_FP32=1) in bytes."""
         e = self.element_size
         if e == 4:
-            return config.CHUNK_ROWS * self.vocab * 4
-        chunk = config.CHUNK_ROWS * self.vocab * ((4 + e) if config.LOGITS_FP32 else e)
+            return config.CHUNK_ROWS * self.vocab * 4 * self.LOGITS_BUFFERS
+        chunk = config.CHUNK_ROWS * self.vocab * (self.LOGITS_BUFFERS * (4 if config.LOGITS_FP32 else e)
+                                                  + (e if config.LOGITS_FP32 else 0))
         accumulator = self.vocab * self.hidden * 4 if config.DW_FP32 and self.dtype == torch.bfloat16 else 0
         return chunk + accumulator
 
@@ -200,17 +203,25 @@ class SelectiveLogSoftmaxSpace(Space):
         4096-column (or vocab-wide) tiles at 8 warps."""
         fp32 = self.element_size == 4
         block = min(4096, self.max_block_v)
-        warps = self.fit_warps(8, block, 4)
-        best = SelectiveLogSoftmaxConfig(CHUNK_ROWS=self.CHUNK_CHOICES[0], LOGITS_FP32=int(fp32),
-                                         DW_FP32=int(fp32 or self.dtype == torch.float16), BLOCK_V_FWD=block,
-                                         num_warps_fwd=warps, BLOCK_V_BWD=block, num_warps_bwd=warps)
+        best = self.tile_config(block, self.fit_warps(8, block, 4), CHUNK_ROWS=self.CHUNK_CHOICES[0],
+                                LOGITS_FP32=int(fp32), DW_FP32=int(fp32 or self.dtype == torch.float16))
         for choice in self.CHUNK_CHOICES:
-            config = SelectiveLogSoftmaxConfig(**{**best.to_dict(), "CHUNK_ROWS": choice})
+            config = dataclasses.replace(best, CHUNK_ROWS=choice)
             if not self.shape_violations(config):
                 best = config
         problems = self.violations(best)
         assert not problems, f"heuristic is invalid for {self.dims}: {problems}"
         return best
+
+    def tile_config(self, block: int, warps: int, **plan):
+        """A config with every kernel at ``block`` columns and ``warps`` warps, and the chunk plan ``plan``."""
+        return self.config_cls(BLOCK_V_FWD=block, num_warps_fwd=warps, BLOCK_V_BWD=block, num_warps_bwd=warps,
+                               **plan)
+
+    def tiles(self, config) -> tuple[tuple[str, int, int, int], ...]:
+        """(kernel, BLOCK_V, num_warps, num_stages) of each kernel of ``config``."""
+        return (("fwd", config.BLOCK_V_FWD, config.num_warps_fwd, config.num_stages_fwd),
+                ("bwd", config.BLOCK_V_BWD, config.num_warps_bwd, config.num_stages_bwd))
 
     def shape_violations(self, config: SelectiveLogSoftmaxConfig) -> list[str]:
         problems = []
@@ -218,8 +229,7 @@ class SelectiveLogSoftmaxSpace(Space):
             problems.append("fwd: float32 inputs have fp32 logits and dW: LOGITS_FP32 and DW_FP32 must be 1")
         if self.dtype == torch.float16 and not config.DW_FP32:
             problems.append("fwd: float16 dW sums over chunks could overflow: DW_FP32 must be 1")
-        for name, block, warps, stages in (("fwd", config.BLOCK_V_FWD, config.num_warps_fwd, config.num_stages_fwd),
-                                           ("bwd", config.BLOCK_V_BWD, config.num_warps_bwd, config.num_stages_bwd)):
+        for name, block, warps, stages in self.tiles(config):
             if block > self.max_block_v:
                 problems.append(f"{name}: BLOCK_V={block} > {self.max_block_v} (vocab={self.vocab})")
             problems += self.threads_violations(name, warps, block, self.MAX_ELEMS_PER_THREAD)
@@ -288,12 +298,16 @@ class _Chunks:
         for lo in range(0, rows, self.chunk):
             hi = min(lo + self.chunk, rows)
             z = self.logits(self.x[lo:hi], buf[:hi - lo])
-            parts = [None if t is None else t[lo:hi] for t in (*extra, top1)]
-            if self.module is not None:
-                self.module.forward(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi], *parts, *self.kernel_args)
-            else:
-                self._forward_torch(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi], parts)
+            self.stats(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi],
+                       [None if t is None else t[lo:hi] for t in (*extra, top1)])
         return (logp, *extra, top1, lse)
+
+    def stats(self, z, target, logp, lse, parts=(None, None, None, None)):
+        """One chunk's per-row statistics of its logits z into logp, lse and the optional ``parts``."""
+        if self.module is not None:
+            self.module.forward(z, target, logp, lse, *parts, *self.kernel_args)
+        else:
+            self._forward_torch(z, target, logp, lse, parts)
 
     def _forward_torch(self, logits, target, logp, lse, parts):
         z = _transform(logits.float(), self.options)
@@ -304,19 +318,13 @@ class _Chunks:
 
     def backward(self, g_logp, g_entropy, lse, entropy, need_dx: bool, need_dw: bool, need_db: bool):
         """(dx, dW, db) of Σ g_logp·log_probs + Σ g_entropy·entropy; None where not needed."""
-        x, dev, rows, dtype = self.x, self.x.device, self.rows, self.x.dtype
-        dx = torch.empty((rows, self.hidden), dtype=dtype, device=dev) if need_dx else None
-        dw = None
-        if need_dw:  # x's dtype: the first chunk's GEMM writes it; fp32: summed from zero
-            dw = (torch.empty if self.dw_dtype == dtype and rows else torch.zeros)(
-                (self.vocab, self.hidden), dtype=self.dw_dtype, device=dev)
-        db = torch.zeros(self.vocab, dtype=torch.float32, device=dev) if need_db else None
+        x, rows = self.x, self.rows
+        dx, dw, db = self.grad_outputs(need_dx, need_dw, need_db)
         if rows == 0:
             return dx, dw, db
-        buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
-        separate = self.logits_dtype != dtype
+        buf, gbuf = self.buffers(self.chunk)
+        separate = gbuf is not None
         entropy = lse if entropy is None else entropy  # read only with an entropy gradient
-        gbuf = torch.empty((self.chunk, self.vocab), dtype=dtype, device=dev) if separate else None
         for lo in range(0, rows, self.chunk):
             hi = min(lo + self.chunk, rows)
             xc = x[lo:hi]
@@ -324,23 +332,51 @@ class _Chunks:
             grad = gbuf[:hi - lo] if separate else z
             gl = None if g_logp is None else g_logp[lo:hi]
             ge = None if g_entropy is None else g_entropy[lo:hi]
-            if self.module is not None:
-                self.module.backward(z, grad, self.target[lo:hi], lse[lo:hi], entropy[lo:hi], gl, ge,
-                                     *self.kernel_args)
-            else:
-                grad.copy_(self._grad_torch(z, self.target[lo:hi], gl, ge))
-            if need_dx:
-                torch.mm(grad, self.w, out=dx[lo:hi])
-            if need_dw:
-                if dw.dtype == dtype and lo == 0:
-                    torch.mm(grad.t(), xc, out=dw)
-                elif dw.dtype == dtype:
-                    dw.addmm_(grad.t(), xc)
-                else:
-                    _accumulate_dw(dw, grad.t(), xc)
-            if need_db:
-                db += grad.sum(dim=0, dtype=torch.float32)
+            self.logits_grad(z, grad, self.target[lo:hi], lse[lo:hi], entropy[lo:hi], gl, ge)
+            self.add_grads(grad, xc, lo == 0, None if dx is None else dx[lo:hi], dw, db)
         return dx, dw, db
+
+    def grad_outputs(self, need_dx: bool, need_dw: bool, need_db: bool):
+        """(dx, dW, db) to fill, None where not needed: dW in x's dtype is written by the first chunk's GEMM,
+        an fp32 dW and db are summed from zero."""
+        dev, dtype = self.x.device, self.x.dtype
+        dx = torch.empty((self.rows, self.hidden), dtype=dtype, device=dev) if need_dx else None
+        dw = None
+        if need_dw:
+            dw = (torch.empty if self.dw_dtype == dtype and self.rows else torch.zeros)(
+                (self.vocab, self.hidden), dtype=self.dw_dtype, device=dev)
+        db = torch.zeros(self.vocab, dtype=torch.float32, device=dev) if need_db else None
+        return dx, dw, db
+
+    def buffers(self, rows: int):
+        """(logits buffer, gradient buffer) of ``rows`` rows; the gradient buffer is None when the gradient is
+        written over the logits (logits in x's dtype)."""
+        dev = self.x.device
+        buf = torch.empty((rows, self.vocab), dtype=self.logits_dtype, device=dev)
+        separate = self.logits_dtype != self.x.dtype
+        return buf, (torch.empty((rows, self.vocab), dtype=self.x.dtype, device=dev) if separate else None)
+
+    def logits_grad(self, z, grad, target, lse, entropy, g_logp, g_entropy):
+        """One chunk's d/d(logits) of Σ g_logp·log p + Σ g_entropy·H into ``grad`` (z itself allowed)."""
+        if self.module is not None:
+            self.module.backward(z, grad, target, lse, entropy, g_logp, g_entropy, *self.kernel_args)
+        else:
+            grad.copy_(self._grad_torch(z, target, g_logp, g_entropy))
+
+    def add_grads(self, grad, xc, first: bool, dx, dw, db) -> None:
+        """dx = grad @ W for the chunk's rows (``dx`` None: not needed); grad.T @ xc added into dW (written by the
+        first chunk when dW is in x's dtype) and grad's column sums into db (each None: not needed)."""
+        if dx is not None:
+            torch.mm(grad, self.w, out=dx)
+        if dw is not None:
+            if dw.dtype == xc.dtype and first:
+                torch.mm(grad.t(), xc, out=dw)
+            elif dw.dtype == xc.dtype:
+                dw.addmm_(grad.t(), xc)
+            else:
+                _accumulate_dw(dw, grad.t(), xc)
+        if db is not None:
+            db += grad.sum(dim=0, dtype=torch.float32)
 
     def _grad_torch(self, logits, target, g_logp, g_entropy):
         """The kernel's closed form in PyTorch (no autograd: it runs inside the custom op, below autograd, also
