@@ -159,3 +159,23 @@ def test_target_is_only_a_mask():
     xs, ws, xt, wt, target = _inputs(8, 16, 16, 40, torch.float32, ("mask",))
     other = torch.where(target == -100, -100, 12345)
     assert float(F.fused_linear_jsd(xs, ws, xt, wt, other)) == float(F.fused_linear_jsd(xs, ws, xt, wt, target))
+
+
+@pytest.mark.parametrize("op", ["fused_linear_jsd", "selective_log_softmax"])
+def test_the_tuning_problems_step_passes_the_gate_and_a_wrong_input_fails_it(op, device):
+    """The tuner's view of the LM-head ops: one training step of a rendered variant (with a chunk plan other
+    than the heuristic's) against the problem's float64 truth; a perturbed input must fail the check."""
+    from liger_gen.codegen.build import load_variant
+    from liger_gen.ops import get_spec
+
+    spec = get_spec(op)
+    problem = spec.problem(torch.float32, {"hidden": 24, "vocab": 70}, 40, device, seed=1)
+    config = dict(problem.space.heuristic().to_dict(), CHUNK_ROWS=16)  # three chunks, the last partial
+    assert not problem.space.violations(problem.space.config_cls.from_dict(config))
+    module = load_variant(op, config)
+    problem.launcher(module, "fwd")()
+    assert problem.check(module, "fwd") is None
+    first = next(k for k in problem.buffers if k.endswith("x"))
+    problem.buffers[first][0, 0] += 1.0
+    problem.launcher(module, "fwd")()
+    assert problem.check(module, "fwd") is not None

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, randn, targets
+from liger_gen.codegen.problems import Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.fused_linear_cross_entropy import _mm_fp32_out, _scale_in_place, check_lm_head
 from liger_gen.ops.jsd import _jsd_rows, jsd_mode
-from liger_gen.ops.selective_log_softmax import _LOW_PRECISION, TARGET_DTYPES, SelectiveLogSoftmaxSpace, _Chunks
+from liger_gen.ops.selective_log_softmax import (_LOW_PRECISION, MAX_TUNING_ROWS, TARGET_DTYPES, SelectiveLogSoftmaxProblem,
+                                                 SelectiveLogSoftmaxSpace, _Chunks, lm_head_tuning_problems)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
                                    describe, kernel_module, uses_triton)
@@ -242,32 +243,27 @@ class _Distill(_Chunks):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class FusedLinearJSDProblem(Problem):
+class FusedLinearJSDProblem(SelectiveLogSoftmaxProblem):
     """The op at (rows, hidden, vocab) in ``dtype``: one training step (the loss and the student's gradients),
-    beta 0.5 (the mixture: the costliest mode), the teacher as wide as the student, 1 in 20 rows ignored."""
+    beta 0.5 (the mixture: the costliest mode), the teacher as wide as the student, 1 in 20 rows ignored. The
+    model shape, row count and flops (four GEMMs of 2·R·H·V: student and teacher logits, dx, dW) are
+    selective_log_softmax's."""
 
     op = "fused_linear_jsd"
     SPACE = FusedLinearJSDSpace
     OUTPUTS = ("loss",)
-    DEFAULT_ROWS = 8192
     # x_s, x_t, W_s and W_t read by the logits GEMMs, dx and dW written (dW read and written per chunk is not
     # counted), the targets read; the logits stay in chunks
     BYTES_FORMULA = "3·R·H·s + 3·V·H·s + 8·R"
-    # four GEMMs of 2·R·H·V: student and teacher logits, dx, dW
-    FLOPS_FORMULA = "8·R·H·V"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"hidden": model.hidden_size, "vocab": model.vocab_size}
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
         r, h, v = dims["rows"], dims["hidden"], dims["vocab"]
         scale = 2.0 / math.sqrt(h)
-        return Inputs({"student_x": randn(gen, (r, h), dtype, device), "student_w": randn(gen, (v, h), dtype, device,
-                                                                                       scale),
-                       "teacher_x": randn(gen, (r, h), dtype, device), "teacher_w": randn(gen, (v, h), dtype, device,
-                                                                                       scale),
+        return Inputs({"student_x": randn(gen, (r, h), dtype, device),
+                       "student_w": randn(gen, (v, h), dtype, device, scale),
+                       "teacher_x": randn(gen, (r, h), dtype, device),
+                       "teacher_w": randn(gen, (v, h), dtype, device, scale),
                        "target": targets(gen, r, v, device)}, grad_of=("student_x", "student_w"),
                       upstream={"loss": None}, options={"beta": 0.5})
 
@@ -283,12 +279,8 @@ class FusedLinearJSDProblem(Problem):
         r, h, v = dims["rows"], dims["hidden"], dims["vocab"]
         return {"fwd": 3 * r * h * s + 3 * v * h * s + 8 * r}
 
-    @classmethod
-    def step_flops(cls, dims) -> int:
-        return 8 * dims["rows"] * dims["hidden"] * dims["vocab"]
-
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, seed: int = 0, limits=None):
-        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits)
+        Problem.__init__(self, dtype, dims, rows, device, seed=seed, limits=limits)
         inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {})
         self.buffers = dict(inputs.tensors)
         ref = self.reference(inputs)
@@ -296,39 +288,20 @@ class FusedLinearJSDProblem(Problem):
         self.buffers.update(loss=torch.empty((), dtype=torch.float32, device=self.device),
                             dx=torch.empty_like(inputs.tensors["student_x"]),
                             dw=torch.empty_like(inputs.tensors["student_w"]))
-        self.tol = {"loss": max(torch.finfo(dtype).eps, 1e-6), "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
-        self.outputs = {"fwd": ("loss", "dx", "dw")}
+        self.set_outputs("loss", dtype)
 
-    def launcher(self, module, phase: str):
-        if phase != "fwd":
-            raise ValueError(f"phase must be 'fwd' (one training step), got {phase!r}")
+    def step(self, module, plan: dict) -> None:
         b = self.buffers
-        plan = module.plan()
-
-        def launch():
-            run = _Distill(b["student_x"], b["student_w"], b["teacher_x"], b["teacher_w"], b["target"], 0.5, 1.0,
-                           -100, plan)
-            run.module = module
-            loss, dx, dw, scale = run.run(True, True)
-            b["loss"].copy_(loss)
-            torch.mul(dx, scale[0], out=b["dx"])
-            torch.mul(dw, scale[0], out=b["dw"])
-
-        return launch
-
-    def flops(self, phase: str) -> int:
-        return self.step_flops(self.problem_dims)
+        run = _Distill(b["student_x"], b["student_w"], b["teacher_x"], b["teacher_w"], b["target"], 0.5, 1.0, -100,
+                       plan)
+        run.module = module
+        loss, dx, dw, scale = run.run(True, True)
+        b["loss"].copy_(loss)
+        torch.mul(dx, scale[0], out=b["dx"])
+        torch.mul(dw, scale[0], out=b["dw"])
 
 
-MAX_TUNING_ROWS = 4096
-
-
-def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The model's LM head at (hidden_size, vocab_size) for student and teacher; rows capped at MAX_TUNING_ROWS."""
-    dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
-    return [FusedLinearJSDProblem(dtype, dims, r, device, seed=seed)
-            for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
-
+tuning_problems = lm_head_tuning_problems(FusedLinearJSDProblem)
 
 SPEC = OpSpec("fused_linear_jsd", FusedLinearJSDSpace, FusedLinearJSDProblem, tuning_problems,
               max_tuning_rows=MAX_TUNING_ROWS,

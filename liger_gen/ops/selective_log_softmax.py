@@ -458,27 +458,31 @@ class SelectiveLogSoftmaxProblem(Problem):
                         "dx": torch.empty((self.rows, h), dtype=dtype, device=self.device),
                         "dw": torch.empty((v, h), dtype=dtype, device=self.device)}
         self.ref = self.reference(inputs)
+        self.set_outputs("log_probs", dtype)
+
+    def set_outputs(self, first: str, dtype: torch.dtype) -> None:
+        """The checked outputs of the one phase: ``first`` (fp32, within max(eps, 1e-6)), then dx and dW."""
         eps = torch.finfo(dtype).eps
-        self.tol = {"log_probs": max(eps, 1e-6), "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
-        self.outputs = {"fwd": ("log_probs", "dx", "dw")}
+        self.tol = {first: max(eps, 1e-6), "dx": REL_TOL[dtype], "dw": REL_TOL[dtype]}
+        self.outputs = {"fwd": (first, "dx", "dw")}
 
     def launcher(self, module, phase: str):
         if phase != "fwd":
             raise ValueError(f"phase must be 'fwd' (one training step), got {phase!r}")
-        b = self.buffers
         plan = module.plan()
+        return lambda: self.step(module, plan)
 
-        def launch():
-            run = _Chunks(b["x"], b["w"], None, b["target"], LogProbOptions())
-            run.module = module
-            _apply_plan(run, plan)
-            logp, _, _, _, _, lse = run.forward((False, False, False, False))
-            dx, dw, _ = run.backward(self.g, None, lse, None, True, True, False)
-            b["log_probs"].copy_(logp)
-            b["dx"].copy_(dx)
-            b["dw"].copy_(dw)
-
-        return launch
+    def step(self, module, plan: dict) -> None:
+        """One training step of the variant ``module`` (chunk plan ``plan``) into the output buffers."""
+        b = self.buffers
+        run = _Chunks(b["x"], b["w"], None, b["target"], LogProbOptions())
+        run.module = module
+        _apply_plan(run, plan)
+        logp, _, _, _, _, lse = run.forward((False, False, False, False))
+        dx, dw, _ = run.backward(self.g, None, lse, None, True, True, False)
+        b["log_probs"].copy_(logp)
+        b["dx"].copy_(dx)
+        b["dw"].copy_(dw)
 
     def flops(self, phase: str) -> int:
         return self.step_flops(self.problem_dims)
@@ -496,11 +500,18 @@ def _apply_plan(run: _Chunks, plan: dict) -> None:
 MAX_TUNING_ROWS = 4096
 
 
-def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The model's LM head at (hidden_size, vocab_size); token counts capped at MAX_TUNING_ROWS."""
-    dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
-    return [SelectiveLogSoftmaxProblem(dtype, dims, r, device, seed=seed)
-            for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
+def lm_head_tuning_problems(problem: type[Problem]):
+    """``tuning_problems`` of an LM-head op: ``problem`` at the model's (hidden_size, vocab_size), token counts
+    capped at MAX_TUNING_ROWS."""
+
+    def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+        dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
+        return [problem(dtype, dims, r, device, seed=seed) for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
+
+    return tuning_problems
+
+
+tuning_problems = lm_head_tuning_problems(SelectiveLogSoftmaxProblem)
 
 
 SPEC = OpSpec("selective_log_softmax", SelectiveLogSoftmaxSpace, SelectiveLogSoftmaxProblem, tuning_problems,
