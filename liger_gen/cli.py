@@ -564,7 +564,8 @@ def bench_step(first_step, repeats, **options) -> None:
               help="Sequences per side (DPO-family: chosen and as many rejected).")
 @click.option("--seq", default=1024, show_default=True, type=click.IntRange(8), help="Tokens per sequence.")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(1), help="Timed calls (median).")
-@click.option("--warmup", default=3, show_default=True, type=click.IntRange(0), help="Untimed calls first.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(1),
+              help="Untimed calls first (torch.compile compiles in the first).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run in fp32 (host time, no memory figures).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -581,12 +582,15 @@ def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, de
         raise click.ClickException("no CUDA GPU is visible; `liger-gen bench-losses --device cpu --hidden 64 --vocab "
                                    "512 --batch 2 --seq 32 --providers torch-eager,liger-gen` is a functional run "
                                    "on the CPU")
+    names = list(dict.fromkeys(k.strip() for k in losses.split(",") if k.strip()))
+    provider_names = list(dict.fromkeys(p.strip() for p in providers.split(",") if p.strip()))
+    if not names or not provider_names:
+        raise click.BadParameter("name at least one loss and one provider", param_hint="--losses / --providers")
     folder = out_dir or Path(".")
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_losses([k.strip() for k in losses.split(",") if k.strip()],
-                            [p.strip() for p in providers.split(",") if p.strip()], hidden, vocab, batch, seq,
-                            iters, warmup, device, folder / "bench_losses.json")
+        result = run_losses(names, provider_names, hidden, vocab, batch, seq, iters, warmup, device,
+                            folder / "bench_losses.json")
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     click.echo(f"wrote {folder / 'bench_losses.json'}", err=True)

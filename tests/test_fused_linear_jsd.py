@@ -151,6 +151,8 @@ def test_bad_inputs_name_the_tensor():
         F.fused_linear_jsd(xs, ws, xt, wt, target[:3])
     with pytest.raises(TypeError, match="target must be int64 or int32"):
         F.fused_linear_jsd(xs, ws, xt, wt, target.float())
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        F.fused_linear_jsd(xs, ws, xt, wt, target, ignore_index=2**64)
     with pytest.raises(TypeError, match="reverse must be a bool"):
         F.fused_linear_kl_div(xs, ws, xt, wt, reverse=1)
 

@@ -389,7 +389,7 @@ def test_bench_losses_runs_every_loss_on_the_cpu_and_agrees_with_eager(tmp_path)
     from liger_gen.cli import main
 
     args = ["bench-losses", "--device", "cpu", "--hidden", "32", "--vocab", "96", "--batch", "2", "--seq", "16",
-            "--providers", "torch-eager,liger-gen,liger-gen-logps", "--iters", "1", "--warmup", "0",
+            "--providers", "torch-eager,liger-gen,liger-gen-logps", "--iters", "1", "--warmup", "1",
             "--out", str(tmp_path)]
     done = CliRunner().invoke(main, args)
     assert done.exit_code == 0, done.output
@@ -401,3 +401,96 @@ def test_bench_losses_runs_every_loss_on_the_cpu_and_agrees_with_eager(tmp_path)
         assert r["rel_loss"] < 1e-5 and r["rel_dx"] < 1e-5 and r["rel_dw"] < 1e-5, r
     bad = CliRunner().invoke(main, args[:-2] + ["--losses", "dpo,ppo", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "ppo" in bad.output
+    empty = CliRunner().invoke(main, args[:-2] + ["--losses", ",", "--out", str(tmp_path)])
+    assert empty.exit_code == 2 and "at least one loss" in empty.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_no_host_synchronisation_on_cuda(name):
+    """Forward and backward of every fused loss (and the JSD) with CUDA's sync debug mode set to error."""
+    n, t, h, v = 4, 64, 64, 512
+    x, w, target, ref_x, ref_w, gen = _batch(n, t, h, v, torch.bfloat16, ("sync", name))
+    fn, kw, _ = _case(name, n, t, ref_x, ref_w, gen)
+    cuda = {k: a.cuda() if isinstance(a, torch.Tensor) else a for k, a in kw.items()}
+    x, w, target = x.cuda().requires_grad_(), w.cuda().requires_grad_(), target.cuda()
+    fn(x, w, target, **cuda).loss.backward()  # the first call builds kernels and tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(x, w, target, **cuda).loss.backward()
+        F.fused_linear_jsd(x.flatten(0, 1), w, ref_x.cuda().flatten(0, 1), ref_w.cuda(), target.flatten()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_formula_options_are_checked_and_data_gets_no_gradient():
+    """The public formulas validate their options as the fused losses do; GRPO's old and reference
+    log-probabilities and advantages are data on both ways of running (no gradient, as TRL computes them)."""
+    lp = -torch.rand(3, 4, dtype=torch.float64) * 3
+    adv, mask = torch.randn(3, dtype=torch.float64), torch.ones(3, 4)
+    with pytest.raises(ValueError, match="importance_sampling_level must be one of"):
+        P.grpo_loss(lp, lp, None, adv, mask, importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        P.grpo_loss(lp, None, None, adv, mask, loss_type="foo")
+    with pytest.raises(ValueError, match=r"epsilon_low must be in \[0, 1\)"):
+        P.grpo_loss(lp, lp, None, adv, mask, epsilon_low=5.0)
+    with pytest.raises(ValueError, match="needs ref_per_token_logps"):
+        P.grpo_loss(lp, None, None, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match="max_completion_length must be a positive int"):
+        P.grpo_normalise(lp, mask, "dr_grpo", max_completion_length=True)
+    with pytest.raises(ValueError, match="num_items_in_batch must be a number"):
+        P.grpo_normalise(lp, mask, "dapo", num_items_in_batch="a")
+    x, w, target, *_ = _batch(4, 6, 16, 40, torch.float32, ("data",))
+    for chunk_bytes in (P.SEQUENCE_CHUNK_BYTES, 0):
+        P_bytes, P.SEQUENCE_CHUNK_BYTES = P.SEQUENCE_CHUNK_BYTES, chunk_bytes
+        try:
+            data = [torch.randn(4, requires_grad=True), -torch.rand(4, 6).requires_grad_(),
+                    -torch.rand(4, 6).requires_grad_()]
+            out = F.fused_linear_grpo(x.clone().requires_grad_(), w, target, data[0], None, data[1], data[2],
+                                      beta=0.1)
+            out.loss.backward()
+            assert all(d.grad is None for d in data), chunk_bytes
+        finally:
+            P.SEQUENCE_CHUNK_BYTES = P_bytes
+
+
+def test_float64_keeps_float64_and_double_backward_is_refused_on_the_fused_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # float64 runs on the plain path only
+    x, w, target, ref_x, ref_w, _ = _batch(4, 6, 16, 40, torch.float32, ("f64",))
+    out = F.fused_linear_orpo(x.double(), w.double(), target)
+    assert out.loss.dtype == torch.float64
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    want = _logps64(x64, w64, target)
+    m = _mean(want, target)
+    ref = -want[:2].sum() / (target[:2] != -100).sum() - P.orpo_loss(m[:2], m[2:]).mean()
+    assert torch.allclose(out.loss, ref, rtol=1e-12)
+    xs = x.clone().requires_grad_()
+    loss = F.fused_linear_dpo(xs, w, target, ref_x, ref_w).loss
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, xs, create_graph=True)
+
+
+def test_reference_and_nll_target_errors_name_their_tensors():
+    x, w, target, ref_x, ref_w, _ = _batch(4, 6, 16, 40, torch.float32, ("ref-bad",))
+    with pytest.raises(ValueError, match=r"ref_lm_head_weight must be \(vocab, 16\) for ref_x's hidden size"):
+        F.fused_linear_dpo(x, w, target, ref_x, ref_w[:, :8])
+    with pytest.raises(TypeError, match="ref_lm_head_weight must have ref_x's dtype"):
+        F.fused_linear_dpo(x, w, target, ref_x, ref_w.double())
+    with pytest.raises(ValueError, match="leave them None"):
+        F.fused_linear_dpo(x, w, target, ref_log_probs=torch.zeros(4), ref_bias=torch.zeros(40))
+    bad = target.clone()
+    bad[0, 3] = 40
+    with pytest.raises(ValueError, match="fused_linear_kto: target holds class indices outside"):
+        F.fused_linear_kto(x, w, bad, torch.ones(4, dtype=torch.bool), ref_x, ref_w)
+    nll = target[:2].clone()
+    nll[0, 0] = 7  # a prompt position: fine, the NLL covers it
+    F.fused_linear_orpo(x, w, target, nll_target=nll)
+    nll[0, 4] = (target[0, 4] + 1) % 40  # a completion position with another token
+    with pytest.raises(ValueError, match="nll_target must hold target's token"):
+        F.fused_linear_orpo(x, w, target, nll_target=nll)
+    nll = target[:2].clone()
+    nll[1, 0] = 99
+    with pytest.raises(ValueError, match="fused_linear_orpo: target holds class indices outside"):
+        F.fused_linear_orpo(x, w, target, nll_target=nll)

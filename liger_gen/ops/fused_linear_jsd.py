@@ -392,6 +392,8 @@ def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, te
         raise ValueError(f"{op}: temperature must be a finite number > 1e-30 (> 0), got {temperature}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    if not -2**63 <= ignore_index < 2**63:
+        raise ValueError(f"{op}: ignore_index must fit in int64, got {ignore_index}")
     if student_x.dim() < 1 or student_x.shape[-1] < 1:
         raise ValueError(f"{op}: student_x must be (..., hidden); got {describe('student_x', student_x)}")
     if teacher_x.shape[:-1] != student_x.shape[:-1] or teacher_x.dim() != student_x.dim():
@@ -457,8 +459,8 @@ def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tens
             (the other values are not read as classes).
         beta: in [0, 1]. temperature: > 0, finite.
 
-    Returns the loss, 0-d float32, differentiable in student_x and student_lm_head_weight (double backward is not
-    supported).
+    Returns the loss, 0-d float32 (float64 for float64 inputs, on the plain CPU path only), differentiable in
+    student_x and student_lm_head_weight (double backward is not supported).
 
     Raises:
         TypeError: a non-tensor, non-floating or mismatched dtypes, a target that is not int64/int32, float64 on

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from liger_gen.ops.fused_linear_cross_entropy import _scale_in_place
 from liger_gen.ops.selective_log_softmax import LogProbOptions, _Chunks, check_inputs, selective_log_softmax
 from liger_gen.runtime import plans
-from liger_gen.runtime.ops import check_float_arg, check_targets, describe
+from liger_gen.runtime.ops import check_float_arg, check_targets, describe, no_double_backward, use_custom_op
 
 #: logits bytes one chunk of whole sequences may hold on the fused path (the rest of the batch is not held)
 SEQUENCE_CHUNK_BYTES = 1 << 30
@@ -144,7 +144,8 @@ def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, beta: fl
     log-probabilities (pairs,), ``log_odds = (c − r) − (log(1 − e^c) − log(1 − e^r))`` and the term is
     ``β·log σ(log_odds)``. ORPO's loss is ``NLL(chosen) − mean(term)``. ValueError for β ≤ 0."""
     beta = _finite("orpo_loss", "beta", beta, 0.0, low_open=True)
-    c, r = chosen_logps.float(), rejected_logps.float()
+    dtype = torch.promote_types(chosen_logps.dtype, torch.float32)  # fp32 at least, as TRL computes it
+    c, r = chosen_logps.to(dtype), rejected_logps.to(dtype)
     log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
     return beta * F.logsigmoid(log_odds)
 
@@ -215,7 +216,11 @@ def grpo_per_token_loss(per_token_logps: torch.Tensor, old_per_token_logps: torc
     * cispo: −min(r, ε_high)·A·logp with the capped ratio detached (MiniMax-M1, 2025);
 
     plus β·(exp(ref − logp) − (ref − logp) − 1) (the k3 KL estimate) when β ≠ 0. ``old`` None: the policy's
-    own detached log-probabilities (one optimisation step per generation). (sequences, tokens)."""
+    own detached log-probabilities (one optimisation step per generation). (sequences, tokens). ValueError for an
+    unknown ``loss_type`` or ``importance_sampling_level``, ε outside [0, 1) (low) or < 0 (high), δ ≤ 0, a
+    non-finite β, or β ≠ 0 without the reference's log-probabilities."""
+    _check_grpo_options("grpo_per_token_loss", beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level,
+                        delta, ref_per_token_logps)
     logp = per_token_logps
     old = logp.detach() if old_per_token_logps is None else old_per_token_logps
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -237,6 +242,35 @@ def grpo_per_token_loss(per_token_logps: torch.Tensor, old_per_token_logps: torc
     return loss
 
 
+def _check_grpo_options(op, beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, delta, ref):
+    """Validate GRPO's options (ValueError naming the option); (beta, epsilon_low, epsilon_high, delta)."""
+    _check_choice(op, "loss_type", loss_type, GRPO_LOSS_TYPES)
+    _check_choice(op, "importance_sampling_level", importance_sampling_level, ("token", "sequence"))
+    beta = _finite(op, "beta", beta)
+    epsilon_low = _finite(op, "epsilon_low", epsilon_low, 0.0)
+    if not epsilon_low < 1.0:
+        raise ValueError(f"{op}: epsilon_low must be in [0, 1) (the ratio is clipped at 1 − epsilon_low), got "
+                         f"{epsilon_low}")
+    epsilon_high = _finite(op, "epsilon_high", epsilon_high, 0.0)
+    if delta is not None:
+        delta = _finite(op, "delta", delta, 0.0, low_open=True)
+    if beta != 0.0 and ref is None:
+        raise ValueError(f"{op}: beta={beta} needs ref_per_token_logps (the reference's per-token log-probabilities)")
+    return beta, epsilon_low, epsilon_high, delta
+
+
+def _check_normalisation(op, loss_type, max_completion_length, num_items_in_batch) -> None:
+    _check_choice(op, "loss_type", loss_type, GRPO_LOSS_TYPES)
+    if max_completion_length is not None and (isinstance(max_completion_length, bool) or not isinstance(
+            max_completion_length, numbers.Integral) or max_completion_length < 1):
+        raise ValueError(f"{op}: max_completion_length must be a positive int, got {max_completion_length!r}")
+    if num_items_in_batch is not None and not (
+            isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() == 1
+            or isinstance(num_items_in_batch, numbers.Real) and not isinstance(num_items_in_batch, bool)):
+        raise ValueError(f"{op}: num_items_in_batch must be a number or a one-element tensor, got "
+                         f"{num_items_in_batch!r}")
+
+
 def grpo_normalise(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str,
                    max_completion_length: int | None = None, num_items_in_batch=None) -> torch.Tensor:
     """TRL's reductions of a GRPO per-token loss (one process, no gradient accumulation): ``grpo`` the mean over
@@ -244,6 +278,7 @@ def grpo_normalise(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
     masked sum / (sequences · ``max_completion_length``, default the token dimension; Liu et al. 2025);
     ``dapo``/``cispo`` the masked sum / ``num_items_in_batch`` (default the mask's sum, clamped at 1; Yu et al.
     2025)."""
+    _check_normalisation("grpo_normalise", loss_type, max_completion_length, num_items_in_batch)
     m = mask.to(per_token_loss.dtype)
     masked = per_token_loss * m
     if loss_type == "grpo":
@@ -340,6 +375,8 @@ class _FusedSequenceLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp):
+        no_double_backward("fused post-training loss", "the formulas of liger_gen.ops.post_training on "
+                           "liger_gen.reference.selective_log_softmax_torch's log-probabilities")
         if ctx.grads is None:
             raise RuntimeError("liger_gen fused post-training loss: backward through the graph a second time is not "
                                "supported (the gradients were computed in the forward and are scaled in place)")
@@ -371,7 +408,6 @@ def _sequence_loss(x, w, bias, target, options: LogProbOptions, paired: bool, ch
     wants_grad = torch.is_grad_enabled() and any(
         p is not None and p.requires_grad for p in (x, w, bias))
     if wants_grad and n and t and x.dtype in _FUSED_DTYPES and plans.eager(*(t for t in (x2d, w, bias, flat_target) if t is not None)):
-        check_targets("fused post-training loss", flat_target, w.shape[0], options.ignore_index)
         run = _Chunks(x2d, w, bias, flat_target, options)
         per_chunk = _sequences_per_chunk(run, t, 2 if paired else 1)
         if per_chunk:
@@ -379,7 +415,8 @@ def _sequence_loss(x, w, bias, target, options: LogProbOptions, paired: bool, ch
     logp = selective_log_softmax(x, w, target, bias, options.temperature, options.ignore_index, options.softcap,
                                  options.logit_scale)
     everything = ((0, n // 2), (n // 2, n)) if paired else ((0, n),)
-    return chunk_loss(logp, everything).float(), logp.detach()
+    value = chunk_loss(logp, everything)
+    return value.to(torch.promote_types(value.dtype, torch.float32)), logp.detach()
 
 
 def _ref_logps(op, ref_x, ref_w, ref_bias, target, options: LogProbOptions, ref_log_probs, sequences: int,
@@ -389,6 +426,9 @@ def _ref_logps(op, ref_x, ref_w, ref_bias, target, options: LogProbOptions, ref_
     if (ref_x is None) == (ref_log_probs is None):
         raise ValueError(f"{op}: give exactly one of ref_x (with ref_lm_head_weight) and ref_log_probs")
     if ref_log_probs is not None:
+        if ref_w is not None or ref_bias is not None:
+            raise ValueError(f"{op}: ref_lm_head_weight and ref_bias go with ref_x; with ref_log_probs (the "
+                             f"reference's log-probabilities given) leave them None")
         if not isinstance(ref_log_probs, torch.Tensor) or ref_log_probs.shape != (sequences,):
             got = describe("ref_log_probs", ref_log_probs) if isinstance(ref_log_probs, torch.Tensor) else \
                 type(ref_log_probs).__name__
@@ -396,6 +436,9 @@ def _ref_logps(op, ref_x, ref_w, ref_bias, target, options: LogProbOptions, ref_
                              f"sequence; got {got}")
         if not ref_log_probs.is_floating_point():
             raise TypeError(f"{op}: ref_log_probs must be floating; got {describe('ref_log_probs', ref_log_probs)}")
+        if ref_log_probs.device != target.device:
+            raise ValueError(f"{op}: ref_log_probs must be on x's device {target.device}; got "
+                             f"{describe('ref_log_probs', ref_log_probs)}")
         return ref_log_probs.detach().float()
     if ref_w is None:
         raise ValueError(f"{op}: ref_x needs ref_lm_head_weight")
@@ -403,6 +446,13 @@ def _ref_logps(op, ref_x, ref_w, ref_bias, target, options: LogProbOptions, ref_
         got = describe("ref_x", ref_x) if isinstance(ref_x, torch.Tensor) else type(ref_x).__name__
         raise ValueError(f"{op}: ref_x must be (sequences, tokens, ref_hidden) with target's leading shape "
                          f"{tuple(target.shape)}; got {got}")
+    if not isinstance(ref_w, torch.Tensor) or ref_w.dim() != 2 or ref_w.shape[1] != ref_x.shape[-1]:
+        got = describe("ref_lm_head_weight", ref_w) if isinstance(ref_w, torch.Tensor) else type(ref_w).__name__
+        raise ValueError(f"{op}: ref_lm_head_weight must be (vocab, {ref_x.shape[-1]}) for ref_x's hidden size; got "
+                         f"{got} and {describe('ref_x', ref_x)}")
+    if ref_w.dtype != ref_x.dtype:
+        raise TypeError(f"{op}: ref_lm_head_weight must have ref_x's dtype; got "
+                        f"{describe('ref_lm_head_weight', ref_w)} and {describe('ref_x', ref_x)}")
     with torch.no_grad():
         lp = selective_log_softmax(ref_x, ref_w, target, ref_bias, options.temperature, options.ignore_index,
                                    options.softcap, options.logit_scale)
@@ -418,6 +468,7 @@ def _check_policy(op: str, x, lm_head_weight, target, bias, ignore_index, temper
     if paired and x.shape[0] % 2:
         raise ValueError(f"{op}: x must hold the chosen sequences then as many rejected ones (an even number of "
                          f"sequences); got {describe('x', x)}: the chosen and rejected batch sizes differ")
+    check_targets(op, target.reshape(-1), lm_head_weight.shape[0], options.ignore_index)
     return options
 
 
@@ -482,7 +533,7 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                             beta * (sums[pairs:] - ref[pairs:]))
 
 
-def _nll_target(op, target, nll_target, ignore_index):
+def _nll_target(op, target, nll_target, ignore_index, vocab: int):
     """The targets of the chunk loop: the completion targets, with ``nll_target`` (pairs, tokens) filling the
     chosen sequences' ignored positions (the prompt) when the NLL term covers them; and the NLL mask (pairs,
     tokens)."""
@@ -495,6 +546,15 @@ def _nll_target(op, target, nll_target, ignore_index):
             type(nll_target).__name__
         raise ValueError(f"{op}: nll_target must be ({pairs}, {target.shape[1]}) int64/int32, the chosen "
                          f"sequences' NLL targets; got {got}")
+    if nll_target.device != target.device:
+        raise ValueError(f"{op}: nll_target must be on target's device {target.device}; got "
+                         f"{describe('nll_target', nll_target)}")
+    check_targets(op, nll_target.reshape(-1), vocab, ignore_index)
+    both = (target[:pairs] != ignore_index) & (nll_target != ignore_index)
+    if not target.is_cuda and not use_custom_op() and bool((both & (nll_target != target[:pairs])).any()):
+        # (on CUDA not checked: a host sync)
+        raise ValueError(f"{op}: nll_target must hold target's token wherever both are not ignore_index (one "
+                         f"log-probability per position); they differ in {describe('nll_target', nll_target)}")
     chosen = torch.where(target[:pairs] != ignore_index, target[:pairs], nll_target.to(target.dtype))
     return torch.cat([chosen, target[pairs:]]), _valid(nll_target, ignore_index)
 
@@ -518,14 +578,16 @@ def fused_linear_orpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
     ``target``'s chosen half). No reference model.
 
     x, lm_head_weight, target, bias: as in ``fused_linear_dpo``. ``nll_target``: optional (pairs, tokens); where
-    the chosen half of ``target`` is not ``ignore_index`` it must hold the same token. Returns
+    both it and the chosen half of ``target`` are not ``ignore_index`` they must hold the same token (ValueError on
+    the CPU; not checked on CUDA, where it would need a host sync). As in TRL, a completion whose per-token mean
+    log-probability rounds to 0 in fp32 (a certain policy) has log(1 − e^0) = −inf: the loss is inf. Returns
     ``PreferenceOutput`` (logps are the means; rewards β·mean). As in TRL, a completion with no token has the
     mean 0/0 and makes the loss NaN, and so does a batch with no NLL token."""
     op = "fused_linear_orpo"
     options = _check_policy(op, x, lm_head_weight, target, bias, ignore_index, temperature, True)
     orpo_loss(torch.zeros(1) - 1, torch.zeros(1) - 1, beta)
     pairs = x.shape[0] // 2
-    loop_target, nll_mask = _nll_target(op, target, nll_target, ignore_index)
+    loop_target, nll_mask = _nll_target(op, target, nll_target, ignore_index, lm_head_weight.shape[0])
     completion = _valid(target, ignore_index)
     n_nll = nll_mask.sum()  # no NLL token: NaN, as PyTorch's mean cross-entropy
 
@@ -556,7 +618,8 @@ def fused_linear_cpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
     cpo_alpha = _finite(op, "cpo_alpha", cpo_alpha)
     pairs = x.shape[0] // 2
     average = loss_type in ("ipo", "simpo")
-    loop_target, nll_mask = _nll_target(op, target, nll_target if cpo_alpha else None, ignore_index)
+    loop_target, nll_mask = _nll_target(op, target, nll_target if cpo_alpha else None, ignore_index,
+                                         lm_head_weight.shape[0])
     completion = _valid(target, ignore_index)
     n_nll = nll_mask.sum()  # no NLL token: NaN, as PyTorch's mean cross-entropy
 
@@ -660,14 +723,15 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
     Returns ``GRPOOutput`` (loss 0-d float32; per-token log-probabilities, 0 where target is ignore_index)."""
     op = "fused_linear_grpo"
     options = _check_policy(op, x, lm_head_weight, target, bias, ignore_index, temperature, False)
-    _check_choice(op, "loss_type", loss_type, GRPO_LOSS_TYPES)
-    _check_choice(op, "importance_sampling_level", importance_sampling_level, ("token", "sequence"))
-    beta = _finite(op, "beta", beta)
-    epsilon_low = _finite(op, "epsilon_low", epsilon_low, 0.0)
-    epsilon_high = epsilon_low if epsilon_high is None else _finite(op, "epsilon_high", epsilon_high, 0.0)
-    if delta is not None:
-        delta = _finite(op, "delta", delta, 0.0, low_open=True)
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    beta, epsilon_low, epsilon_high, delta = _check_grpo_options(op, beta, epsilon_low, epsilon_high, loss_type,
+                                                                 importance_sampling_level, delta,
+                                                                 ref_per_token_logps)
+    _check_normalisation(op, loss_type, max_completion_length, num_items_in_batch)
     n, t = target.shape
+    if not isinstance(advantages, torch.Tensor):
+        raise ValueError(f"{op}: advantages must be a tensor of shape ({n},) or ({n}, {t}), got "
+                         f"{type(advantages).__name__}")
     for name, value, shapes in (("advantages", advantages, ((n,), (n, t))),
                                 ("completion_mask", completion_mask, ((n, t),)),
                                 ("old_per_token_logps", old_per_token_logps, ((n, t),)),
@@ -679,17 +743,14 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
             raise ValueError(f"{op}: {name} must be {' or '.join(str(s) for s in shapes)}; got {got}")
         if value.device != x.device:
             raise ValueError(f"{op}: {name} must be on x's device {x.device}; got {describe(name, value)}")
-    if advantages is None:
-        raise ValueError(f"{op}: advantages are required")
-    if beta != 0.0 and ref_per_token_logps is None:
-        raise ValueError(f"{op}: beta={beta} needs ref_per_token_logps (the reference's per-token log-probabilities)")
-    if max_completion_length is not None and (not isinstance(max_completion_length, numbers.Integral)
-                                              or max_completion_length < 1):
-        raise ValueError(f"{op}: max_completion_length must be a positive int, got {max_completion_length!r}")
-    mask = (_valid(target, ignore_index) if completion_mask is None else completion_mask.float())
-    adv = advantages.float()
-    old = None if old_per_token_logps is None else old_per_token_logps.float()
-    ref = None if ref_per_token_logps is None else ref_per_token_logps.float()
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device != x.device:
+        num_items_in_batch = num_items_in_batch.to(x.device)
+    # the sampling policy's and the reference's log-probabilities and the advantages are data: no gradient (as TRL
+    # computes them under no_grad), on either path
+    mask = (_valid(target, ignore_index) if completion_mask is None else completion_mask.detach().float())
+    adv = advantages.detach().float()
+    old = None if old_per_token_logps is None else old_per_token_logps.detach().float()
+    ref = None if ref_per_token_logps is None else ref_per_token_logps.detach().float()
     if loss_type == "grpo":
         scale = 1.0 / (mask.sum(-1).clamp(min=1.0) * max(n, 1))  # per sequence
     elif loss_type == "bnpo":
@@ -698,7 +759,7 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
         scale = 1.0 / (max(n, 1) * (t if max_completion_length is None else max_completion_length))
     else:
         items = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        scale = 1.0 / torch.as_tensor(items, dtype=torch.float32, device=x.device).clamp(min=1.0)
+        scale = 1.0 / torch.as_tensor(items, dtype=torch.float32, device=x.device).detach().clamp(min=1.0)
 
     def chunk_loss(logp, ranges):
         (lo, hi), = ranges
