@@ -557,7 +557,10 @@ def bench_step(first_step, repeats, **options) -> None:
 @click.option("--losses", default="dpo,orpo,cpo,simpo,kto,grpo,jsd", show_default=True,
               help="Comma-separated: dpo, orpo, cpo, simpo, kto, grpo, jsd.")
 @click.option("--providers", default="torch-eager,torch-compile,liger-gen,liger-gen-logps,liger-kernel",
-              show_default=True, help="Comma-separated (torch-eager always runs: it is the reference).")
+              show_default=True,
+              help="Comma-separated. torch-eager always runs as the reference of the error columns (its row is "
+                   "shown when named); liger-gen-logps (DPO only) is DPO on selective_log_softmax, whose backward "
+                   "recomputes the logits.")
 @click.option("--hidden", default=4096, show_default=True, type=click.IntRange(1), help="Hidden size of the head.")
 @click.option("--vocab", default=128256, show_default=True, type=click.IntRange(2), help="Vocabulary size.")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1),

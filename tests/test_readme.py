@@ -13,3 +13,35 @@ def test_use_in_training_code_example_runs():
     exec(compile(blocks[0], str(README), "exec"), namespace)
     assert namespace["model"].lm_head.weight.grad is not None  # the loss reached the LM head without logits
     assert namespace["y"].shape == namespace["x"].shape and namespace["loss"].ndim == 0
+
+
+def test_preference_and_distillation_example_runs(monkeypatch):
+    """The post-training example, with tiny Llamas as policy, reference, student and teacher (the teacher wider)
+    and a batch of two chosen/rejected pairs."""
+    import pytest
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+                 if "fused_linear_dpo" in b)
+
+    def llama(hidden, seed):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+        return transformers.LlamaForCausalLM(config)
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (4, 12), generator=gen)
+    masks = torch.ones(4, 12, dtype=torch.long)
+    masks[1, -2:] = 0  # padding
+    completion = masks.clone()
+    completion[:, :5] = 0  # the prompt
+    namespace = {"policy": llama(32, 0), "reference": llama(32, 1), "student": llama(32, 2), "teacher": llama(48, 3),
+                 "chosen_ids": ids[:2], "rejected_ids": ids[2:], "chosen_mask": masks[:2], "rejected_mask": masks[2:],
+                 "chosen_completion_mask": completion[:2], "rejected_completion_mask": completion[2:]}
+    exec(compile(block, str(README), "exec"), namespace)
+    assert torch.isfinite(namespace["out"].loss) and namespace["policy"].lm_head.weight.grad is not None
+    assert namespace["out"].chosen_rewards.shape == (2,)
+    assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0

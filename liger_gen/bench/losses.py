@@ -157,8 +157,13 @@ def providers(kind: str, names=PROVIDERS):
         try:
             out["liger-kernel"] = liger_kernel(kind)
         except ImportError as exc:
-            print(f"[bench-losses] liger-kernel not available: {exc}", file=sys.stderr)
+            if not _MISSING:  # said once per process
+                print(f"[bench-losses] liger-kernel not available: {exc}", file=sys.stderr)
+            _MISSING.append(kind)
     return out
+
+
+_MISSING: list[str] = []
 
 
 def _first(out):

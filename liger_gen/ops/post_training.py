@@ -493,7 +493,7 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                      label_smoothing: float = 0.0, ignore_index: int = -100,
                      temperature: float = 1.0) -> PreferenceOutput:
     """DPO from the policy's hidden states (Rafailov et al. 2023), as TRL's ``DPOTrainer``: the mean over pairs
-    of ``dpo_loss`` on summed completion log-probabilities.
+    of ``liger_gen.ops.post_training.dpo_loss`` on summed completion log-probabilities.
 
     Args:
         x: (2·pairs, tokens, hidden) float32/bfloat16/float16 last hidden states, the chosen sequences first and
@@ -503,7 +503,8 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
         ref_x, ref_lm_head_weight (and ``ref_bias``): the reference model's hidden states (2·pairs, tokens,
             ref_hidden) and LM head (vocab, ref_hidden), no gradient; or ``ref_log_probs`` (2·pairs,) its summed
             log-probabilities precomputed (TRL's ``precompute_ref_log_probs``). Exactly one of the two.
-        beta, loss_type (sigmoid, hinge, ipo, robust), label_smoothing: see ``dpo_loss``.
+        beta, loss_type (sigmoid, hinge, ipo, robust), label_smoothing: see
+            ``liger_gen.ops.post_training.dpo_loss``.
 
     Returns ``PreferenceOutput`` (loss 0-d float32, differentiable in x, lm_head_weight and bias; rewards
     β·(π − ref)). Raises ValueError / TypeError naming the tensor for bad shapes, dtypes or options (an odd
@@ -573,9 +574,11 @@ def fused_linear_orpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
                       bias: torch.Tensor | None = None, beta: float = 0.1, nll_target: torch.Tensor | None = None,
                       ignore_index: int = -100, temperature: float = 1.0) -> PreferenceOutput:
     """ORPO from the policy's hidden states (Hong et al. 2024), as TRL's ``ORPOTrainer``: ``NLL(chosen) −
-    mean(orpo_loss(c̄, r̄))`` with c̄, r̄ the per-token mean completion log-probabilities and NLL the mean
-    negative log-likelihood over the chosen sequences' ``nll_target`` tokens (TRL: prompt and completion; default
-    ``target``'s chosen half). No reference model.
+    mean(orpo_loss(c̄, r̄))`` (``liger_gen.ops.post_training.orpo_loss``) with c̄, r̄ the per-token mean completion
+    log-probabilities and NLL the mean negative log-likelihood over the chosen sequences' ``nll_target`` tokens.
+    The default NLL covers the chosen completions only (``target``'s chosen half, as Liger-Kernel's ORPO); TRL's
+    ``ORPOTrainer`` covers prompt and completion: pass ``nll_target`` = the chosen sequences' next tokens with
+    ``ignore_index`` on padding for TRL's loss. No reference model.
 
     x, lm_head_weight, target, bias: as in ``fused_linear_dpo``. ``nll_target``: optional (pairs, tokens); where
     both it and the chosen half of ``target`` are not ``ignore_index`` they must hold the same token (ValueError on
@@ -606,8 +609,9 @@ def fused_linear_cpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                      alpha: float = 0.0, nll_target: torch.Tensor | None = None, ignore_index: int = -100,
                      temperature: float = 1.0) -> PreferenceOutput:
     """CPO from the policy's hidden states (Xu et al. 2024), as TRL's ``CPOTrainer``: ``mean(cpo_loss(c, r)) +
-    cpo_alpha·NLL(chosen)``, with c, r summed completion log-probabilities (per-token means for ``ipo`` and
-    ``simpo``), NLL as in ``fused_linear_orpo`` (``nll_target``, default the chosen half of ``target``).
+    cpo_alpha·NLL(chosen)`` (``liger_gen.ops.post_training.cpo_loss``), with c, r summed completion
+    log-probabilities (per-token means for ``ipo`` and ``simpo``), NLL as in ``fused_linear_orpo``
+    (``nll_target``; the default covers the chosen completions only, TRL's trainer prompt and completion).
     ``loss_type="simpo"`` with ``cpo_alpha=0`` is SimPO (``fused_linear_simpo``); ``alpha`` ≠ 0 is AlphaPO.
     Returns ``PreferenceOutput`` (rewards β·logps, or β·AlphaPO rewards). As in TRL, a completion with no token
     makes the per-token means (ipo, simpo) 0/0 and the loss NaN, and so does a batch with no NLL token when
@@ -649,8 +653,9 @@ def fused_linear_simpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: to
                        ignore_index: int = -100, temperature: float = 1.0) -> PreferenceOutput:
     """SimPO from the policy's hidden states (Meng et al. 2024, "SimPO: Simple Preference Optimization with a
     Reference-Free Reward", Eq. 6): ``fused_linear_cpo`` with ``loss_type="simpo"`` — per-token mean
-    log-probabilities, margin γ = ``simpo_gamma``, β 2.0 (the paper's range is 2–10), no NLL term by default
-    (TRL's ``CPOTrainer`` adds ``cpo_alpha``·NLL, 1.0 unless set to 0)."""
+    log-probabilities, margin γ = ``simpo_gamma``. The defaults are the paper's, not TRL's: β 2.0 (the paper's
+    range is 2–10; TRL's ``CPOConfig`` has 0.1) and no NLL term (TRL's ``CPOTrainer`` adds ``cpo_alpha``·NLL,
+    1.0 unless set to 0). Arguments, result and errors: ``fused_linear_cpo``'s."""
     return fused_linear_cpo(x, lm_head_weight, target, bias=bias, beta=beta, loss_type="simpo",
                             label_smoothing=label_smoothing, simpo_gamma=simpo_gamma, cpo_alpha=cpo_alpha,
                             nll_target=nll_target, ignore_index=ignore_index, temperature=temperature)
@@ -666,9 +671,16 @@ def fused_linear_kto(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
     sequences of ``kto_loss`` on summed completion log-probabilities.
 
     x (sequences, tokens, hidden), target (sequences, tokens), ``desirable`` (sequences,) bool (TRL's
-    ``label``); the reference as in ``fused_linear_dpo``; ``kl`` the detached batch KL estimate z₀ (TRL:
-    the mean over the mismatched KL batch of policy − reference summed log-probabilities, clamped at 0; a
-    0-d tensor or a float). Returns ``KTOOutput``."""
+    ``label``); the reference as in ``fused_linear_dpo``; ``kl`` the detached batch KL estimate z₀ (a 0-d tensor
+    or a float; a NaN tensor gives a NaN loss), as TRL computes it from its mismatched KL batch (each completion
+    paired with another sequence's prompt)::
+
+        with torch.no_grad():
+            policy_kl = lg.selective_log_softmax(kl_x, policy_head, kl_target).sum(-1)
+            ref_kl = lg.selective_log_softmax(ref_kl_x, ref_head, kl_target).sum(-1)
+        kl = (policy_kl - ref_kl).mean().clamp(min=0)
+
+    (and averaged over processes in distributed training). Returns ``KTOOutput``."""
     op = "fused_linear_kto"
     options = _check_policy(op, x, lm_head_weight, target, bias, ignore_index, temperature, False)
     _check_ref_head(op, ref_lm_head_weight, lm_head_weight)
@@ -710,15 +722,18 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
     ``temperature`` (TRL divides the logits by the sampling temperature).
 
     Args:
-        x: (sequences, tokens, hidden) hidden states of the completion positions (shifted: x[:, t] predicts
-            target[:, t]); target (sequences, tokens) the completion token ids (``ignore_index`` where none).
+        x: (sequences, tokens, hidden) hidden states of the completion positions only (shifted: x[:, t] predicts
+            target[:, t]; TRL's ``logits_to_keep``); target (sequences, tokens) the completion token ids
+            (``ignore_index`` where none). With prompt positions included (ignored), every normalisation but
+            dr_grpo is the same; dr_grpo then needs ``max_completion_length``.
         advantages: (sequences,) or (sequences, tokens). completion_mask: (sequences, tokens), 1 for tokens in
             the loss (TRL's completion mask); default ``target != ignore_index``.
         old_per_token_logps: (sequences, tokens) the sampling policy's log-probabilities (None: the policy's
             own, detached). ref_per_token_logps: (sequences, tokens), needed when β ≠ 0.
         beta, epsilon_low, epsilon_high (default epsilon_low), loss_type (grpo, bnpo, dr_grpo, dapo, cispo),
             importance_sampling_level (token, sequence), delta, max_completion_length, num_items_in_batch: TRL's
-            options of the same names (see ``grpo_per_token_loss`` and ``grpo_normalise``).
+            options of the same names (see ``grpo_per_token_loss`` and ``grpo_normalise`` in
+            ``liger_gen.ops.post_training``).
 
     Returns ``GRPOOutput`` (loss 0-d float32; per-token log-probabilities, 0 where target is ignore_index)."""
     op = "fused_linear_grpo"
