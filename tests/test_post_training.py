@@ -414,12 +414,17 @@ def test_no_host_synchronisation_on_cuda(name):
     fn, kw, _ = _case(name, n, t, ref_x, ref_w, gen)
     cuda = {k: a.cuda() if isinstance(a, torch.Tensor) else a for k, a in kw.items()}
     x, w, target = x.cuda().requires_grad_(), w.cuda().requires_grad_(), target.cuda()
-    fn(x, w, target, **cuda).loss.backward()  # the first call builds kernels and tables
+    teacher_x, teacher_w = ref_x.cuda().flatten(0, 1), ref_w.cuda()
+
+    def step():
+        fn(x, w, target, **cuda).loss.backward()
+        F.fused_linear_jsd(x.flatten(0, 1), w, teacher_x, teacher_w, target.flatten()).backward()
+
+    step()  # the first call builds kernels and reads tables
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fn(x, w, target, **cuda).loss.backward()
-        F.fused_linear_jsd(x.flatten(0, 1), w, ref_x.cuda().flatten(0, 1), ref_w.cuda(), target.flatten()).backward()
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
