@@ -291,6 +291,53 @@ def test_grpo_equals_grpo_trainers_compute_loss(loss_type, level, beta, old):
     assert rel_l2(grad.double(), want_grad) < 1e-5
 
 
+def test_kto_equals_kto_trainers_compute_loss():
+    """TRL's own ``KTOTrainer._compute_loss`` (precomputed reference log-probabilities, the KL batch's), handed
+    float64 per-token log-probabilities of the same hidden states, gives our loss and gradient."""
+    from collections import defaultdict
+
+    trl = pytest.importorskip("trl")
+    n, length, h, v = 6, 9, 16, 40
+    gen = seeded("kto-trl")
+    ids = torch.randint(0, v, (n, length), generator=gen)
+    completion = torch.ones(n, length, dtype=torch.long)
+    completion[:, :3] = 0  # the prompt
+    completion[2, -2:] = 0  # padding
+    target = ids.masked_fill(completion == 0, -100)[:, 1:]
+    x = torch.randn(n, length - 1, h, generator=gen)
+    w = torch.randn(v, h, generator=gen) * 0.5
+    desirable = torch.tensor([True, False, True, True, False, False])
+    ref_logps, kl_logps, ref_kl_logps = (-torch.rand(n, generator=gen, dtype=torch.float64) * 20 for _ in range(3))
+    w64 = w.double().requires_grad_()
+
+    class Accelerator:
+        device = torch.device("cpu")
+
+        def gather_for_metrics(self, value, **_):
+            return value
+
+    logps = _logps64(x, w64, target)
+    model = lambda **kw: SimpleNamespace(log_probs=logps, entropy=torch.zeros_like(logps),  # noqa: E731
+                                         mean_logits=torch.zeros_like(logps))
+    trainer = SimpleNamespace(model=SimpleNamespace(training=False), accelerator=Accelerator(), beta=0.3,
+                              loss_type="kto", desirable_weight=1.0, undesirable_weight=1.4,
+                              precompute_ref_logps=True, calculate_KL=True, aux_loss_enabled=False,
+                              _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1,
+                              _compute_kl_logps=lambda model, batch: kl_logps)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
+             "label": desirable, "ref_logps": ref_logps, "ref_KL_logps": ref_kl_logps}
+    want = trl.KTOTrainer._compute_loss(trainer, model, batch, False)
+    want = want[0] if isinstance(want, tuple) else want
+    (want_grad,) = torch.autograd.grad(want, w64)
+    kl = (kl_logps - ref_kl_logps).mean().clamp(min=0)
+    ws = w.clone().requires_grad_()
+    ours = F.fused_linear_kto(x, ws, target, desirable, ref_log_probs=ref_logps.float(), kl=kl.float(), beta=0.3,
+                              undesirable_weight=1.4)
+    (grad,) = torch.autograd.grad(ours.loss, ws)
+    assert math.isclose(float(ours.loss), float(want), rel_tol=1e-5, abs_tol=1e-7)
+    assert rel_l2(grad.double(), want_grad) < 1e-5
+
+
 # ------------------------------------------------------------------------------ DPO against DPOTrainer
 
 
