@@ -29,10 +29,11 @@ import torch
 from liger_gen.codegen.problems import Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.fused_linear_cross_entropy import _mm_fp32_out, _scale_in_place, check_lm_head
+from liger_gen.ops.fused_linear_cross_entropy import _scale_in_place, check_lm_head
 from liger_gen.ops.jsd import _jsd_rows, jsd_mode
-from liger_gen.ops.selective_log_softmax import (_LOW_PRECISION, MAX_TUNING_ROWS, TARGET_DTYPES, SelectiveLogSoftmaxProblem,
-                                                 SelectiveLogSoftmaxSpace, _Chunks, lm_head_tuning_problems)
+from liger_gen.ops.selective_log_softmax import (MAX_TUNING_ROWS, TARGET_DTYPES, SelectiveLogSoftmaxProblem,
+                                                 SelectiveLogSoftmaxSpace, _Chunks, lm_head_logits,
+                                                 lm_head_tuning_problems)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
                                    describe, kernel_module, uses_triton)
@@ -155,6 +156,8 @@ class _Distill(_Chunks):
     """One call's chunk loop: the student and teacher logits GEMMs of each chunk and the kernel between; the
     gradient allocation and GEMMs are selective_log_softmax's (x, w: the student's)."""
 
+    SPACE = FusedLinearJSDSpace
+
     def __init__(self, xs, ws, xt, wt, target, beta: float, temperature: float, ignore_index: int, plan=None):
         self.x, self.w, self.xt, self.wt, self.target = xs, ws, xt, wt, target
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
@@ -163,21 +166,8 @@ class _Distill(_Chunks):
         config, self.module = _config(xs, self.hidden, self.vocab, self.rows)
         if plan is not None:
             config = FusedLinearJSDConfig.from_dict(plan)
-        low = xs.dtype in _LOW_PRECISION
-        self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else xs.dtype
-        self.dw_dtype = torch.float32 if (config.DW_FP32 or xs.dtype != torch.bfloat16) else xs.dtype
-        chunk = config.CHUNK_ROWS
-        if not xs.is_cuda:  # the CPU paths keep fp32 working copies: fewer rows within the same budget
-            chunk = max(FusedLinearJSDSpace.CHUNK_CHOICES[0],
-                        min(chunk, FusedLinearJSDSpace.MAX_EXTRA_BYTES // max(1, 24 * self.vocab)))
-        self.chunk = min(chunk, max(self.rows, 1))
+        self.use_plan(config, cpu_bytes=24)  # two fp32 working copies of the logits on the CPU paths
         self.dz_scale = FP16_DZ_SCALE if xs.dtype == torch.float16 else 1.0
-
-    def _logits(self, x, w, out):
-        if out.dtype == x.dtype:
-            return torch.mm(x, w.t(), out=out)
-        _mm_fp32_out(x, w, out)
-        return out
 
     def run(self, need_dx: bool, need_dw: bool):
         """(loss, dx or None, dW or None, scale): the mean divergence over valid rows (0-d fp32), dz_scale times
@@ -203,8 +193,8 @@ class _Distill(_Chunks):
         for lo in range(0, rows, self.chunk):
             hi = min(lo + self.chunk, rows)
             xc = xs[lo:hi]
-            zs = self._logits(xc, self.w, zs_buf[:hi - lo])
-            zt = self._logits(self.xt[lo:hi], self.wt, zt_buf[:hi - lo])
+            zs = lm_head_logits(xc, self.w, None, zs_buf[:hi - lo])
+            zt = lm_head_logits(self.xt[lo:hi], self.wt, None, zt_buf[:hi - lo])
             grad = None if not want else (zs if gbuf is None else gbuf[:hi - lo])
             label = None if self.target is None else self.target[lo:hi]
             if self.module is not None:
@@ -237,7 +227,6 @@ class _Distill(_Chunks):
             g = torch.where(q > 0, (1 - b) * q * (s - log_m), 0.0)
         dz = (g - q * g.sum(-1, keepdim=True)) * (self.dz_scale / self.temperature)
         grad.copy_(torch.where(valid[:, None], dz, 0.0))
-
 
 
 # ------------------------------------------------------------------------------------------------ tuning

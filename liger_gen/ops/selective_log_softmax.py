@@ -255,36 +255,50 @@ def _config(x: torch.Tensor, hidden: int, vocab: int, rows: int):
     return space.heuristic(), None
 
 
+def lm_head_logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out = x @ w.T (+ bias)`` with fp32 accumulation, stored in ``out``'s dtype (x's, or fp32)."""
+    if out.dtype == x.dtype:
+        if bias is not None:
+            torch.addmm(bias, x, w.t(), out=out)
+        else:
+            torch.mm(x, w.t(), out=out)
+    else:
+        _mm_fp32_out(x, w, out)
+        if bias is not None:
+            out.add_(bias)
+    return out
+
+
 class _Chunks:
     """One call's chunk loop over the rows of x: the logits GEMM of each chunk and the kernels around it."""
+
+    SPACE = SelectiveLogSoftmaxSpace  # the op's space: its chunk choices and memory budget
 
     def __init__(self, x, w, bias, target, options: LogProbOptions):
         self.x, self.w, self.bias, self.target, self.options = x, w, bias, target, options
         self.rows, self.hidden = x.shape
         self.vocab = w.shape[0]
         config, self.module = _config(x, self.hidden, self.vocab, self.rows)
+        self.use_plan(config, cpu_bytes=12)
+        self.kernel_args = (options.ignore_index, float(options.logit_scale), options.softcap,
+                            1.0 / options.temperature)
+
+    def use_plan(self, config, cpu_bytes: int | None = None) -> None:
+        """Take ``config``'s chunk plan: the logits' and dW's dtypes and the rows per chunk. ``cpu_bytes``: on
+        the CPU paths, whose fp32 working copies take that many bytes per logit, fewer rows within the same
+        budget (None: the plan's rows)."""
+        x = self.x
         low = x.dtype in _LOW_PRECISION
         self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
         self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype
         chunk = config.CHUNK_ROWS
-        if not x.is_cuda:  # the CPU paths keep fp32 working copies: fewer rows within the same budget
-            chunk = max(SelectiveLogSoftmaxSpace.CHUNK_CHOICES[0],
-                        min(chunk, SelectiveLogSoftmaxSpace.MAX_EXTRA_BYTES // max(1, 12 * self.vocab)))
+        if cpu_bytes is not None and not x.is_cuda:
+            chunk = max(self.SPACE.CHUNK_CHOICES[0],
+                        min(chunk, self.SPACE.MAX_EXTRA_BYTES // max(1, cpu_bytes * self.vocab)))
         self.chunk = min(chunk, max(self.rows, 1))
-        self.kernel_args = (options.ignore_index, float(options.logit_scale), options.softcap,
-                            1.0 / options.temperature)
 
     def logits(self, xc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if out.dtype == xc.dtype:
-            if self.bias is not None:
-                torch.addmm(self.bias, xc, self.w.t(), out=out)
-            else:
-                torch.mm(xc, self.w.t(), out=out)
-        else:
-            _mm_fp32_out(xc, self.w, out)
-            if self.bias is not None:
-                out.add_(self.bias)
-        return out
+        return lm_head_logits(xc, self.w, self.bias, out)
 
     def forward(self, need: tuple[bool, bool, bool, bool]):
         """(log_probs, entropy, log_sum_sq, mean, top1 as int8, lse) per row; unrequested ones are None."""
@@ -490,11 +504,7 @@ class SelectiveLogSoftmaxProblem(Problem):
 
 def _apply_plan(run: _Chunks, plan: dict) -> None:
     """Give a chunk loop the chunk plan of a rendered variant (the tuner times variants other than the table's)."""
-    config = SelectiveLogSoftmaxConfig.from_dict(plan)
-    low = run.x.dtype in _LOW_PRECISION
-    run.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else run.x.dtype
-    run.dw_dtype = torch.float32 if (config.DW_FP32 or run.x.dtype != torch.bfloat16) else run.x.dtype
-    run.chunk = min(config.CHUNK_ROWS, max(run.rows, 1))
+    run.use_plan(SelectiveLogSoftmaxConfig.from_dict(plan))
 
 
 MAX_TUNING_ROWS = 4096
