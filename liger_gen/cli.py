@@ -5,6 +5,7 @@ Thin by design: parse, call the library, print.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -112,6 +113,13 @@ def main() -> None:
               help="Tune on this many GPUs (0..N-1) in parallel, one worker process each, sharing --storage.")
 @click.option("--devices", default=None,
               help="Comma-separated GPU indices to tune on in parallel (e.g. 0,1,2,3); overrides --workers.")
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Points the search proposes at once (part of the search: the same seed and batch give the same "
+                   "tables with any number of compile workers).")
+@click.option("--compile-workers", "compile_workers", default=None, type=click.IntRange(0, 256),
+              help="Processes per tuning process that compile each batch's variants on the CPU while the GPU "
+                   "times (0: compile at the first launch). Default: the CPU cores less two, at most 16, shared "
+                   "by the GPU workers.")
 @click.option("--refresh", is_flag=True,
               help="No search: re-time each existing entry's finalists (its best few and the heuristic) under "
                    "the running Triton and rewrite the table (after a Triton upgrade). Shapes without an entry "
@@ -129,7 +137,7 @@ def main() -> None:
                    "process on this host is gone, at once). Keep it above the longest stretch without a trial.")
 @click.pass_context
 def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
-         devices, refresh, build_kernels, run_id, no_write_tables, stale_after) -> None:
+         devices, batch, compile_workers, refresh, build_kernels, run_id, no_write_tables, stale_after) -> None:
     """Search launch settings on this GPU (or several of the same kind) and write the tuned tables.
 
     Several hosts tune one run together through a PostgreSQL database (pip install 'liger-gen[tune]' brings the
@@ -225,6 +233,8 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
     from liger_gen.tuning.tuner import JournalError, SharedRunError, StorageError
 
     out_root = out_dir or default_tune_root()
+    if compile_workers is None:
+        compile_workers = default_compile_workers(len(devices) if devices else 1)
     try:
         result = run_tuning(specs=[get_spec(op) for op in ops], model=model, rows=rows, dtypes=dtype_list, trials=trials,
                             out_root=out_root, storage=storage, seed=seed, polish=polish,
@@ -232,7 +242,8 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
                             devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
                             device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu,
                             device_name=visible[1], refresh=refresh, run_id=run_id,
-                            write_tables=not no_write_tables, stale_s=stale_after)
+                            write_tables=not no_write_tables, stale_s=stale_after, batch=batch,
+                            compile_workers=compile_workers)
     except (JournalError, StorageError, SharedRunError) as exc:
         raise click.ClickException(str(exc)) from None
     if no_write_tables:
@@ -249,6 +260,16 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
                                       if run_id and not no_write_tables else ""))
     if build_kernels and not no_write_tables:
         _build_after_tune(gpu, model_name, ops, rows, dtypes, out_root)
+
+
+def default_compile_workers(gpu_workers: int = 1) -> int:
+    """Compile workers per tuning process: the CPU cores this process may use, less two (the tuning processes'
+    own work), at most 16, shared evenly by ``gpu_workers`` tuning processes."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(0, min(16, cores - 2) // max(1, gpu_workers))
 
 
 def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int], dtypes: str, out_root) -> None:

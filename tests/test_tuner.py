@@ -329,12 +329,13 @@ class Interrupt:
         return cost_model(launch, params)
 
 
+@pytest.mark.parametrize("batch", [1, 3])  # one point at a time; batches of 3 (killed with points still queued)
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, Killed])  # the trial ends FAIL / stays RUNNING
 @pytest.mark.parametrize("at", [1, 4, 9, 12, 16])  # the heuristic, the search, the polish, the backward phase
-def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc):
+def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc, batch):
     from liger_gen.tuning.tuner import open_storage
 
-    settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2)
+    settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2, batch=batch)
     reference = Tuner(timer=cost_model, **settings).tune(fast)
     with pytest.raises(exc):
         Tuner(timer=Interrupt(at, exc), storage=open_storage(tmp_path / "run.journal"), **settings).tune(fast)

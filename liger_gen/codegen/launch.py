@@ -22,6 +22,8 @@ reads have not changed (the rendered modules never rebind them).
 The first call of a key looks in the compiled kernel cache (``liger_gen.runtime.compiled``) through the
 ``STORE`` hook before asking Triton to compile; with a hit the kernel is loaded without invoking the Triton
 compiler. ``RECORDERS`` are called with every kernel Triton compiled here (``liger-gen build`` collects them).
+``capture()`` collects a thread's launches without running them, for the tuner's compile workers
+(``liger_gen.tuning.compile_pool``).
 """
 
 from __future__ import annotations
@@ -152,8 +154,13 @@ class LeanLaunch:
         return self._lean_fn.run(*args, grid=grid, warmup=False, **kwargs)
 
     def _lean_launch(self, grid, args: tuple, kwargs: dict):
-        if _recordings and getattr(_tls, "recording", None) is not None:
-            return self._lean_record(_tls.recording, grid, args, kwargs)
+        if _recordings:
+            captured = getattr(_tls, "capture", None)
+            if captured is not None:  # ``capture()``: note the launch, run nothing
+                captured.append((self._lean_name, args, dict(kwargs)))
+                return None
+            if getattr(_tls, "recording", None) is not None:
+                return self._lean_record(_tls.recording, grid, args, kwargs)
         if type(grid) is not tuple or len(args) > self._lean_max_positional or not self._lean_direct():
             return self._lean_jit(grid, args, kwargs)
         device = self._lean_device()
@@ -365,6 +372,25 @@ def record():
             yield recording
     finally:
         _tls.recording = outer
+        with _lock:
+            _recordings -= 1
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect the lean launches this thread makes inside the block without running them: the block yields a
+    list that gets one ``(kernel name, positional args, keyword args)`` per launch (what compiling the kernel
+    ahead of its first launch needs; ``liger_gen.tuning.compile_pool``). PyTorch work in the block still runs."""
+    global _recordings
+    launches: list[tuple[str, tuple, dict]] = []
+    outer = getattr(_tls, "capture", None)
+    _tls.capture = launches
+    with _lock:
+        _recordings += 1
+    try:
+        yield launches
+    finally:
+        _tls.capture = outer
         with _lock:
             _recordings -= 1
 

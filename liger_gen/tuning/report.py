@@ -32,14 +32,16 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
                polish: int | None = None, budget_s: float | None = None, devices: Sequence[Any] | None = None,
                compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None,
                refresh: bool = False, run_id: str | None = None, write_tables: bool = True,
-               stale_s: float = 600.0, poll_s: float = 2.0) -> TuneResult:
+               stale_s: float = 600.0, poll_s: float = 2.0, batch: int = 1, compile_workers: int = 0) -> TuneResult:
     """Tune the ops of ``specs`` (``OpSpec``s) at the model's shapes, write one table per op as soon as the op is done, print the time each
     op took and, at the end, the summary per op and shape with the median gain over the heuristic.
 
     ``devices``: ``CUDA_VISIBLE_DEVICES`` values, one worker process each (None or one: tune in this process).
     Several workers share ``storage``; without one they use a journal file in ``<out_root>/<gpu>/`` that is
     removed after a complete run and kept (and named, to resume with ``--storage``) otherwise. ``budget_s``:
-    seconds of search and polish per op (None: no cap). ``tuner`` and ``make_problems`` replace the default
+    seconds of search and polish per op (None: no cap). ``batch`` and ``compile_workers``: the ``Tuner``'s (points
+    proposed at once; compile processes per tuning process, which compile a batch's variants on the CPU while
+    the GPU times). ``tuner`` and ``make_problems`` replace the default
     Tuner and the ops' ``tuning_problems`` (tests). Returns the ``TuneResult``; the caller decides how to fail
     when ``unfinished`` or ``errors`` is not empty.
 
@@ -67,7 +69,8 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     by_name = {spec.name: spec for spec in specs}
     ops = list(by_name)
     units = plan_units(specs, model, rows, [dtype_name(d) for d in dtypes], budget_s=budget_s)
-    tuner = tuner or Tuner(n_trials=trials, seed=seed, polish_trials=polish)
+    tuner = tuner or Tuner(n_trials=trials, seed=seed, polish_trials=polish, batch=batch,
+                           compile_workers=compile_workers)
     several = devices is not None and len(devices) > 1
     from liger_gen.runtime.tables import packaged_root
 
@@ -86,7 +89,9 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
         job.storage = str(own_journal)
     workers = len(devices) if several else 1
     console.print(f"tuning {len(ops)} op(s), {len(units)} unit(s) (op x dtype x rows) of {model.name} on "
-                  f"{device_name} with {workers} worker(s); search+polish budget "
+                  f"{device_name} with {workers} worker(s)"
+                  + (f", {tuner.compile_workers} compile worker(s) each" if tuner.compile_workers else "")
+                  + f", batches of {tuner.batch}; search+polish budget "
                   + (f"{budget_s:g} s per op" if budget_s else "none")
                   + (f"; studies in {display_storage(job.storage)}" if job.storage else "")
                   + (f"; shared run {run_id!r} on host {socket.gethostname()}"
@@ -159,6 +164,11 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
         elapsed = time.monotonic() - start
     console.print(f"tuned {sum(len(e) for e in result.entries.values())} shape(s) of {len(result.entries)} op(s) "
                   f"in {elapsed:.1f} s")
+    stats = tuner.pool_stats()
+    if stats is not None and not several:
+        console.print(f"compile workers: {stats['compiled']} variant(s) compiled ahead ({stats['worker_s']:.1f} s of "
+                      f"worker time), {stats['not_started'] + stats['not_sent'] + stats['failed']} compiled at "
+                      f"their first launch instead; {stats['waited_s']:.1f} s spent waiting for workers")
     summary = gain_summary({op: result.entries[op] for op in ops if result.entries.get(op)})
     if summary["rows"]:
         console.print(gain_table(summary))

@@ -124,6 +124,14 @@ class Tuner:
             (a CUDA graph for some, events for others); ``events_timer`` when ``timer`` is the default.
         on_trial: called after every finished trial (progress bars).
         clock: seconds, monotonic (``time.monotonic``; tests pass a fake clock).
+        batch: points TPE proposes at once from the same history (each from its own seed), measured one after
+            the other; part of the search's definition (the same seed and batch give the same search), and what
+            lets ``compile_pool`` compile a whole batch in parallel. 1 (the default): one point at a time.
+        compile_workers: compile processes (``liger_gen.tuning.compile_pool.CompilePool``, started at the first
+            variant on a CUDA device) that compile each batch's variants, and the polish's next moves, on the
+            host's CPU cores while the GPU times; 0: every variant compiles at its first launch. Workers change
+            when compiles happen, never which variants are measured.
+        compile_pool: a pool object to use instead (``submit(problem, config, phase)``, ``wait(...)``; tests).
     """
 
     MEASURED = ("ok", "wrong", "error")
@@ -133,7 +141,8 @@ class Tuner:
                  storage: Any = None, seed: int = 0, retime_top: int = 3, retime_rounds: int = 3,
                  retime_margin: float = 0.01, polish_trials: int | None = None, search_share: float = 0.8,
                  fallback_timer: Timer | None = None, on_trial: Callable[[], None] | None = None,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, batch: int = 1, compile_workers: int = 0,
+                 compile_pool: Any = None):
         from liger_gen.optional import require
 
         require("optuna", "liger-gen's tuner")
@@ -147,6 +156,13 @@ class Tuner:
             raise ValueError(f"search_share must be in (0, 1], got {search_share}")
         if polish_trials is not None and polish_trials < 0:
             raise ValueError(f"polish_trials must be >= 0, got {polish_trials}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        if isinstance(compile_workers, bool) or not isinstance(compile_workers, int) or compile_workers < 0:
+            raise ValueError(f"compile_workers must be an int >= 0, got {compile_workers!r}")
+        self.batch = batch
+        self.compile_workers = compile_workers
+        self.compile_pool = compile_pool
         self.n_trials = n_trials
         self.timer = timer or gpu_timer
         self.fallback_timer = fallback_timer if fallback_timer is not None else (
@@ -166,17 +182,96 @@ class Tuner:
         """Unique per op, phase, dtype, shape, variant options and template text (so edits start fresh)."""
         return f"{problem.op}:{phase}:{problem.key()}:{template_hash(problem.template)}"
 
-    def _sampler(self, n_finished: int) -> optuna.samplers.BaseSampler:
-        """TPE seeded from (seed, trials finished so far): the next point depends only on the finished history.
+    def _sampler(self, n_finished: int, slot: int = 0) -> optuna.samplers.BaseSampler:
+        """TPE seeded from (seed, trials finished so far, place in the batch): a batch's points depend only on the
+        finished history.
 
-        No constant liar (Optuna 5's default): a study runs one trial at a time, and a trial left RUNNING by a
-        killed worker must not steer the resumed search."""
-        return optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + n_finished) % 2**32,
+        No constant liar (Optuna 5's default): the points of a batch are drawn from the finished history alone
+        (the batch's own points are still running), and a trial left RUNNING by a killed worker must not steer
+        the resumed search."""
+        return optuna.samplers.TPESampler(seed=(self.seed * 1_000_003 + n_finished + 7_919 * slot) % 2**32,
                                           n_startup_trials=max(1, min(8, self.n_trials // 3)), constant_liar=False)
 
-    def _run_one(self, study: optuna.Study, objective, callbacks) -> None:
-        study.sampler = self._sampler(len(study.get_trials(deepcopy=False, states=FINISHED)))
-        study.optimize(objective, n_trials=1, callbacks=callbacks, gc_after_trial=False)
+    def _pool(self, problem) -> Any:
+        """The compile pool for ``problem``'s variants, or None (no pool, or a problem that runs no compiled
+        kernels: on the CPU, or under Triton's interpreter). Tuners of one process share its pool."""
+        if self.compile_pool is not None:
+            return self.compile_pool
+        if not self.compile_workers or getattr(problem, "device", None) is None or problem.device.type != "cuda" \
+                or os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return None
+        from liger_gen.tuning.compile_pool import shared_pool
+
+        return shared_pool(self.compile_workers)
+
+    def start_compile_workers(self) -> None:
+        """Start this process's compile workers now (if the tuner has any), so that their start-up (importing
+        Triton and liger-gen) overlaps other work instead of delaying the first batch."""
+        if self.compile_pool is None and self.compile_workers and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            from liger_gen.tuning.compile_pool import shared_pool
+
+            shared_pool(self.compile_workers).start()
+
+    def pool_stats(self) -> dict[str, Any] | None:
+        """What this process's compile workers did so far (``PoolStats.to_dict``), or None without a pool."""
+        if self.compile_pool is not None:
+            stats = getattr(self.compile_pool, "stats", None)
+            return stats.to_dict() if hasattr(stats, "to_dict") else None
+        if not self.compile_workers:
+            return None
+        from liger_gen.tuning.compile_pool import started_pool
+
+        pool = started_pool(self.compile_workers)
+        return None if pool is None else pool.stats.to_dict()
+
+    def _precompile(self, problem, phase: str, configs: Iterable) -> None:
+        """Hand ``configs`` (valid, not yet measured) to the compile pool, if there is one for ``problem``."""
+        pool = self._pool(problem)
+        if pool is not None:
+            for config in configs:
+                pool.submit(problem, config, phase)
+
+    def _requeue_stale(self, study: optuna.Study) -> None:
+        """Prepare a study for a (resumed) run. A point queued by hand or by an older run and never started is
+        closed (it would run ahead of the search; the heuristic, the prior and the polish queue what they still
+        want). The points of a batch that a killed run left running or queued are queued again, in their order
+        and with their marks, so the batch ends as it does in an uninterrupted run."""
+        stale = sorted(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)),
+                       key=lambda t: t.number)
+        for t in stale:
+            if t.state == TrialState.WAITING:
+                study.tell(study.ask(), state=TrialState.FAIL)  # ask() takes the oldest queued point: this one
+            else:
+                study.tell(t.number, state=TrialState.FAIL)
+        for t in stale:
+            if "batch" in t.user_attrs:
+                study.enqueue_trial(_params_of(t), user_attrs={k: v for k, v in t.user_attrs.items()
+                                                               if k in ("batch", "polish")})
+
+    def _ask_batch(self, study: optuna.Study, space, phase: str, heuristic, k: int) -> list:
+        """The next batch of (trial, config): the queued points if any (all of them), else ``k`` points TPE
+        proposes from the finished history, the i-th from the sampler seeded with (seed, finished, i)."""
+        queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+        n_finished = len(study.get_trials(deepcopy=False, states=FINISHED))
+        batch = []
+        for slot in range(queued or k):
+            study.sampler = self._sampler(n_finished, slot)
+            trial = study.ask()
+            if "batch" not in trial.user_attrs:
+                trial.set_user_attr("batch", n_finished)
+            batch.append((trial, space.suggest(trial, phase, heuristic)))
+        return batch
+
+    def _measure(self, study: optuna.Study, trial, objective, progress) -> None:
+        """Run ``objective`` on an asked trial and tell the study (pruned when the objective prunes). Anything
+        else raised leaves the trial running, as a killed process does; the next run queues it again."""
+        try:
+            value = objective(trial)
+        except optuna.TrialPruned:
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, value)
+        progress(study, trial)
 
     def _out_of_time(self, deadline: float | None, durations: list[float]) -> bool:
         """True when the next trial, as long as the median of the last few, would end past ``deadline``."""
@@ -191,6 +286,9 @@ class Tuner:
         if problems:
             raise _TrialFailed("invalid", "; ".join(problems))
         params = problem.template_params(config)
+        pool = self._pool(problem)
+        if pool is not None:
+            pool.wait(problem, config, phase)
         try:
             module = self.build(problem.template, params)
             error = problem.check(module, phase)
@@ -209,19 +307,16 @@ class Tuner:
         space = problem.space
         study = optuna.create_study(study_name=self.study_name(problem, phase), storage=self.storage,
                                     direction="minimize", load_if_exists=True, sampler=self._sampler(0))
-        # a run killed between queueing a point and starting it leaves it WAITING, and it would run ahead of
-        # the search: close such points (they are re-queued below or by the polish if still wanted)
-        for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            study.tell(study.ask(), state=TrialState.FAIL)
+        self._requeue_stale(study)
 
         def finished():
             return study.get_trials(deepcopy=False, states=FINISHED)
 
         heuristic_key = _key(space.phase_params(heuristic, phase))
-        done = {_key(t.params) for t in finished()}
+        done = {_key(_params_of(t)) for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.WAITING))}
         for start in (heuristic, prior):
             if start is not None and _key(space.phase_params(start, phase)) not in done:
-                study.enqueue_trial(space.phase_params(start, phase))
+                study.enqueue_trial(space.phase_params(start, phase), user_attrs={"batch": 0})
                 done.add(_key(space.phase_params(start, phase)))
 
         # TPE re-proposes points of small categorical spaces; a repeat reuses the recorded outcome instead of
@@ -271,18 +366,28 @@ class Tuner:
         polish_end = None if budget_s is None else start + budget_s
         max_trials = self.MAX_TRIALS_FACTOR * self.n_trials
         already, cut = measured(), None
-        while measured() < self.n_trials and len(finished()) < max_trials:
+        while cut is None and measured() < self.n_trials and len(finished()) < max_trials:
             if heuristic_key in outcomes and self._out_of_time(search_end, durations):
                 cut = "search"
                 break
             before = len(finished())
-            self._run_one(study, objective, [progress])
-            if len(finished()) == before:  # a trial neither completed nor pruned: do not spin on it
+            k = max(1, min(self.batch, self.n_trials - measured(), max_trials - len(finished())))
+            batch = self._ask_batch(study, space, phase, heuristic, k)
+            self._precompile(problem, phase, [c for t, c in batch
+                                              if _key(t.params) not in outcomes and not space.violations(c)])
+            for i, (trial, _config) in enumerate(batch):
+                if i and heuristic_key in outcomes and self._out_of_time(search_end, durations):
+                    for rest, _ in batch[i:]:  # the rest of the batch is dropped, not measured
+                        study.tell(rest, state=TrialState.FAIL)
+                    cut = "search"
+                    break
+                self._measure(study, trial, objective, progress)
+            if len(finished()) == before:  # no trial completed or was pruned: do not spin
                 break
         for _ in range(max(0, self.n_trials - (measured() - already)) if self.on_trial else 0):
             self.on_trial()  # budget not reached (space exhausted, time cut or resumed): keep the bar's total honest
         polished, polish_cut = self._polish(study, space, phase, objective, outcomes, progress, polish_end,
-                                            durations)
+                                            durations, problem=problem, heuristic=heuristic)
         for _ in range(max(0, self.polish_trials - polished) if self.on_trial else 0):  # as above
             self.on_trial()
         records = []
@@ -304,33 +409,51 @@ class Tuner:
         return study, records, summary
 
     def _polish(self, study, space, phase: str, objective, outcomes: dict, progress, deadline: float | None = None,
-                durations: list[float] | None = None) -> tuple[int, str | None]:
+                durations: list[float] | None = None, problem=None, heuristic=None) -> tuple[int, str | None]:
         """Local search around the best point: move one param at a time to its neighbouring choice (half or
         double for the power-of-two params), keep a move that is faster, repeat from the new best. Returns the
         number of variants measured (at most ``polish_trials``) and "polish" if ``deadline`` stopped it; every
-        move is an ordinary, recorded trial."""
+        move is an ordinary, recorded trial. The next ``batch`` moves are handed to the compile pool ahead."""
         durations = durations if durations is not None else []
         # a resumed study has already spent part of the budget
         measured = sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED)
                        if t.user_attrs.get("polish") and t.user_attrs.get("status") in self.MEASURED)
         already = measured
+
+        def measure_next() -> Any:
+            trial = study.ask()
+            self._measure(study, trial, objective, progress)
+            return trial
+
+        for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # moves a killed run queued
+            if measure_next().user_attrs.get("status") in self.MEASURED:
+                measured += 1
         for _ in range(self.MAX_TRIALS_FACTOR * max(1, self.polish_trials)):  # bounds moves that measure nothing
             ok = [(v, k) for k, (st, v) in outcomes.items() if st == "ok" and v is not None]
             if not ok or measured >= self.polish_trials:
                 break
             best_ms, best_key = min(ok)
-            moves = [m for m in _neighbours(space.params(phase), dict(best_key)) if _key(m) not in outcomes]
+            # a move that switches a param on which others depend takes those from the heuristic (and drops the
+            # ones that no longer apply), so every move is a whole point, known before it is measured
+            moves = []
+            for m in _neighbours(space.params(phase), dict(best_key)):
+                if heuristic is not None:
+                    m = space.phase_params(dataclasses.replace(heuristic, **m), phase)
+                if _key(m) not in outcomes and m not in moves:
+                    moves.append(m)
             if not moves:
                 break
             improved = False
-            for move in moves:
+            for j, move in enumerate(moves):
                 if measured >= self.polish_trials:
                     break
                 if self._out_of_time(deadline, durations):
                     return measured - already, "polish"
-                study.enqueue_trial(move, user_attrs={"polish": True})
-                self._run_one(study, objective, [progress])
-                trial = study.get_trials(deepcopy=False)[-1]
+                if problem is not None and heuristic is not None:  # this move and the next ones, compiled ahead
+                    ahead = [dataclasses.replace(heuristic, **m) for m in moves[j:j + self.batch]]
+                    self._precompile(problem, phase, [c for c in ahead if not space.violations(c)])
+                study.enqueue_trial(move, user_attrs={"polish": True, "batch": -1})
+                trial = measure_next()
                 status, ms = outcomes.get(_key(trial.params), (None, None))
                 if trial.user_attrs.get("status") in self.MEASURED:
                     measured += 1
@@ -475,6 +598,11 @@ class Tuner:
             "retime": retimes,
             "trials": trials,
         }
+
+
+def _params_of(trial) -> dict[str, Any]:
+    """A trial's params; for a queued trial (not started, so no params yet), the params it was queued with."""
+    return dict(trial.params or trial.system_attrs.get("fixed_params", {}))
 
 
 def _neighbours(params: tuple, point: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1138,6 +1266,8 @@ def run_units(job: TuneJob, storage, report: Callable[[dict], None], *, worker: 
     its problems, claim and tune each problem, store the entry in the problem's claim study, report events
     (dicts with ``kind``: start, problem, trial, skip, done, and lost when another host took the unit over)."""
     tuner, beat = _unit_tuner(job, storage, report, worker)
+    if job.device == "cuda":
+        tuner.start_compile_workers()  # they start up while the first problems are built
     for unit in job.units:
         name = _unit_claim(job.run_id, unit)
         unit_id = claim(storage, name)
