@@ -303,7 +303,7 @@ def test_constraints_count_the_extra_streams():
     assert any("per thread" in p for p in space.violations(dataclasses.replace(good, BLOCK_M_BWD=1, num_warps_bwd=2)))
     assert any("per thread" in p for p in space.violations(
         dataclasses.replace(good, BLOCK_M_BWD=1, num_warps_bwd=4, BWD_PREFETCH=1)))
-    assert not space.violations(dataclasses.replace(good, BLOCK_M_BWD=1, num_warps_bwd=4))
+    assert not space.violations(dataclasses.replace(good, BLOCK_M_BWD=1, num_warps_bwd=4, BWD_PREFETCH=0))
     # shared memory: (stages − 1) pipelined tiles of each of the 3 backward streams, 2 forward streams
     small = FusedAddRMSNormSpace(8192, torch.float32, DeviceLimits(max_shared_memory_per_block=81920))
     cfg = dataclasses.replace(small.heuristic(), num_stages_bwd=2, num_stages_fwd=2, BLOCK_M_FWD=1)

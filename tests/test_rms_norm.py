@@ -219,7 +219,7 @@ def test_heuristic_only_context_restores_state():
 @pytest.mark.parametrize("changes", [
     {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 1, "BLOCK_M_BWD": 1},
     {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 4, "BLOCK_M_BWD": 2, "BWD_PREFETCH": 1},
-    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 1, "BWD_PREFETCH": 1, "BLOCK_M_FWD": 4},
+    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 1, "BWD_PREFETCH": 1, "BLOCK_M_FWD": 4, "BLOCK_M_BWD": 2},
     {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 2, "BLOCK_M_BWD": 4, "num_warps_bwd": 2},
 ])
 def test_every_template_branch_passes_the_tuners_gate(changes, casting_mode, dtype, device):

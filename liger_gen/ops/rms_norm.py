@@ -128,26 +128,41 @@ class RMSNormSpace(Space):
         self.block_n = next_power_of_2(self.n_cols)
 
     def heuristic(self):
-        """Analytic default, valid for every n_cols in range: ~2K-element tiles, warps grow with the row."""
+        """Analytic default, valid for every n_cols in range: one ~2K-element tile per program below 1024
+        columns; from 1024 columns ~8K-element forward and ~4K-element backward tiles (several rows per
+        program up to 4096 columns); warps grow with the row; the next rows' loads issued before the current
+        rows' reductions (``BWD_PREFETCH``) where the registers allow.
+
+        The wide-row tiles follow the H200 tables: at 896 and 2048 columns the tuned configs hold 4-8 rows per
+        forward program and 2-4 per backward program and prefetch, and ran 1.15-1.7x the one-row-per-program
+        rule this replaces (``benchmarks/results/h200_2026-12-02/tuning``)."""
         block_n = self.block_n
         warps = 1 if block_n <= 256 else 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16 if block_n <= 16384 else 32
-        block_m_fwd = max(1, min(16, 2048 // block_n))
-        block_m_bwd = max(1, min(8, 1024 // block_n))
-        config = self.config_cls(
-            BLOCK_N=block_n,
-            BLOCK_M_FWD=block_m_fwd,
-            num_warps_fwd=self.fit_warps(warps, block_m_fwd * block_n),
-            num_stages_fwd=1,
-            BLOCK_M_BWD=block_m_bwd,
-            dw_strategy="persistent",
-            TILES_PER_PROGRAM=1,
-            PROGRAMS_PER_SM=2,
-            num_warps_bwd=self.fit_warps(warps, block_m_bwd * block_n),
-            num_stages_bwd=1,
-        )
-        problems = self.violations(config)
-        assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
-        return config
+        wide = block_n >= 1024
+        block_m_fwd = max(1, min(16, (8192 if wide else 2048) // block_n))
+        block_m_bwd = max(1, min(8, (4096 if wide else 1024) // block_n))
+        problems: list[str] = []
+        while True:  # the largest tiles (prefetching if it fits) that the device's registers allow
+            for prefetch in (1, 0):
+                config = self.config_cls(
+                    BLOCK_N=block_n,
+                    BLOCK_M_FWD=block_m_fwd,
+                    num_warps_fwd=self.fit_warps(warps, block_m_fwd * block_n),
+                    num_stages_fwd=1,
+                    BLOCK_M_BWD=block_m_bwd,
+                    dw_strategy="persistent",
+                    TILES_PER_PROGRAM=1,
+                    PROGRAMS_PER_SM=2,
+                    BWD_PREFETCH=prefetch,
+                    num_warps_bwd=self.fit_warps(warps, block_m_bwd * block_n),
+                    num_stages_bwd=1,
+                )
+                problems = self.violations(config)
+                if not problems:
+                    return config
+            if block_m_fwd == 1 and block_m_bwd == 1:
+                raise AssertionError(f"heuristic is invalid for n_cols={self.n_cols}: {problems}")
+            block_m_fwd, block_m_bwd = max(1, block_m_fwd // 2), max(1, block_m_bwd // 2)
 
     def shape_violations(self, config) -> list[str]:
         """Row width, threads, registers and shared memory of both kernels."""

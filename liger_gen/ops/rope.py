@@ -192,10 +192,16 @@ class RoPESpace(Space):
         return block_m * (min(block_h, self.max_block_h) * self._head_elems() + 4 * self.block_half)
 
     def heuristic(self) -> RoPEConfig:
-        """Analytic default, valid for every supported dims: ~2K-element head tiles (all heads of a row when
-        they fit), more rows per program only when a row's heads are fewer, ~16 elements per thread."""
+        """Analytic default, valid for every supported dims: ~2K-element tiles of at most as many heads as the
+        key has (a block of heads wider than k's head count is mostly masked lanes in k's launch), more rows
+        per program for the rest of the tile, ~16 elements per thread.
+
+        The head cap follows the H200 tables: at Llama-3.2-1B's and Qwen2.5-0.5B's shapes the tuned configs
+        use 8 and 2 heads per block with 4-32 rows and ran 1.26-1.6x the all-heads rule this replaces."""
         e = self._head_elems()
-        block_h = min(self.max_block_h, self.BLOCK_H_CHOICES[-1], _floor_power_of_2(self.TARGET_TILE // e))
+        kv = self.dims["n_kv_heads"]  # one k head (multi-query attention): not measured, all of q's heads as before
+        heads = _floor_power_of_2(min(self.dims["n_q_heads"], kv)) if kv > 1 else self.max_block_h
+        block_h = min(self.max_block_h, self.BLOCK_H_CHOICES[-1], _floor_power_of_2(self.TARGET_TILE // e), heads)
         block_m = min(32, _floor_power_of_2(self.TARGET_TILE // (block_h * e)))
         warps = warps_for(self.live_elements(block_m, block_h), max_warps=8, per_thread=16)
         warps = min(warps, self.limits.max_threads_per_block // 32)
