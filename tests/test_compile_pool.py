@@ -63,6 +63,22 @@ WORKER_CHECK = textwrap.dedent("""
             hashes.append(kernel.hash)
     out["hashes"] = hashes
     out["entries_after"] = sorted(p.name for p in cache.iterdir())
+    # workers killed mid-run (out of memory, a stray kill): the tuning process goes on, new workers take over
+    import dataclasses, signal
+    with CompilePool(1, target=target) as pool:
+        pool.start()
+        pool.wait(problem, config, "fwd")
+        for proc in list(pool._pool()._processes.values()):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+        other = dataclasses.replace(config, num_warps_fwd=config.num_warps_fwd * 2)
+        for attempt in range(3):  # the first sends may meet the broken pool; a later one a new one
+            pool.submit(problem, other, "fwd")
+            pool.wait(problem, other, "fwd")
+            if pool.stats.compiled:
+                break
+            pool._futures.clear()
+        out["after_kill"] = pool.stats.to_dict()
     print(json.dumps(out))
 """)
 
@@ -84,6 +100,7 @@ def test_a_worker_compiles_the_cache_entry_the_launch_looks_up(tmp_path):
     # every kernel the launch asks for is an entry a worker wrote, and looking them up compiled nothing new
     assert {base32_key(h) for h in out["hashes"]} <= set(out["entries"])
     assert out["entries_after"] == out["entries"]
+    assert out["after_kill"]["compiled"] == 1, out["after_kill"]  # killed workers were replaced
 
 
 class RecordingPool:
@@ -155,3 +172,26 @@ def test_no_pool_for_problems_that_run_no_compiled_kernels(cuda_fake, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuner._pool(cuda_fake) is None  # the interpreter compiles nothing
     assert Tuner(build=fake_build, timer=cost_model, n_trials=2)._pool(cuda_fake) is None  # no workers asked for
+
+
+def test_default_compile_workers_leave_two_cores_and_are_shared_by_gpu_workers(monkeypatch):
+    from liger_gen.cli import default_compile_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert default_compile_workers() == 14
+    assert default_compile_workers(4) == 3
+    assert default_compile_workers(32) == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert default_compile_workers() == 16  # at most 16
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert default_compile_workers() == 0  # a 2-core machine compiles in the tuning process
+
+
+def test_tune_refuses_bad_batch_and_worker_counts():
+    from click.testing import CliRunner
+
+    from liger_gen.cli import main
+
+    for args in (["--batch", "0"], ["--compile-workers", "-1"]):
+        result = CliRunner().invoke(main, ["tune", "--gpu", "h200", *args])
+        assert result.exit_code == 2 and ("--batch" in result.output or "--compile-workers" in result.output)

@@ -220,7 +220,13 @@ class CompilePool:
             return
         if not payload:
             return
-        self._futures[key] = self._pool().submit(_compile, problem.template, params, payload)
+        try:
+            self._futures[key] = self._pool().submit(_compile, problem.template, params, payload)
+        except Exception as exc:  # noqa: BLE001 - a worker died (killed, out of memory): start new ones later
+            self.stats.not_sent += 1
+            self.stats.errors.append(f"{problem.op} {phase}: the workers stopped ({type(exc).__name__}: {exc})"[:300])
+            self._drop_executor()
+            return
         self.stats.sent += 1
 
     def wait(self, problem, config, phase: str) -> None:
@@ -244,11 +250,17 @@ class CompilePool:
         finally:
             self.stats.waited_s += time.monotonic() - start
 
+    def _drop_executor(self) -> None:
+        executor, self._executor, self._started = self._executor, None, False
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         """Stop the workers (compiles not started are dropped)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+            self._started = False
         self._futures.clear()
 
     def __enter__(self) -> "CompilePool":
