@@ -5,7 +5,9 @@ For each phase (forward and backward kernels are tuned separately):
   1. the analytic heuristic is enqueued first, then the config an earlier tuning chose for the same problem (a
      ``prior``: ``prior_configs`` reads it from the tables being replaced, of any template version), so both
      are always measured;
-  2. TPE samples the space; a sample that violates a constraint is pruned before anything compiles;
+  2. TPE samples the space, ``batch`` points at a time from the same finished history (each from its own
+     seed); a sample that violates a constraint is pruned before anything compiles. With compile workers
+     (``compile_pool``), a batch's variants compile on the CPU while the GPU measures the batch's first ones;
   3. each sample is built, checked against the float64 reference on the device (a wrong variant is pruned,
      never kept), then timed (``timing.gpu_timer``: CUDA-graph replay, L2 flushed); compile, launch and timing
      errors prune the trial;
@@ -16,7 +18,8 @@ For each phase (forward and backward kernels are tuned separately):
 Every trial's params, status, time and timing method are kept in the table entry, with the re-timing rounds.
 
 Reproducible and resumable: the sampler is re-seeded before every trial from (seed, number of finished
-trials), so a study's sequence of points depends only on its stored history. With ``storage`` (an Optuna
+trials, and its place in the batch), so a study's sequence of points depends only on its stored history and
+the batch size, not on the compile workers. With ``storage`` (an Optuna
 storage) a study interrupted anywhere — Ctrl-C, a killed worker — resumes where it stopped and ends at the
 entry an uninterrupted run gives (with a deterministic timer; on a GPU up to timing noise).
 
