@@ -118,8 +118,8 @@ def main() -> None:
                    "tables with any number of compile workers).")
 @click.option("--compile-workers", "compile_workers", default=None, type=click.IntRange(0, 256),
               help="Processes per tuning process that compile each batch's variants on the CPU while the GPU "
-                   "times (0: compile at the first launch). Default: the CPU cores less two, at most 16, shared "
-                   "by the GPU workers.")
+                   "times (0: compile at the first launch). Default: the CPU cores less two, at most 16, divided "
+                   "by the number of GPU workers (0 on a machine of 2 cores).")
 @click.option("--refresh", is_flag=True,
               help="No search: re-time each existing entry's finalists (its best few and the heuristic) under "
                    "the running Triton and rewrite the table (after a Triton upgrade). Shapes without an entry "
