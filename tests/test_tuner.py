@@ -547,3 +547,78 @@ def test_prior_configs_come_from_the_tables_being_replaced_of_any_template(tmp_p
     tables.write_table(tables.table_path(tmp_path / "a", "h200", "rms_norm"), table)
     priors = prior_configs([spec, get_spec("layer_norm")], [tmp_path / "missing", tmp_path / "a"], "h200")
     assert priors == {"rms_norm": {problem_key(problem): config.to_dict()}, "layer_norm": {}}
+
+
+def untied(launch, params):
+    """cost_model plus a tiny per-point offset: no two points time alike."""
+    import zlib
+
+    return cost_model(launch, params) + 1e-7 * (zlib.crc32(repr(sorted(params.items())).encode()) % 1000)
+
+
+@pytest.mark.parametrize("at", [2, 4, 5, 8, 12])  # the sampler's calls: inside the first and later batches
+def test_an_interrupt_while_a_batch_is_proposed_resumes_to_the_same_entry(fast, at, monkeypatch):
+    settings = dict(build=fake_build, timer=untied, n_trials=8, seed=5, polish_trials=3, retime_rounds=1, batch=3)
+    reference = Tuner(**settings).tune(fast)
+    original, calls = optuna.samplers.TPESampler.sample_independent, [0]
+
+    def interrupted(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    storage = optuna.storages.InMemoryStorage()
+    monkeypatch.setattr(optuna.samplers.TPESampler, "sample_independent", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Tuner(storage=storage, **settings).tune(fast)
+    monkeypatch.setattr(optuna.samplers.TPESampler, "sample_independent", original)
+    assert Tuner(storage=storage, **settings).tune(fast) == reference
+
+
+@pytest.mark.parametrize("at", [3, 5, 7])  # killed inside a batch, then interrupted while resuming
+def test_an_interrupt_while_a_run_is_resumed_loses_no_point(fast, at, monkeypatch):
+    settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=1, batch=3)
+    reference = Tuner(timer=untied, **settings).tune(fast)
+    storage = optuna.storages.InMemoryStorage()
+
+    class KilledAt:
+        calls = 0
+
+        def __call__(self, launch, params):
+            self.calls += 1
+            if self.calls == at:
+                raise Killed
+            return untied(launch, params)
+
+    with pytest.raises(Killed):
+        Tuner(timer=KilledAt(), storage=storage, **settings).tune(fast)
+    original = optuna.Study.enqueue_trial
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Tuner(timer=untied, storage=storage, **settings).tune(fast)
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", original)
+    assert Tuner(timer=untied, storage=storage, **settings).tune(fast) == reference
+
+
+def test_a_polish_move_that_ties_the_best_resumes_to_the_same_entry(fast, tmp_path):
+    from liger_gen.tuning.tuner import open_storage
+
+    settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=1, batch=2)
+    reference = Tuner(timer=cost_model, **settings).tune(fast)  # cost_model times many points alike
+    with pytest.raises(Killed):
+        Tuner(timer=Interrupt(24, Killed), storage=open_storage(tmp_path / "run.journal"), **settings).tune(fast)
+    resumed = Tuner(timer=cost_model, storage=open_storage(tmp_path / "run.journal"), **settings).tune(fast)
+    assert resumed == reference
+
+
+def test_the_batch_is_part_of_the_study_name_and_of_a_shared_run_plan(fast):
+    from liger_gen.tuning.tuner import TuneJob, _plan
+
+    one, eight = Tuner(build=fake_build, n_trials=2), Tuner(build=fake_build, n_trials=2, batch=8)
+    assert one.study_name(fast, "fwd") != eight.study_name(fast, "fwd")
+    assert _plan(TuneJob(units=[], model="m", tuner=one)) != _plan(TuneJob(units=[], model="m", tuner=eight))

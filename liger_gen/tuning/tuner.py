@@ -182,8 +182,10 @@ class Tuner:
         self.clock = clock or time.monotonic
 
     def study_name(self, problem, phase: str) -> str:
-        """Unique per op, phase, dtype, shape, variant options and template text (so edits start fresh)."""
-        return f"{problem.op}:{phase}:{problem.key()}:{template_hash(problem.template)}"
+        """Unique per op, phase, dtype, shape, variant options, template text (so edits start fresh) and batch
+        size (a search of other batches is another search; one point at a time keeps the plain name)."""
+        name = f"{problem.op}:{phase}:{problem.key()}:{template_hash(problem.template)}"
+        return name if self.batch == 1 else f"{name}:batch{self.batch}"
 
     def _sampler(self, n_finished: int, slot: int = 0) -> optuna.samplers.BaseSampler:
         """TPE seeded from (seed, trials finished so far, place in the batch): a batch's points depend only on the
@@ -235,21 +237,35 @@ class Tuner:
                 pool.submit(problem, config, phase)
 
     def _requeue_stale(self, study: optuna.Study) -> None:
-        """Prepare a study for a (resumed) run. A point queued by hand or by an older run and never started is
-        closed (it would run ahead of the search; the heuristic, the prior and the polish queue what they still
-        want). The points of a batch that a killed run left running or queued are queued again, in their order
-        and with their marks, so the batch ends as it does in an uninterrupted run."""
-        stale = sorted(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)),
+        """Prepare a study for a (resumed) run; what a killed or interrupted run left running or queued is closed,
+        and queued again only where the search would not ask for it by itself:
+
+        - a point queued by hand or by an older version, without a batch mark: closed (it would run ahead of
+          the search);
+        - a point of a batch some of whose points were measured: queued again, in order, with its marks, so the
+          batch ends as in an uninterrupted run;
+        - a point of a batch none of whose points was measured, or a polish move: closed. The resumed run
+          proposes the same points again (the same finished history and seeds), and the polish the same move.
+
+        Copies are queued before the originals are closed, each naming its original (``retry_of``), so an
+        interrupt in here loses nothing and queues nothing twice."""
+        trials = study.get_trials(deepcopy=False)
+        stale = sorted((t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)),
                        key=lambda t: t.number)
+        if not stale:
+            return
+        measured_batches = {t.user_attrs.get("batch") for t in trials if t.state in FINISHED}
+        copied = {t.user_attrs.get("retry_of") for t in trials}
+        for t in stale:
+            b = t.user_attrs.get("batch")
+            if b is not None and b >= 0 and not t.user_attrs.get("polish") and b in measured_batches \
+                    and t.number not in copied:
+                study.enqueue_trial(_params_of(t), user_attrs={"batch": b, "retry_of": t.number})
         for t in stale:
             if t.state == TrialState.WAITING:
                 study.tell(study.ask(), state=TrialState.FAIL)  # ask() takes the oldest queued point: this one
             else:
                 study.tell(t.number, state=TrialState.FAIL)
-        for t in stale:
-            if "batch" in t.user_attrs:
-                study.enqueue_trial(_params_of(t), user_attrs={k: v for k, v in t.user_attrs.items()
-                                                               if k in ("batch", "polish")})
 
     def _ask_batch(self, study: optuna.Study, space, phase: str, heuristic, k: int) -> list:
         """The next batch of (trial, config): the queued points if any (all of them), else ``k`` points TPE
@@ -260,9 +276,10 @@ class Tuner:
         for slot in range(queued or k):
             study.sampler = self._sampler(n_finished, slot)
             trial = study.ask()
+            config = space.suggest(trial, phase, heuristic)
             if "batch" not in trial.user_attrs:
                 trial.set_user_attr("batch", n_finished)
-            batch.append((trial, space.suggest(trial, phase, heuristic)))
+            batch.append((trial, config))
         return batch
 
     def _measure(self, study: optuna.Study, trial, objective, progress) -> None:
@@ -432,10 +449,12 @@ class Tuner:
             if measure_next().user_attrs.get("status") in self.MEASURED:
                 measured += 1
         for _ in range(self.MAX_TRIALS_FACTOR * max(1, self.polish_trials)):  # bounds moves that measure nothing
-            ok = [(v, k) for k, (st, v) in outcomes.items() if st == "ok" and v is not None]
+            # the fastest point, ties to the one measured first (``outcomes`` is in measurement order, also when
+            # rebuilt from the storage), so a resumed polish walks from the point an uninterrupted one does
+            ok = [(v, i, k) for i, (k, (st, v)) in enumerate(outcomes.items()) if st == "ok" and v is not None]
             if not ok or measured >= self.polish_trials:
                 break
-            best_ms, best_key = min(ok)
+            best_ms, _, best_key = min(ok)
             # a move that switches a param on which others depend takes those from the heuristic (and drops the
             # ones that no longer apply), so every move is a whole point, known before it is measured
             moves = []
@@ -1369,7 +1388,8 @@ def _plan(job: TuneJob) -> dict[str, Any]:
         model = repr(job.model)
     plan = {"units": [[u.index, u.op, u.dtype, u.rows, u.budget_s] for u in job.units], "model": model,
             "tuner": {k: getattr(tuner, k, None) for k in ("n_trials", "polish_trials", "seed", "retime_top",
-                                                           "retime_rounds", "retime_margin", "search_share")},
+                                                           "retime_rounds", "retime_margin", "search_share",
+                                                           "batch")},
             "seed": job.seed, "refresh": job.refresh, "device": job.device, "gpu": job.gpu,
             "software": _software(sorted({u.op for u in job.units}), job.specs)}
     return json.loads(json.dumps(plan, default=str))
