@@ -78,6 +78,7 @@ WORKER_CHECK = textwrap.dedent("""
             if pool.stats.compiled:
                 break
             pool._futures.clear()
+            pool._waited.clear()
         out["after_kill"] = pool.stats.to_dict()
     print(json.dumps(out))
 """)

@@ -172,8 +172,10 @@ class CompilePool:
         self.workers = workers
         self.stats = PoolStats()
         self._futures: dict[tuple, concurrent.futures.Future] = {}
+        self._waited: set[tuple] = set()  # variants whose first launch has come: nothing more to wait for
         self._executor = executor
         self._target = target
+        self._started = False
 
     def _pool(self) -> concurrent.futures.Executor:
         if self._executor is None:
@@ -189,7 +191,7 @@ class CompilePool:
     def start(self) -> None:
         """Start every worker now (each imports Triton and liger-gen once); compiles sent later find them up."""
         pool = self._pool()
-        if not getattr(self, "_started", False):
+        if not self._started:
             self._started = True
             for _ in range(self.workers):
                 pool.submit(_ready)
@@ -231,11 +233,11 @@ class CompilePool:
 
     def wait(self, problem, config, phase: str) -> None:
         """Before ``config``'s first launch: wait for its compile if a worker has it, else withdraw it."""
-        params = problem.template_params(config)
-        future = self._futures.get(self._key(problem, params, phase))
-        if future is None or getattr(future, "_liger_gen_seen", False):
+        key = self._key(problem, problem.template_params(config), phase)
+        future = self._futures.get(key)
+        if future is None or key in self._waited:
             return
-        future._liger_gen_seen = True
+        self._waited.add(key)
         if future.cancel():
             self.stats.not_started += 1
             return
@@ -262,6 +264,7 @@ class CompilePool:
             self._executor = None
             self._started = False
         self._futures.clear()
+        self._waited.clear()
 
     def __enter__(self) -> "CompilePool":
         return self
