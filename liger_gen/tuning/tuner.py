@@ -90,6 +90,7 @@ from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.render import template_hash
 from liger_gen.codegen.spaces import dtype_from_name, dtype_name
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.runtime.ops import interpreter_enabled
 from liger_gen.tuning.timing import Timer, events_timer, gpu_timer, timing_method
 
 Builder = Callable[[str, Mapping[str, Any]], Any]
@@ -203,7 +204,7 @@ class Tuner:
         if self.compile_pool is not None:
             return self.compile_pool
         if not self.compile_workers or getattr(problem, "device", None) is None or problem.device.type != "cuda" \
-                or os.environ.get("TRITON_INTERPRET", "0") == "1":
+                or interpreter_enabled():
             return None
         from liger_gen.tuning.compile_pool import shared_pool
 
@@ -212,7 +213,7 @@ class Tuner:
     def start_compile_workers(self) -> None:
         """Start this process's compile workers now (if the tuner has any), so that their start-up (importing
         Triton and liger-gen) overlaps other work instead of delaying the first batch."""
-        if self.compile_pool is None and self.compile_workers and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if self.compile_pool is None and self.compile_workers and not interpreter_enabled():
             from liger_gen.tuning.compile_pool import shared_pool
 
             shared_pool(self.compile_workers).start()
