@@ -315,9 +315,6 @@ class CrossEntropyConfig(KernelConfig):
     *_BWD: the kernel that writes the gradient (the recompute backward, or the gradient-writing forward).
     BLOCK_V is the vocab tile (a row is streamed in BLOCK_V tiles; one tile when BLOCK_V >= V, and then the
     gradient-writing forward keeps the row in registers), BLOCK_M the rows per program.
-    SPLIT_ROW=1 (with GRAD_IN_FWD=1) splits each row of the gradient-writing forward over cdiv(V, BLOCK_V_BWD)
-    programs, each holding its tile in registers; the programs of a row exchange partial maxima and sums through
-    a small workspace and then write dlogits from their registers, so a training step reads the logits once.
     L2_HINTS=1 adds cache eviction hints: the forward's first pass over a row asks L2 to keep it for the second
     pass, and single-use reads and the dlogits writes are marked evict-first (so 2 GB of fresh dlogits do not
     push the rows still to be re-read out of L2).
@@ -332,7 +329,6 @@ class CrossEntropyConfig(KernelConfig):
     BLOCK_M_BWD: int = 1
     num_warps_bwd: int = 8
     num_stages_bwd: int = 1
-    SPLIT_ROW: int = 0
     L2_HINTS: int = 0
 
 
@@ -359,8 +355,6 @@ class CrossEntropySpace(Space):
     MAX_ELEMS_PER_THREAD = 32
     # below this a long row is streamed in too many tiny tiles (one reduction per tile)
     MIN_STREAM_TILE = 512
-    # SPLIT_ROW: most programs per row (the partials of a row are combined as one [BLOCK_M, chunks] tile)
-    MAX_SPLIT = 64
 
     PARAMS = (
         Param("GRAD_IN_FWD", (0, 1), "fwd"),
@@ -372,7 +366,6 @@ class CrossEntropySpace(Space):
         Param("BLOCK_M_BWD", (1, 2, 4, 8, 16, 32, 64), "fwd"),
         Param("num_warps_bwd", (1, 2, 4, 8, 16, 32), "fwd"),
         Param("num_stages_bwd", (1, 2, 3, 4), "fwd"),
-        Param("SPLIT_ROW", (0, 1), "fwd", when=("GRAD_IN_FWD", 1)),
         Param("L2_HINTS", (0, 1), "fwd"),
     )
 
@@ -417,16 +410,6 @@ class CrossEntropySpace(Space):
         problems: list[str] = []
         if config.GRAD_IN_FWD and self.dtype == torch.float16:
             problems.append(FP16_GRAD_IN_FWD)
-        if config.SPLIT_ROW:
-            chunks = -(-self.vocab // config.BLOCK_V_BWD)
-            if not config.GRAD_IN_FWD:
-                problems.append("SPLIT_ROW=1 needs GRAD_IN_FWD=1 (it splits the gradient-writing forward)")
-            if chunks == 1:
-                problems.append(f"SPLIT_ROW=1 with BLOCK_V_BWD={config.BLOCK_V_BWD} >= vocab {self.vocab}: one tile "
-                                f"per row already stays in registers")
-            if chunks > self.MAX_SPLIT:
-                problems.append(f"SPLIT_ROW=1 splits a row of {self.vocab} into {chunks} > {self.MAX_SPLIT} tiles "
-                                f"of BLOCK_V_BWD={config.BLOCK_V_BWD}")
         for phase, block_v, block_m, warps, stages in (
             ("fwd", config.BLOCK_V_FWD, config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd),
             ("bwd", config.BLOCK_V_BWD, config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd),

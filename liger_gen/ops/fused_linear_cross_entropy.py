@@ -212,7 +212,7 @@ class FusedLinearCrossEntropySpace(Space):
     def ce_config(self, config: FusedLinearCrossEntropyConfig) -> CrossEntropyConfig:
         """The cross-entropy kernel config of a plan (only its *_BWD fields are used)."""
         base = CrossEntropySpace(self.vocab, self.logits_dtype(config), self.limits).heuristic()
-        return dataclasses.replace(base, GRAD_IN_FWD=0, SPLIT_ROW=0, BLOCK_V_BWD=config.CE_BLOCK_V, BLOCK_M_BWD=config.CE_BLOCK_M,
+        return dataclasses.replace(base, GRAD_IN_FWD=0, BLOCK_V_BWD=config.CE_BLOCK_V, BLOCK_M_BWD=config.CE_BLOCK_M,
                                    num_warps_bwd=config.CE_WARPS, num_stages_bwd=config.CE_STAGES)
 
     def extra_bytes(self, config: FusedLinearCrossEntropyConfig) -> int:
