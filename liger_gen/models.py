@@ -71,6 +71,17 @@ ARCHITECTURES: dict[str, Architecture] = {
                  tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False, sliding_window=32768,
                  max_window_layers=24),
             dict(rope_type="default", rope_theta=1000000.0), description="Qwen2.5-0.5B"),
+        # meta-llama/Llama-3.1-8B's config.json (hidden 4096, MLP 14336, GQA 32/8, head_dim 128, untied 128256
+        # vocab, llama3 RoPE scaling factor 8) with 4 of its 32 layers: an 8B-wide step that fits one GPU with
+        # plain transformers (1.92 B parameters).
+        Architecture(
+            "llama3-8b-4l", "llama",
+            dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
+                 max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
+                 attention_bias=False, mlp_bias=False),
+            dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=8192),
+            description="Llama-3-8B width, 4 layers"),
         # CPU-sized models: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's q/k/v bias)
         # at a few kB of weights; vocab 256 covers byte tokens exactly.
         Architecture(

@@ -263,6 +263,27 @@ def test_configs_have_the_published_dims(name):
                                                                          else (False, False))
 
 
+def test_llama3_8b_width_model_is_llama_3_1_8b_with_fewer_layers():
+    """Its layer is Llama-3.1-8B's: at the published 32 layers it has the published 8,030,261,248 parameters
+    (untied embedding and LM head); the benchmark builds 4 of them, at the llama3-8b kernel shapes."""
+    import dataclasses
+
+    import transformers
+
+    config = step.build_config("llama3-8b-4l")
+    assert config.num_hidden_layers == 4 and config.tie_word_embeddings is False
+    shape, preset = step.STEP_MODELS["llama3-8b-4l"].shape(), PRESETS["llama3-8b"]
+    assert dataclasses.replace(shape, name=preset.name) == preset
+    rope = config.rope_parameters
+    assert (rope["rope_type"], rope["rope_theta"], rope["factor"], rope["original_max_position_embeddings"]) == (
+        "llama3", 500000.0, 8.0, 8192)
+    config.num_hidden_layers = 32
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
 def test_rope_parameters():
     rope = step.build_config("llama3.2-1b").rope_parameters
     assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
