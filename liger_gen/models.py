@@ -81,7 +81,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                  max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
                  attention_bias=False, mlp_bias=False),
             dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=8192),
-            description="Llama-3-8B width, 4 layers"),
+            description="Llama-3.1-8B, 4 of its 32 layers"),
         # CPU-sized models: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's q/k/v bias)
         # at a few kB of weights; vocab 256 covers byte tokens exactly.
         Architecture(

@@ -208,3 +208,12 @@ if __name__ == "__main__":
     # Subprocess driver for _run_in_mode: argv = [calls_json, *train_llama args].
     _, _calls = _run_counting_liger_ops(sys.argv[2:])
     Path(sys.argv[1]).write_text(json.dumps(_calls))
+
+
+def test_every_preset_has_a_default_learning_rate_and_a_choice():
+    """A preset added to the model registry is offered by --preset; without its default lr a run without --lr
+    would stop with a KeyError."""
+    assert set(train_llama.DEFAULT_LR) == set(train_llama.PRESETS)
+    parser = train_llama.build_parser()
+    assert parser.parse_args(["--preset", "llama3-8b-4l"]).preset == "llama3-8b-4l"
+    assert "llama3-8b-4l 0.0003" in " ".join(parser.format_help().split())

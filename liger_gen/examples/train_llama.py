@@ -72,14 +72,15 @@ from liger_gen.models import ARCHITECTURES
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 
 #: The Llama models of the one model registry (``liger_gen.models.ARCHITECTURES``): ``tiny`` trains on a laptop
-#: CPU in seconds, ``llama3.2-1b`` is the published Llama-3.2-1B architecture. The tokenizer's ids must fit the
+#: CPU in seconds, ``llama3.2-1b`` is the published Llama-3.2-1B architecture, ``llama3-8b-4l`` Llama-3.1-8B's
+#: layer with 4 of its 32 layers. The tokenizer's ids must fit the
 #: embedding; ``tiny``'s embedding is sized to the tokenizer (its vocab in the registry is for byte tokens).
 PRESETS = {name: arch for name, arch in ARCHITECTURES.items() if arch.family == "llama"}
 _VOCAB_FROM_TOKENIZER = {"tiny"}
 
 #: Default AdamW peak learning rate per preset: the tiny model learns visibly within a few dozen steps at 3e-3;
-#: the 1B model uses a usual pre-training peak rate, reached after a linear warm-up (--lr-warmup-steps).
-DEFAULT_LR = {"tiny": 3e-3, "llama3.2-1b": 3e-4}
+#: the larger models use a usual pre-training peak rate, reached after a linear warm-up (--lr-warmup-steps).
+DEFAULT_LR = {"tiny": 3e-3, "llama3.2-1b": 3e-4, "llama3-8b-4l": 3e-4}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
