@@ -204,12 +204,6 @@ def test_batches_are_seeded_windows_of_the_stream():
         train_llama.make_batches(tokens[:10], steps=1, batch_size=1, seq_len=16, seed=0)
 
 
-if __name__ == "__main__":
-    # Subprocess driver for _run_in_mode: argv = [calls_json, *train_llama args].
-    _, _calls = _run_counting_liger_ops(sys.argv[2:])
-    Path(sys.argv[1]).write_text(json.dumps(_calls))
-
-
 def test_every_preset_has_a_default_learning_rate_and_a_choice():
     """A preset added to the model registry is offered by --preset; without its default lr a run without --lr
     would stop with a KeyError."""
@@ -217,3 +211,9 @@ def test_every_preset_has_a_default_learning_rate_and_a_choice():
     parser = train_llama.build_parser()
     assert parser.parse_args(["--preset", "llama3-8b-4l"]).preset == "llama3-8b-4l"
     assert "llama3-8b-4l 0.0003" in " ".join(parser.format_help().split())
+
+
+if __name__ == "__main__":
+    # Subprocess driver for _run_in_mode: argv = [calls_json, *train_llama args].
+    _, _calls = _run_counting_liger_ops(sys.argv[2:])
+    Path(sys.argv[1]).write_text(json.dumps(_calls))

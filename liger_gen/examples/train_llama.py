@@ -73,8 +73,8 @@ DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespear
 
 #: The Llama models of the one model registry (``liger_gen.models.ARCHITECTURES``): ``tiny`` trains on a laptop
 #: CPU in seconds, ``llama3.2-1b`` is the published Llama-3.2-1B architecture, ``llama3-8b-4l`` Llama-3.1-8B's
-#: layer with 4 of its 32 layers. The tokenizer's ids must fit the
-#: embedding; ``tiny``'s embedding is sized to the tokenizer (its vocab in the registry is for byte tokens).
+#: layer with 4 of its 32 layers. The tokenizer's ids must fit the embedding; ``tiny``'s embedding is sized to
+#: the tokenizer (its vocab in the registry is for byte tokens).
 PRESETS = {name: arch for name, arch in ARCHITECTURES.items() if arch.family == "llama"}
 _VOCAB_FROM_TOKENIZER = {"tiny"}
 
