@@ -186,3 +186,16 @@ def test_routing_rejects_bad_indices():
         moe_routing(torch.tensor([[0.0, 1.0]]), 3)
     with pytest.raises(TypeError, match="token must be a 1-D int64"):
         moe_permute(torch.randn(2, 4), [0, 1], torch.tensor([[0], [1]]))
+
+
+def test_tuning_rows_are_capped_so_the_float64_reference_fits_one_gpu():
+    from liger_gen.models import PRESETS
+    from liger_gen.ops.moe import MAX_TUNING_ELEMENTS, SPEC, TUNING_TOP_K
+
+    rows = [4096, 16384, 65536]
+    assert SPEC.tuning_rows(PRESETS["llama3-70b"], rows) == [4096, 16384, 32768]  # hidden 8192
+    assert SPEC.tuning_rows(PRESETS["llama3-8b"], rows) == rows  # hidden 4096: the packaged 65536 entries stay
+    for shape in PRESETS.values():
+        capped = SPEC.tuning_rows(shape, rows)
+        assert all(r * TUNING_TOP_K * shape.hidden_size <= MAX_TUNING_ELEMENTS for r in capped)
+        assert max(capped) * 2 * TUNING_TOP_K * shape.hidden_size > MAX_TUNING_ELEMENTS or max(capped) == 65536

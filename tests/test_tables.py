@@ -396,3 +396,85 @@ def test_user_tables_folder_is_read_when_private_and_tune_writes_there_when_inst
 def test_strict_tables_values(value, strict, monkeypatch):
     monkeypatch.setenv(tables.STRICT_TABLES_ENV, value)
     assert tables.strict_tables() is strict
+
+
+def _timed(entry, rng, ratio_range):
+    """``entry`` with tuner timings: a random heuristic time per phase and the nearest config's at a random ratio,
+    and the heuristic of its dims."""
+    timing = {}
+    for phase in ("fwd", "bwd"):
+        heuristic = float(rng.uniform(0.01, 1.0))
+        timing[phase] = {"heuristic": heuristic, "tuned": heuristic * 0.9,
+                         "nearest": heuristic * float(rng.uniform(*ratio_range))}
+    current = RMSNormSpace(entry["dims"], torch.bfloat16).heuristic().to_dict()
+    return {**entry, "timing_ms": timing, "heuristic": current}
+
+
+def test_nearest_evidence_is_the_geometric_mean_of_forward_plus_backward_ratios():
+    import math
+    import random
+    import statistics
+
+    rng = random.Random()
+    entries = [_timed(_entry(1024, _tuned_config(), n_cols=n), rng, (0.5, 1.5)) for n in (128, 512, 1024, 2048)]
+    entries.append(_entry(4096, _tuned_config(), n_cols=4096))  # no nearest timed: not evidence
+    entries.append({**_entry(1024, _tuned_config(), n_cols=8192),
+                    "timing_ms": {"fwd": {"heuristic": 1.0, "nearest": None}}})  # not re-timed: not evidence
+    assert tables.nearest_evidence({"entries": entries}, RMSNormSpace)[0] == 4
+    entries[0] = {**entries[0], "heuristic": {**entries[0]["heuristic"], "BLOCK_M_FWD": 32}}  # an older heuristic's
+    assert tables.nearest_evidence({"entries": entries}, RMSNormSpace)[0] == 3  # comparison is stale: not counted
+    count, ratio = tables.nearest_evidence({"entries": entries})
+    want = statistics.geometric_mean(
+        math.fsum(e["timing_ms"][p]["nearest"] for p in ("fwd", "bwd"))
+        / math.fsum(e["timing_ms"][p]["heuristic"] for p in ("fwd", "bwd")) for e in entries[:4])
+    assert count == 4 and ratio == pytest.approx(want, rel=1e-12)
+    assert tables.nearest_evidence({"entries": entries[4:]}) == (0, None)
+
+
+def test_neighbour_entries_are_ordered_by_variant_then_dims_then_rows_distance():
+    def e(dims, rows, variant=None):
+        return {"dtype": "bfloat16", "dims": dims, "rows": rows, "variant": variant or {}, "config": {}}
+
+    want = {"head_dim": 128, "n_q_heads": 28, "n_kv_heads": 4}
+    exact = e(dict(want), 4096)
+    near_far_rows = e({"head_dim": 128, "n_q_heads": 32, "n_kv_heads": 4}, 65536)
+    near_near_rows = e({"head_dim": 128, "n_q_heads": 32, "n_kv_heads": 4}, 16384)
+    farther = e({"head_dim": 128, "n_q_heads": 32, "n_kv_heads": 8}, 16384)
+    other_variant = e({"head_dim": 128, "n_q_heads": 28, "n_kv_heads": 2}, 16384, {"mode": "x"})
+    other_names = e({"head_dim": 128, "n_q_heads": 28}, 16384)
+    zero = e({"head_dim": 0, "n_q_heads": 28, "n_kv_heads": 4}, 16384)
+    fp16 = {**near_near_rows, "dtype": "float16"}
+    entries = [farther, other_names, exact, near_far_rows, zero, other_variant, fp16, near_near_rows]
+    assert tables.neighbour_entries(entries, torch.bfloat16, want, 16384) == [
+        near_near_rows, near_far_rows, farther, other_variant]
+    assert tables.neighbour_entries(entries, "bfloat16", want, 16384, {"mode": "x"})[0] is other_variant
+    assert tables.dims_distance({"n": 1024}, {"n": 4096}) == pytest.approx(2.0)
+
+
+def test_a_neighbouring_entry_stands_in_only_where_the_table_shows_it_beats_the_heuristic(user_dir):
+    import random
+
+    rng = random.Random()
+    fits = _tuned_config(BLOCK_M_FWD=1, num_warps_fwd=1)  # BLOCK_N 256: fits every n_cols in 129..256
+    nearer = dataclasses.replace(RMSNormSpace(300, torch.bfloat16).heuristic(), BLOCK_M_FWD=1)  # BLOCK_N 512
+    assert nearer.BLOCK_N == 512 and not RMSNormSpace(300, torch.bfloat16).violations(nearer)
+
+    def table(ratio_range, timed=3):
+        entries = [_entry(1024, fits, n_cols=160), _entry(1024, nearer, n_cols=300), _entry(1024, _tuned_config())]
+        return _table([_timed(e, rng, ratio_range) if i < timed else e for i, e in enumerate(entries)])
+
+    _write(user_dir, table((0.5, 0.9)))
+    with pytest.warns(tables.TunedTableWarning, match=r"using the entry tuned at \{'n_cols': 160\}"):
+        found = tables.lookup(SPACE, torch.bfloat16, 200, 1000, GPU)
+    # n_cols 300 is nearer to 200, but its 512-wide tile is not valid there: the next nearest stands in
+    assert found["config"] == fits and found["dims"] == {"n_cols": 160} and found["source"] == "user"
+    assert tables.lookup(SPACE, torch.bfloat16, N, 1000, GPU)["config"] == _tuned_config()  # exact dims first
+    stale = table((0.5, 0.9))
+    stale["entries"][0]["heuristic"] = {**stale["entries"][0]["heuristic"], "num_warps_bwd": 32}
+    # slower, too few shapes timed, or one of three timed against a heuristic that has changed since
+    for evidence in (table((1.0, 1.5)), table((0.5, 0.9), timed=2), stale):
+        _write(user_dir, evidence)
+        tables.reset_warnings()
+        with pytest.warns(tables.TunedTableWarning, match="using the heuristic"):
+            found = tables.lookup(SPACE, torch.bfloat16, 200, 1000, GPU)
+        assert found["source"] == "heuristic" and "dims" not in found

@@ -622,3 +622,46 @@ def test_the_batch_is_part_of_the_study_name_and_of_a_shared_run_plan(fast):
     one, eight = Tuner(build=fake_build, n_trials=2), Tuner(build=fake_build, n_trials=2, batch=8)
     assert one.study_name(fast, "fwd") != eight.study_name(fast, "fwd")
     assert _plan(TuneJob(units=[], model="m", tuner=one)) != _plan(TuneJob(units=[], model="m", tuner=eight))
+
+
+def test_a_new_shape_times_the_config_tuned_at_the_nearest_dims_beside_the_heuristic(fast):
+    import random
+
+    near = _favourite(fast.space)
+    slow = 1.0 + random.random()  # fresh 'times' each run; the phases' params are told apart, not the phases
+    quick = slow * random.uniform(0.3, 0.9)
+
+    def timer(launch, params):
+        return quick if any(all(params[k] == v for k, v in fast.space.phase_params(near, phase).items())
+                            for phase in ("fwd", "bwd")) else slow
+
+    bad = {**near.to_dict(), "BLOCK_N": 7}  # tuned at dims where this tile fitted: skipped here
+    neighbours = [{"dims": {"n_cols": 80}, "rows": 16, "config": bad},
+                  {"dims": {"n_cols": 128}, "rows": 20, "config": near.to_dict()}]
+    entry = Tuner(n_trials=2, timer=timer, build=fake_build, seed=0, polish_trials=0).tune(fast, neighbours=neighbours)
+    assert entry["nearest"] == {"dims": {"n_cols": 128}, "rows": 20, "config": near.to_dict()}
+    for phase in ("fwd", "bwd"):
+        assert entry["trials"][phase][1]["params"] == fast.space.phase_params(near, phase)  # measured second
+        assert entry["timing_ms"][phase]["nearest"] == pytest.approx(quick)
+        assert entry["timing_ms"][phase]["heuristic"] == pytest.approx(slow)
+    count, ratio = tables.nearest_evidence({"entries": [entry]})
+    assert count == 1 and ratio == pytest.approx(quick / slow)
+    # a refresh (after a Triton upgrade) re-times the nearest config too
+    again = Tuner(timer=timer, build=fake_build).refresh(fast, entry)
+    assert again["nearest"] == entry["nearest"]
+    assert all(again["timing_ms"][p]["nearest"] == pytest.approx(quick) for p in ("fwd", "bwd"))
+    # no neighbour that fits: nothing recorded
+    entry = Tuner(n_trials=2, timer=timer, build=fake_build, seed=0, polish_trials=0).tune(fast, neighbours=neighbours[:1])
+    assert "nearest" not in entry and all("nearest" not in t for t in entry["timing_ms"].values())
+
+
+def test_neighbour_priors_are_the_other_dims_of_the_op_nearest_first():
+    from liger_gen.tuning.tuner import neighbour_priors, problem_key
+
+    problems = {n: FakeRMSNormProblem(torch.float32, n, 20, "cpu") for n in (64, 96, 200, 1000)}
+    priors = {problem_key(p): {"n": n} for n, p in problems.items() if n != 96}
+    priors[problem_key(FakeRMSNormProblem(torch.float16, 100, 20, "cpu"))] = {"n": "fp16"}  # other dtype
+    assert [(p["dims"], p["config"]) for p in neighbour_priors(priors, problems[96])] == [
+        ({"n_cols": 64}, {"n": 64}), ({"n_cols": 200}, {"n": 200}), ({"n_cols": 1000}, {"n": 1000})]
+    priors[problem_key(problems[96])] = {"n": 96}
+    assert neighbour_priors(priors, problems[64])[0]["dims"] == {"n_cols": 96}  # its own dims are not a neighbour

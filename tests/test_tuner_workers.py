@@ -253,6 +253,33 @@ def test_gain_summary_with_a_heuristic_that_could_not_be_retimed():
     assert only["median_gain"] is None and "no entry has a re-timed heuristic" in report.gain_verdict(only)
 
 
+def test_the_summary_reports_the_nearest_dims_config_and_whether_it_may_stand_in():
+    import random
+
+    def near(rows, heur, ratio):
+        e = entry("bfloat16", rows, heur, heur)
+        e["nearest"] = {"dims": {"n_cols": 2048}, "rows": 16384, "config": {}}
+        for phase, ms in zip(("fwd", "bwd"), heur):
+            e["timing_ms"][phase]["nearest"] = ms * ratio
+        return e
+
+    heurs = [(random.uniform(0.1, 1), random.uniform(0.1, 1)) for _ in range(3)]
+    faster = [near(r, h, random.uniform(0.6, 0.9)) for r, h in zip((4096, 16384, 65536), heurs)]
+    summary = report.gain_summary({"rms_norm": faster, "rope": [entry("bfloat16", 4096, (1.0, 1.0), (0.9, 0.9))]})
+    for row, e in zip(summary["rows"], faster):
+        assert row["nearest_dims"] == "n_cols=2048"
+        assert row["nearest_ms"] == pytest.approx(sum(t["nearest"] for t in e["timing_ms"].values()))
+    assert summary["rows"][-1]["nearest_ms"] is None and summary["rows"][-1]["nearest_dims"] is None
+    console = Console(width=240, record=True)
+    console.print(report.gain_table(summary))
+    text = console.export_text()
+    assert "nearest tuned dims" in text and "n_cols=2048" in text
+    lines = report.nearest_verdicts({"rms_norm": faster, "rope": []})
+    assert len(lines) == 1 and "at 3 new shapes" in lines[0] and "enough to stand in" in lines[0]
+    slower = [near(r, h, random.uniform(1.0, 1.4)) for r, h in zip((4096, 16384), heurs)]
+    assert "not enough" in report.nearest_verdicts({"rms_norm": slower})[0]
+
+
 def test_refresh_retimes_the_finalists_of_existing_entries(reference, tmp_path, monkeypatch):
     """`tune --refresh`: each existing entry's finalists (its re-timed candidates and winner) and the heuristic
     are checked and re-timed, no search runs, a table of another Triton version is rewritten as this one's,

@@ -430,7 +430,8 @@ def bench_provider(case: Case, inputs: Inputs, ref: dict[str, torch.Tensor] | No
                 gpu = current_gpu(timer.device)[0] if timer.cuda else None
                 found = lookup(get_spec(case.op).space, dtype, case.lookup_dims(dims), dims["rows"], gpu)
                 res["lookup"] = {"source": found["source"], "rows": found["rows"],
-                                 "config": found["config"].to_dict()}
+                                 "config": found["config"].to_dict(),
+                                 **({"tuned_at": found["dims"]} if "dims" in found else {})}
             except Exception as exc:  # noqa: BLE001 - informative only
                 res["lookup"] = {"source": "?", "error": f"{type(exc).__name__}: {exc}"}
 

@@ -278,7 +278,8 @@ def table_rows(data: dict) -> list[dict[str, str]]:
             "vs compile": _fmt((speed.get("torch-compile") or {}).get("kernel"), ".2f", "-"),
             "vs liger": _fmt((speed.get("liger-kernel") or {}).get("kernel"), ".2f", "-"),
             "max rel err": err,
-            "config": lookup.get("source", "-") if isinstance(lookup, dict) else "-",
+            "config": (lookup.get("source", "-") + (" (nearest dims)" if lookup.get("tuned_at") else ""))
+                      if isinstance(lookup, dict) else "-",
         }
         for key in ("vs compile", "vs liger"):
             if row[key] != "-":

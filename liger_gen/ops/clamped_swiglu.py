@@ -16,6 +16,8 @@ rounds after each op). The plain CPU path is transformers' expression itself.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import torch
@@ -59,12 +61,27 @@ def clamped_swiglu_float64(gate: torch.Tensor, up: torch.Tensor, alpha: float = 
 
 
 class ClampedSwiGLUSpace(GLUSpace):
-    """SwiGLU's params, constraints and heuristic for the clamped kernels (dims ``{"n_cols": intermediate}``),
-    under this op's name (its table) and template."""
+    """SwiGLU's params and constraints for the clamped kernels (dims ``{"n_cols": intermediate}``), under this
+    op's name (its table) and template; SwiGLU's heuristic with a narrower backward tile."""
 
     op = "clamped_swiglu"
     template = "clamped_swiglu"
     config_cls = GLUConfig
+    BWD_TILE = 512  # elements per backward program of the heuristic (one row of 512 columns at most)
+
+    def heuristic(self) -> GLUConfig:
+        """SwiGLU's forward; backward tiles of ``BWD_TILE`` elements, one row deep, 4 warps at most.
+
+        The backward reads the interleaved gate_up with stride 2 and keeps more values live than SwiGLU's; on
+        the H200 the tuned backward tiles at widths 768 to 28672 were 128 to 1024 elements (mostly 512 x 1) and
+        ran 1.2-1.6x SwiGLU's 1024 x 2 rule (``benchmarks/results/h200_2026-12-02/tables``)."""
+        base = super().heuristic()
+        block_n = min(self.max_block_n, self.BWD_TILE)
+        block_m = max(1, self.BWD_TILE // block_n)
+        config = dataclasses.replace(base, BLOCK_N_BWD=block_n, BLOCK_M_BWD=block_m,
+                                     num_warps_bwd=self.fit_warps(4, block_m * block_n))
+        problems = self.violations(config)
+        return base if problems else config
 
 
 # ------------------------------------------------------------------------------------------------ tuning

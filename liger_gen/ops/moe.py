@@ -237,13 +237,24 @@ class MoEPermuteProblem(Problem):
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
 
+#: Permuted elements (tokens · k · hidden) of the largest tuning problem: its float64 reference then holds 16 GiB
+#: per permuted tensor, and the whole problem fits one H200 (Llama-3-70B's 8192 at 65536 tokens needed 4x more).
+MAX_TUNING_ELEMENTS = 2**31
+
+
+def tuning_row_cap(hidden: int) -> int:
+    """The largest power of two of tokens with tokens · ``TUNING_TOP_K`` · hidden <= ``MAX_TUNING_ELEMENTS``."""
+    return 1 << max(0, (MAX_TUNING_ELEMENTS // max(1, TUNING_TOP_K * hidden)).bit_length() - 1)
+
+
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The permutations at the model's hidden size, one problem per token count."""
     return [MoEPermuteProblem(dtype, model.hidden_size, r, device, seed=seed) for r in rows]
 
 
 _CUSTOM_OPS = ("liger_gen::moe_permute_fwd", "liger_gen::moe_unpermute_fwd", "liger_gen::moe_unpermute_bwd")
-SPEC = OpSpec("moe_permute", MoEPermuteSpace, MoEPermuteProblem, tuning_problems, custom_ops=_CUSTOM_OPS)
+SPEC = OpSpec("moe_permute", MoEPermuteSpace, MoEPermuteProblem, tuning_problems, custom_ops=_CUSTOM_OPS,
+              rows_cap=lambda model: tuning_row_cap(model.hidden_size))
 SPECS = {SPEC.name: SPEC}
 
 

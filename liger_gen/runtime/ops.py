@@ -77,12 +77,14 @@ def _variant(space: type[Space], device: torch.device, dtype: torch.dtype, dims:
     found = tables.lookup(space, dtype, dims if isinstance(dims, int) else dict(dims), rows, gpu, limits,
                           variant=dict(variant))
     _chosen[(space.__name__, str(dtype), repr(dims), int(rows), repr(variant), heuristic_only)] = {
-        "config": found["config"].to_dict(), "source": found["source"]}
+        "config": found["config"].to_dict(), "source": found["source"],
+        **({"tuned_at": found["dims"]} if "dims" in found else {})}
     return module_for(space.template, found["config"], variant), found["config"], limits
 
 
 def chosen_configs() -> list[tuple[tuple, dict]]:
-    """Every (space, dtype, dims, rows, variant, heuristic-only) → {config, source} this process chose, sorted:
+    """Every (space, dtype, dims, rows, variant, heuristic-only) → {config, source, and ``tuned_at``: the dims of
+    a neighbouring entry that stood in} this process chose, sorted:
     the choice is a table lookup (or the heuristic), never a measurement, so every rank of a job with the same
     tables and shapes gets the same list."""
     return sorted(_chosen.items(), key=lambda kv: repr(kv[0]))

@@ -21,8 +21,11 @@ is skipped with one warning and the next source is tried. A table tuned under an
 is still used, with one notice (its configs are re-checked against the constraints like every config, and every
 valid config computes the right answer; only its speed was measured under the other version), unless
 ``LIGER_GEN_STRICT_TABLES=1`` makes that a reason to skip it too. Feature
-dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype must match exactly; entries tuned with the same render-time
-options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log distance.
+dims (``dims``, e.g. ``{"n_cols": 4096}``) and dtype are matched exactly first; entries tuned with the same
+render-time options (``variant``, e.g. the casting mode) are preferred; rows pick the nearest tuned bucket in log
+distance. For dims no table has, the entry tuned at the nearest other dims (``neighbour_entries``) is used in
+place of the heuristic only where the table itself shows that this beats the heuristic (``nearest_evidence``:
+the tuner times the nearest tuned config beside the heuristic at every new shape it tunes).
 A corrupt, ill-formed, unreadable or oversized file (over ``MAX_TABLE_BYTES``, or not a regular file) warns and is
 skipped: training never crashes, and never runs a wrong kernel, because of a table. Every key field is checked for
 its form, and every config taken from a table is re-checked against the space's constraints before use. Writers
@@ -36,6 +39,7 @@ import contextlib
 import datetime as _dt
 import functools
 import json
+import math
 import os
 import re
 import stat
@@ -49,7 +53,8 @@ import torch
 import triton
 
 from liger_gen.codegen.render import template_hash
-from liger_gen.codegen.spaces import DeviceLimits, Space, dtype_name, log_distance, template_names
+from liger_gen.codegen.spaces import (DeviceLimits, Space, dtype_from_name, dtype_name, log_distance,
+                                      template_names)
 from liger_gen.files import not_private, write_atomic
 from liger_gen.runtime.devices import GPU_SLUG
 
@@ -59,6 +64,11 @@ TRIAL_FIELDS = ("trials", "search", "retime")
 ENV_TUNED_DIR = "LIGER_GEN_TUNED_DIR"
 #: Larger files are not read (the packaged tables are ~0.1 MB; a 100 MB table would cost seconds and GBs per rank).
 MAX_TABLE_BYTES = 16 * 2**20
+#: The nearest-dims rule (``nearest_evidence``): at least this many of a table's entries must have timed the config
+#: tuned at their nearest other dims beside the heuristic, and those configs must have been faster by this
+#: fraction (geometric mean of forward + backward time ratios), for the runtime to use a neighbouring entry.
+NEAREST_MIN_EVIDENCE = 3
+NEAREST_MARGIN = 0.02
 
 # the form of each key field: what ``new_table`` writes (a Triton version may carry a local suffix: 3.6.0+gitabc)
 _KEY_FORMS = {
@@ -305,6 +315,79 @@ def nearest_entry(table: dict[str, Any], dtype: torch.dtype, dims: dict[str, int
     return min(candidates, key=lambda e: (log_distance(e["rows"], rows), -e["rows"]))
 
 
+def _variant_key(variant: Any) -> tuple:
+    return tuple(sorted((str(k), str(v)) for k, v in (variant or {}).items()))
+
+
+def dims_distance(a: dict[str, int], b: dict[str, int]) -> float:
+    """Sum over the dims of |log2(a) − log2(b)|; inf when the dim names differ or a size is not positive."""
+    if set(a) != set(b) or not all(type(v) is int and v > 0 for v in (*a.values(), *b.values())):
+        return math.inf
+    return sum(abs(math.log2(a[k]) - math.log2(b[k])) for k in a)
+
+
+def neighbour_entries(entries: list[dict[str, Any]], dtype: torch.dtype | str, dims: dict[str, int], rows: int,
+                      variant: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Entries of ``dtype`` tuned at other dims with the same dim names, nearest first.
+
+    Order: same ``variant`` first, then ``dims_distance`` to ``dims``, then the rows bucket's log2 distance to
+    ``rows`` (ties: the larger dims, then the larger bucket). Entries at exactly ``dims`` are not neighbours."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    want = _variant_key(variant)
+    found = []
+    for e in entries:
+        if e.get("dtype") != name or not isinstance(e.get("dims"), dict) or e["dims"] == dims:
+            continue
+        distance = dims_distance(e["dims"], dims)
+        if math.isfinite(distance):
+            found.append(((_variant_key(e.get("variant")) != want, distance, log_distance(e["rows"], rows),
+                           tuple(-v for _, v in sorted(e["dims"].items())), -e["rows"]), e))
+    return [e for _, e in sorted(found, key=lambda pair: pair[0])]
+
+
+def _phase_total(timing: Any, which: str) -> float | None:
+    try:
+        values = [float(t[which]) for t in timing.values()]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    total = sum(values)
+    return total if values and math.isfinite(total) and total > 0 else None
+
+
+def _current_heuristic(entry: dict[str, Any], space: type[Space] | None, limits: DeviceLimits | None) -> bool:
+    """Whether ``entry`` recorded the heuristic that ``space`` gives at its dims now (True without a space)."""
+    if space is None:
+        return True
+    try:
+        return space(entry["dims"], dtype_from_name(entry["dtype"]), limits).heuristic().to_dict() == entry["heuristic"]
+    except Exception:  # noqa: BLE001 - a hand-edited entry, or dims this space rejects: not evidence
+        return False
+
+
+def nearest_evidence(table: dict[str, Any], space: type[Space] | None = None,
+                     limits: DeviceLimits | None = None) -> tuple[int, float | None]:
+    """(entries, geometric mean of nearest / heuristic): how the config tuned at the nearest other dims did
+    against the heuristic, over the entries whose tuning timed both (``timing_ms[phase]["nearest"]``, forward +
+    backward ms). With ``space`` (the op's space class), only entries whose recorded heuristic is the one the
+    space gives now count: a changed heuristic makes the old comparisons stale. (0, None) when none count."""
+    logs = []
+    for e in table.get("entries", []):
+        timing = e.get("timing_ms") if isinstance(e, dict) else None
+        nearest, heuristic = _phase_total(timing, "nearest"), _phase_total(timing, "heuristic")
+        if nearest is not None and heuristic is not None and _current_heuristic(e, space, limits):
+            logs.append(math.log(nearest / heuristic))
+    return len(logs), (math.exp(sum(logs) / len(logs)) if logs else None)
+
+
+def nearest_allowed(table: dict[str, Any], space: type[Space] | None = None,
+                    limits: DeviceLimits | None = None) -> bool:
+    """Whether ``table``'s own measurements let the runtime use a neighbouring entry for dims it lacks: at least
+    ``NEAREST_MIN_EVIDENCE`` entries (``nearest_evidence``), and the nearest configs faster than the heuristic by
+    ``NEAREST_MARGIN``."""
+    count, ratio = nearest_evidence(table, space, limits)
+    return count >= NEAREST_MIN_EVIDENCE and ratio is not None and ratio <= 1 - NEAREST_MARGIN
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock for a read-merge-write of the table at ``path`` (blocks while another writer holds it).
@@ -480,13 +563,15 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
     of a table.
 
     Returns ``{"source": "user"|"packaged"|"heuristic", "path": str|None, "rows": tuned bucket or None,
-    "config": <space config object>}``. ``gpu`` is the canonical GPU name, or None (interpreter / no GPU),
+    "config": <space config object>}``, with ``"dims"`` (the entry's dims) when a neighbouring entry stood in for
+    dims no table has (``nearest_allowed``). ``gpu`` is the canonical GPU name, or None (interpreter / no GPU),
     in which case only the heuristic applies.
     """
     op = space.op
     space_cls, space = space, space(dims, dtype, limits)
     dims = space.dims
     if gpu is not None and not heuristic_only_enabled():
+        without = []  # (source, path, table) of the tables with no entry at these dims
         for source, root in table_roots():
             path = table_path(root, gpu, op)
             table = _load_for(str(path), space_cls, gpu)
@@ -494,6 +579,7 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
                 continue
             entry = nearest_entry(table, dtype, dims, rows, variant)
             if entry is None:
+                without.append((source, path, table))
                 continue
             config, problems = entry_config(space, entry)
             if problems:
@@ -501,9 +587,22 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
                            + "; ".join(problems))
                 continue
             return {"source": source, "path": str(path), "rows": entry["rows"], "config": config}
-        if not heuristic_only_enabled():
-            _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, {dims}); "
-                       f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
+        for source, path, table in without:
+            if not nearest_allowed(table, space_cls, limits):
+                continue
+            for entry in neighbour_entries(table["entries"], dtype, dims, rows, variant):
+                config, problems = entry_config(space, entry)
+                if problems:  # tuned for other dims: it may not fit these
+                    continue
+                count, ratio = nearest_evidence(table, space_cls, limits)
+                _warn_once(f"liger-gen: no tuned {op} config for {gpu} at {dtype_name(dtype)} {dims}; using the "
+                           f"entry tuned at {entry['dims']} (in {count} tuned shapes of {path} the nearest "
+                           f"tuned config took {ratio:.2f}x the heuristic's time). Run `liger-gen tune --gpu "
+                           f"{gpu} --ops {op} ...` to tune these dims.")
+                return {"source": source, "path": str(path), "rows": entry["rows"], "config": config,
+                        "dims": dict(entry["dims"])}
+        _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, {dims}); "
+                   f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
     return {"source": "heuristic", "path": None, "rows": None, "config": space.heuristic()}
 
 

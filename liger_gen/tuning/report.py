@@ -173,6 +173,8 @@ def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, d
     if summary["rows"]:
         console.print(gain_table(summary))
         console.print(gain_verdict(summary))
+        for line in nearest_verdicts({op: result.entries[op] for op in ops if result.entries.get(op)}):
+            console.print(line)
     if result.unfinished or result.errors:
         for error in result.errors:
             console.print(f"[red]{error}[/red]")
@@ -193,7 +195,8 @@ def gain_summary(results: Mapping[str, Sequence[dict]]) -> dict[str, Any]:
 
     Per entry the phases' times are added (forward + backward, ms); ``gain`` = heuristic / tuned − 1 (0.10: the
     tuned kernels take 1/1.1 of the heuristic's time). Returns ``{"rows": [{"op", "dtype", "rows", "dims",
-    "heuristic_ms", "tuned_ms", "gain", "tuned_gbps", "cut", "method"}, ...] (ops in the given order, entries in table
+    "heuristic_ms", "tuned_ms", "gain", "tuned_gbps", "cut", "method", "nearest_ms", "nearest_dims"}, ...] (ops in
+    the given order, entries in table
     order), "median_gain", "min_gain", "max_gain" (None without rows), "slower": rows whose tuned time exceeds
     the heuristic's, "cut": rows whose search the time budget stopped}``. ValueError names an entry without
     positive times."""
@@ -205,7 +208,10 @@ def gain_summary(results: Mapping[str, Sequence[dict]]) -> dict[str, Any]:
                 raise ValueError(f"gain_summary: {op} entry {e['dtype']}/{_dims(e)}/{e['rows']} has no positive "
                                  f"timing_ms (heuristic {heur}, tuned {tuned})")
             methods = sorted(set(str(m) for m in (e.get("timing_method") or {}).values()))
+            near = e.get("nearest") if isinstance(e.get("nearest"), Mapping) else {}
             rows.append({"op": op, "dtype": e["dtype"], "rows": e["rows"], "dims": _dims(e),
+                         "nearest_ms": _total(e.get("timing_ms"), "nearest"),
+                         "nearest_dims": _dims(near) if isinstance(near.get("dims"), Mapping) else None,
                          "heuristic_ms": heur, "tuned_ms": tuned, "gain": None if heur is None else heur / tuned - 1,
                          "tuned_gbps": _gbps(e, tuned),
                          "cut": any(s.get("cut") for s in (e.get("search") or {}).values()),
@@ -224,14 +230,16 @@ def entry_times(entry: Mapping[str, Any]) -> tuple[float | None, float | None]:
     """(heuristic ms, tuned ms) of a table entry, forward + backward; None where a phase has no number (a
     heuristic that could not be re-timed is recorded as null, and a hand-edited table may hold anything)."""
     timing = entry.get("timing_ms")
+    return _total(timing, "heuristic"), _total(timing, "tuned")
+
+
+def _total(timing: Any, key: str) -> float | None:
+    """Forward + backward ms of ``key`` (heuristic, tuned, nearest) in an entry's ``timing_ms``; None where a
+    phase has no number."""
     if not isinstance(timing, Mapping) or not timing:
-        return None, None
-
-    def total(key: str) -> float | None:
-        values = [_number(t.get(key)) if isinstance(t, Mapping) else None for t in timing.values()]
-        return None if any(v is None for v in values) else sum(values)
-
-    return total("heuristic"), total("tuned")
+        return None
+    values = [_number(t.get(key)) if isinstance(t, Mapping) else None for t in timing.values()]
+    return None if any(v is None for v in values) else sum(values)
 
 
 def _number(value: Any) -> float | None:
@@ -265,15 +273,36 @@ def _ms(value: float | None) -> str:
 def gain_table(summary: dict[str, Any]) -> Table:
     """The rows of ``gain_summary`` as a rich table."""
     table = Table(title="tuned vs heuristic: re-timed medians, forward + backward kernel time")
+    nearest = any(r.get("nearest_dims") for r in summary["rows"])
     for col in ("op", "dtype", "rows", "dims", "heuristic ms", "tuned ms", "gain", "tuned GB/s", "timing",
-                "budget cut"):
+                "budget cut", *(("nearest tuned dims", "its ms") if nearest else ())):
         table.add_column(col, justify="right", overflow="fold")
     for r in summary["rows"]:
+        near = (r.get("nearest_dims") or "", "" if not r.get("nearest_dims") else _ms(r.get("nearest_ms")))
         table.add_row(*_cells(r["op"], r["dtype"], r["rows"], r["dims"], _ms(r["heuristic_ms"]), _ms(r["tuned_ms"]),
                               "n/a" if r["gain"] is None else f"{100 * r['gain']:+.1f}%",
                               "" if r["tuned_gbps"] is None else f"{r['tuned_gbps']:,.0f}", r["method"],
-                              "yes" if r["cut"] else ""))
+                              "yes" if r["cut"] else "", *(near if nearest else ())))
     return table
+
+
+def nearest_verdicts(results: Mapping[str, Sequence[dict]]) -> list[str]:
+    """Per op whose new entries timed the config tuned at the nearest other dims: how it did against the
+    heuristic (``tables.nearest_evidence`` of these entries) and whether that alone would let the runtime use
+    neighbouring entries for the op's missing dims (``tables.nearest_allowed``; the runtime weighs the whole
+    table)."""
+    from liger_gen.runtime import tables
+
+    lines = []
+    for op, entries in results.items():
+        count, ratio = tables.nearest_evidence({"entries": list(entries)})
+        if count:
+            allowed = tables.nearest_allowed({"entries": list(entries)})
+            lines.append(f"{op}: at {count} new shapes the config tuned at the nearest other dims took "
+                         f"{ratio:.3f}x the heuristic's time (geometric mean): "
+                         + ("enough to stand in for dims without an entry" if allowed else
+                            "not enough to stand in for dims without an entry"))
+    return lines
 
 
 def gain_verdict(summary: dict[str, Any]) -> str:

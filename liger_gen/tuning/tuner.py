@@ -510,6 +510,17 @@ class Tuner:
             raise RuntimeError(f"{problem.op} {phase}: no candidate (the heuristic included) could be re-timed")
         return medians, times, methods
 
+    @staticmethod
+    def _valid_config(space, config: Mapping[str, Any] | None):
+        """``config`` (a dict) as a config of ``space``, or None when it is not one or violates a constraint."""
+        if config is None:
+            return None
+        try:
+            config = space.config_cls.from_dict(config)
+        except (TypeError, ValueError):
+            return None
+        return None if space.violations(config) else config
+
     def refresh(self, problem, old: Mapping[str, Any]) -> dict[str, Any]:
         """Re-time an existing entry's finalists under the running Triton and return the new entry: per phase,
         the heuristic, the configs the old entry re-timed (its best few) and its winner, each re-checked
@@ -522,6 +533,8 @@ class Tuner:
             old_config = space.config_cls.from_dict(old["config"])
         except (KeyError, TypeError, ValueError):
             old_config = heuristic
+        nearest = old.get("nearest") if isinstance(old.get("nearest"), Mapping) else None
+        near = self._valid_config(space, nearest.get("config")) if nearest is not None else None
         timing: dict[str, dict[str, float]] = {}
         methods: dict[str, str] = {}
         retimes: dict[str, list] = {}
@@ -529,6 +542,8 @@ class Tuner:
         for phase in problem.phases:
             params = [r.get("params") for r in old.get("retime", {}).get(phase, [])]
             params.append(space.phase_params(old_config, phase))
+            if near is not None:  # the nearest-dims evidence is re-timed too
+                params.append(space.phase_params(near, phase))
             candidates, seen, dropped = [heuristic], {_key(space.phase_params(heuristic, phase))}, 0
             for p in params:
                 if not isinstance(p, Mapping) or _key(p) in seen:
@@ -547,6 +562,10 @@ class Tuner:
             winner = fastest if medians[fastest] < medians[0] * (1 - self.retime_margin) else 0
             best = dataclasses.replace(best, **space.phase_params(candidates[winner], phase))
             timing[phase] = {"tuned": medians[winner], "heuristic": medians[0] if math.isfinite(medians[0]) else None}
+            keys = [_key(space.phase_params(c, phase)) for c in candidates]
+            if near is not None and _key(space.phase_params(near, phase)) in keys:
+                at = medians[keys.index(_key(space.phase_params(near, phase)))]
+                timing[phase]["nearest"] = at if math.isfinite(at) else None
             methods[phase] = method
             retimes[phase] = [{"params": space.phase_params(c, phase), "ms": rounds[i], "median": medians[i]}
                               for i, c in enumerate(candidates)]
@@ -554,45 +573,56 @@ class Tuner:
         return {
             "dtype": dtype_name(problem.dtype), "dims": dict(problem.dims), "rows": problem.rows,
             "variant": dict(problem.variant), "config": best.to_dict(), "heuristic": heuristic.to_dict(),
+            **({"nearest": {**nearest, "config": near.to_dict()}} if near is not None else {}),
             "timing_ms": timing, "timing_method": methods,
             "bytes": {phase: problem.bytes_moved(phase) for phase in problem.phases},
             "search": searches, "retime": retimes, "trials": old.get("trials", {}),
         }
 
-    def tune(self, problem, budget_s: float | None = None, prior: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def tune(self, problem, budget_s: float | None = None, prior: Mapping[str, Any] | None = None,
+             neighbours: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
         """Tune every phase of ``problem``; returns a table entry (see ``liger_gen.runtime.tables``).
 
         ``budget_s``: seconds of search and polish for the whole problem, split evenly over its phases (None:
         no cap; the re-timing is not counted). ``prior``: the config an earlier tuning chose for this problem
         (a table entry's ``config``), measured right after the heuristic; ignored unless it is a valid config of
-        the problem's space (a table from an older template may hold one that no longer is)."""
+        the problem's space (a table from an older template may hold one that no longer is). ``neighbours``:
+        entries tuned at other dims (``dims``, ``rows``, ``config``), nearest first (``neighbour_priors``); the
+        first valid one here is measured right after the heuristic when there is no prior, and re-timed beside
+        it, and the entry records it (``nearest``) and its time (``timing_ms[phase]["nearest"]``): the evidence
+        for the runtime's nearest-dims rule (``tables.nearest_allowed``)."""
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"budget_s must be > 0 seconds or None, got {budget_s}")
         space = problem.space
         heuristic = space.heuristic()
         best = heuristic
         share = None if budget_s is None else budget_s / len(problem.phases)
-        if prior is not None:
-            try:
-                prior = space.config_cls.from_dict(prior)
-            except ValueError:
-                prior = None
-            if prior is not None and space.violations(prior):
-                prior = None
+        prior = self._valid_config(space, prior)
+        near = nearest = None
+        for candidate in neighbours:
+            near = self._valid_config(space, candidate.get("config"))
+            if near is not None:
+                nearest = {"dims": dict(candidate["dims"]), "rows": candidate["rows"], "config": near.to_dict()}
+                break
         timing: dict[str, dict[str, float]] = {}
         methods: dict[str, str] = {}
         trials: dict[str, list] = {}
         retimes: dict[str, list] = {}
         searches: dict[str, dict] = {}
         for phase in problem.phases:
-            study, records, searches[phase] = self._tune_phase(problem, phase, heuristic, share, prior)
+            study, records, searches[phase] = self._tune_phase(problem, phase, heuristic, share,
+                                                               prior if prior is not None else near)
             trials[phase] = records
             ok = sorted((r for r in records if r["status"] == "ok" and r["ms"] is not None),
                         key=lambda r: (r["ms"], r["number"]))
-            candidates, seen = [heuristic], {_key(space.phase_params(heuristic, phase))}
+            candidates, seen = [heuristic], [_key(space.phase_params(heuristic, phase))]
+            if near is not None and _key(space.phase_params(near, phase)) not in seen:
+                candidates.append(near)
+                seen.append(_key(space.phase_params(near, phase)))
+            top = len(candidates) + self.retime_top
             for r in ok:
-                if _key(r["params"]) not in seen and len(candidates) <= self.retime_top:
-                    seen.add(_key(r["params"]))
+                if _key(r["params"]) not in seen and len(candidates) < top:
+                    seen.append(_key(r["params"]))
                     candidates.append(dataclasses.replace(heuristic, **r["params"]))
             medians, rounds, used = self._retime(problem, phase, candidates)
             method = used.pop() if len(used) == 1 else "mixed"
@@ -604,6 +634,9 @@ class Tuner:
             best = dataclasses.replace(best, **space.phase_params(candidates[winner], phase))
             timing[phase] = {"tuned": medians[winner],  # finite: a config that could not be re-timed never wins
                              "heuristic": medians[0] if math.isfinite(medians[0]) else None}
+            if near is not None:
+                at = medians[seen.index(_key(space.phase_params(near, phase)))]
+                timing[phase]["nearest"] = at if math.isfinite(at) else None
             methods[phase] = method
             retimes[phase] = [{"params": space.phase_params(c, phase), "ms": rounds[i], "median": medians[i]}
                               for i, c in enumerate(candidates)]
@@ -614,6 +647,7 @@ class Tuner:
             "variant": dict(problem.variant),
             "config": best.to_dict(),
             "heuristic": heuristic.to_dict(),
+            **({"nearest": nearest} if nearest is not None else {}),
             "timing_ms": timing,
             "timing_method": methods,
             "bytes": {phase: problem.bytes_moved(phase) for phase in problem.phases},
@@ -679,6 +713,19 @@ def prior_configs(specs: Iterable[OpSpec], roots: Iterable[Any], gpu: str) -> di
     and every prior is re-validated and re-measured like any other trial."""
     return {op: {key: entry["config"] for key, entry in found.items()}
             for op, found in prior_entries(specs, roots, gpu, trials=False).items()}
+
+
+def neighbour_priors(priors: Mapping[tuple, Mapping[str, Any]], problem) -> list[dict[str, Any]]:
+    """The priors of one op (entry key → config, ``prior_configs``) tuned at other dims than ``problem``'s, nearest
+    first (``tables.neighbour_entries``), as ``{"dims", "rows", "config"}``: what ``Tuner.tune`` times beside the
+    heuristic at a shape no table has."""
+    from liger_gen.runtime import tables
+
+    entries = [{"dtype": key[0], "dims": dict(key[1]), "variant": dict(key[2]), "rows": key[3], "config": config}
+               for key, config in priors.items()]
+    return [{k: e[k] for k in ("dims", "rows", "config")}
+            for e in tables.neighbour_entries(entries, problem.dtype, dict(problem.dims), problem.rows,
+                                              dict(problem.variant))]
 
 
 def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1261,7 +1308,11 @@ def _run_attempt(job: TuneJob, storage, tuner: Tuner, beat: list, unit: WorkUnit
                 continue
             report({"kind": "problem", "unit": unit.index, "op": unit.op, "phases": len(problem.phases),
                     "worker": worker})
-            entry = tuner.refresh(problem, prior) if job.refresh else tuner.tune(problem, budget_s=share, prior=prior)
+            if job.refresh:
+                entry = tuner.refresh(problem, prior)
+            else:
+                near = [] if prior is not None else neighbour_priors(job.priors.get(unit.op, {}), problem)
+                entry = tuner.tune(problem, budget_s=share, prior=prior, neighbours=near)
             storage.set_study_user_attr(problem_id, "unit", unit.index)
             storage.set_study_user_attr(problem_id, "pos", pos)
             storage.set_study_user_attr(problem_id, "entry", entry)
