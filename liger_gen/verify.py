@@ -225,6 +225,17 @@ def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loa
             continue
         return Finding(spec.name, dtype_name(dtype), space.dims, rows, source,
                        f"{tables.table_path(root, table['gpu'], spec.name)} (tuned at {entry['rows']} rows)")
+    for source, root in roots:  # the runtime's nearest-dims rule (``tables.lookup``)
+        table = loaded.get((str(root), spec.name))
+        if table is None or not tables.nearest_allowed(table, spec.space, space.limits):
+            continue
+        for entry in tables.neighbour_entries(table["entries"], dtype, space.dims, rows):
+            if not tables.entry_config(space, entry)[1]:
+                count, ratio = tables.nearest_evidence(table, spec.space, space.limits)
+                return Finding(spec.name, dtype_name(dtype), space.dims, rows, source,
+                               f"{tables.table_path(root, table['gpu'], spec.name)}: the entry tuned at "
+                               f"{entry['dims']} ({entry['rows']} rows) stands in (nearest dims; "
+                               f"{ratio:.2f}x the heuristic's time over {count} tuned shapes)")
     return Finding(spec.name, dtype_name(dtype), space.dims, rows, "heuristic",
                    "; ".join(why) or "no table for this op")
 

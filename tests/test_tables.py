@@ -478,3 +478,33 @@ def test_a_neighbouring_entry_stands_in_only_where_the_table_shows_it_beats_the_
         with pytest.warns(tables.TunedTableWarning, match="using the heuristic"):
             found = tables.lookup(SPACE, torch.bfloat16, 200, 1000, GPU)
         assert found["source"] == "heuristic" and "dims" not in found
+
+
+def test_verify_reports_a_neighbouring_entry_standing_in(tmp_path, monkeypatch):
+    """`liger-gen verify` follows the runtime's nearest-dims rule: it names the entry that stands in, and a
+    table without the evidence leaves the shape on the heuristic (exit 1)."""
+    import random
+
+    from click.testing import CliRunner
+
+    from liger_gen.cli import main
+
+    rng = random.Random()
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 200, "intermediate_size": 512, "num_attention_heads": 4,
+                               "vocab_size": 1000}))
+    user = tmp_path / "tuned"
+    entries = [_timed({**_entry(4096, RMSNormSpace(n, torch.bfloat16).heuristic(), n_cols=n),
+                       "variant": {"casting_mode": "llama"}}, rng, (0.5, 0.9)) for n in (160, 240, 1024)]
+    args = ["verify", "--gpu", "h200", "--model", str(cfg), "--ops", "rms_norm", "--rows", "4096"]
+    env = {tables.ENV_TUNED_DIR: str(user)}
+    tables.write_table(tables.table_path(user, "h200", "rms_norm"), _table(entries))
+    tables.clear_caches()
+    found = CliRunner().invoke(main, args, env=env)
+    assert found.exit_code == 0, found.output
+    text = " ".join(found.output.split())  # rich wraps the table's cells
+    assert "stands in" in text and "'n_cols': 240" in text
+    tables.write_table(tables.table_path(user, "h200", "rms_norm"), _table(entries[:2]))  # 2 shapes: too few
+    tables.clear_caches()
+    none = CliRunner().invoke(main, args, env=env)
+    assert none.exit_code == 1 and "stands in" not in " ".join(none.output.split())

@@ -400,7 +400,8 @@ def plot(data: dict, path: str | Path, normalise: str = "ceiling") -> Path | Non
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("matplotlib is not installed: no PNG written (pip install matplotlib)", stacklevel=2)
+        warnings.warn("matplotlib is not installed: no PNG written (pip install 'liger-gen[bench]', or matplotlib "
+                      "alone)", stacklevel=2)
         return None
     ops = list(data.get("ops", {}))
     providers = [p for p in data.get("config", {}).get("providers", [])
