@@ -207,7 +207,7 @@ def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tupl
 
 
 def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loaded) -> Finding:
-    why = []
+    why, without = [], []  # without: (source, root, table) of the tables with no entry at these dims
     for source, root in roots:
         table = loaded.get((str(root), spec.name))
         if table is None:
@@ -215,6 +215,7 @@ def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loa
         entry = tables.nearest_entry(table, dtype, space.dims, rows)
         if entry is None:
             why.append(f"{source} table has no {dtype_name(dtype)} entry for {space.dims}")
+            without.append((source, root, table))
             continue
         config, problems = tables.entry_config(space, entry)
         if problems:
@@ -225,9 +226,8 @@ def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loa
             continue
         return Finding(spec.name, dtype_name(dtype), space.dims, rows, source,
                        f"{tables.table_path(root, table['gpu'], spec.name)} (tuned at {entry['rows']} rows)")
-    for source, root in roots:  # the runtime's nearest-dims rule (``tables.lookup``)
-        table = loaded.get((str(root), spec.name))
-        if table is None or not tables.nearest_allowed(table, spec.space, space.limits):
+    for source, root, table in without:  # the runtime's nearest-dims rule (``tables.lookup``)
+        if not tables.nearest_allowed(table, spec.space, space.limits):
             continue
         for entry in tables.neighbour_entries(table["entries"], dtype, space.dims, rows):
             if not tables.entry_config(space, entry)[1]:

@@ -70,7 +70,9 @@ class ClampedSwiGLUSpace(GLUSpace):
     BWD_TILE = 512  # elements per backward program of the heuristic (one row of 512 columns at most)
 
     def heuristic(self) -> GLUConfig:
-        """SwiGLU's forward; backward tiles of ``BWD_TILE`` elements, one row deep, 4 warps at most.
+        """SwiGLU's forward; backward tiles of ``BWD_TILE`` elements (one row deep from 512 columns up, rows
+        stacked to 512 elements below; SwiGLU's backward where that needs more than 16 rows: n_cols <= 16),
+        4 warps at most.
 
         The backward reads the interleaved gate_up with stride 2 and keeps more values live than SwiGLU's; on
         the H200 the tuned backward tiles at widths 768 to 28672 were 128 to 1024 elements (mostly 512 x 1) and

@@ -346,12 +346,24 @@ def neighbour_entries(entries: list[dict[str, Any]], dtype: torch.dtype | str, d
 
 
 def _phase_total(timing: Any, which: str) -> float | None:
-    try:
-        values = [float(t[which]) for t in timing.values()]
-    except (AttributeError, KeyError, TypeError, ValueError):
+    """Forward + backward ms of ``which`` in an entry's ``timing_ms``; None unless every phase holds a finite,
+    non-negative number (not a bool or a string) and the sum is positive and finite."""
+    if not isinstance(timing, dict) or not timing:
         return None
+    values = []
+    for t in timing.values():
+        value = t.get(which) if isinstance(t, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        try:
+            value = float(value)
+        except OverflowError:  # an int too large for a float
+            return None
+        if not (math.isfinite(value) and value >= 0):
+            return None
+        values.append(value)
     total = sum(values)
-    return total if values and math.isfinite(total) and total > 0 else None
+    return total if math.isfinite(total) and total > 0 else None
 
 
 def _current_heuristic(entry: dict[str, Any], space: type[Space] | None, limits: DeviceLimits | None) -> bool:
@@ -375,8 +387,11 @@ def nearest_evidence(table: dict[str, Any], space: type[Space] | None = None,
         timing = e.get("timing_ms") if isinstance(e, dict) else None
         nearest, heuristic = _phase_total(timing, "nearest"), _phase_total(timing, "heuristic")
         if nearest is not None and heuristic is not None and _current_heuristic(e, space, limits):
-            logs.append(math.log(nearest / heuristic))
-    return len(logs), (math.exp(sum(logs) / len(logs)) if logs else None)
+            logs.append(math.log(nearest) - math.log(heuristic))  # not log(n / h): that ratio may under/overflow
+    if not logs:
+        return 0, None
+    mean = math.fsum(logs) / len(logs)
+    return len(logs), (math.exp(mean) if mean < 709 else math.inf)  # exp overflows past ~709.78
 
 
 def nearest_allowed(table: dict[str, Any], space: type[Space] | None = None,
