@@ -400,20 +400,21 @@ def test_build_needs_the_gpu_it_builds_for(runner):
     assert "liger-gen build --gpu h200 --model llama3.2-1b" in " ".join(result.output.split())
 
 
-def test_first_step_runs_each_provider_in_a_fresh_process(tmp_path):
+def test_first_step_runs_each_provider_in_a_fresh_process(runner, tmp_path, monkeypatch):
     """bench-step --first-step on the CPU: every provider runs in its own process, the plain-transformers one never
     imports liger-gen, the times add up (start-up + imports + build + step <= the whole), and both providers
     compute the same first loss from the same weights and batch."""
-    import os
-    import subprocess
-    import sys
+    import functools
 
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "liger_gen.cli", "bench-step", "--first-step", "--device", "cpu", "--models", "tiny",
-           "--providers", "transformers,liger-gen", "--batch-size", "2", "--seq-len", "32", "--repeats", "1",
-           "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    from liger_gen.bench import step
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # no untimed warm-up round (2 more child processes; the next test checks that it is left out)
+    monkeypatch.setattr(step, "run_first_step", functools.partial(step.run_first_step, warmup_rounds=0))
+    done = runner.invoke(main, ["bench-step", "--first-step", "--device", "cpu", "--models", "tiny", "--providers",
+                                "transformers,liger-gen", "--batch-size", "2", "--seq-len", "32", "--repeats", "1",
+                                "--out", str(tmp_path)])
+    assert done.exit_code == 0, done.output
     result = json.loads((tmp_path / "first_step.json").read_text())
     runs = {p: s["runs"] for p, s in result["models"]["tiny"].items()}
     assert [len(r) for r in runs.values()] == [1, 1] and all(r[0]["status"] == "ok" for r in runs.values())
@@ -438,7 +439,7 @@ def test_first_step_options_and_a_hung_child_are_reported_not_raised(tmp_path):
         with pytest.raises(ValueError, match="device"):
             run_first_step(models="tiny", providers="transformers", device=device, console=False)
     result = run_first_step(models="tiny", providers="transformers", device="cpu", batch_size=1, seq_len=8,
-                            repeats=1, warmup_rounds=0, timeout_s=0.01, out_dir=tmp_path, console=False)
-    run = result["models"]["tiny"]["transformers"]["runs"][0]
+                            repeats=1, warmup_rounds=1, timeout_s=0.01, out_dir=tmp_path, console=False)
+    (run,) = result["models"]["tiny"]["transformers"]["runs"]  # the warm-up round's run is left out
     assert run["status"] == "error" and "no first step within 0.01 s" in run["reason"]
     assert json.loads((tmp_path / "first_step.json").read_text())["models"]["tiny"]["transformers"]["median_s"] is None

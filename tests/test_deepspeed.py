@@ -17,8 +17,9 @@ REQUIRED = os.environ.get("LIGER_GEN_REQUIRE_DEEPSPEED") == "1"  # CI: a missing
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None and not REQUIRED,
     reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed")
-ZERO3 = ("--parallel", "zero3", "--batch-size", "2", "--zero3-persistence-threshold", "0")  # 0: every
-# parameter is partitioned, the tiny model's lm_head (tied to the embedding) too
+# --zero3-persistence-threshold 0: every parameter is partitioned, the tiny model's lm_head (tied to the embedding)
+# too; --seq-len 32 (after COMMON's 64, so it wins) halves the interpreter's rows, which ZeRO-3's gathers ignore
+ZERO3 = ("--parallel", "zero3", "--batch-size", "2", "--zero3-persistence-threshold", "0", "--seq-len", "32")
 
 
 @pytest.fixture(autouse=True)
@@ -93,41 +94,46 @@ config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
 cls = getattr(transformers, _FAMILY_CLASSES[STEP_MODELS["tiny"].family][1])  # imported before zero.Init, which
 cfg = build_config("tiny", "sdpa")  # patches torch.Tensor.__new__ (torch._dynamo's import then fails inside it)
 cfg.tie_word_embeddings = False  # lm_head.weight is then used by lm_head alone, which the fused loss never calls
-torch.manual_seed(0)
-with deepspeed.zero.Init(config_dict_or_path=config):  # partitioned as it is built, before initialize
-    model = cls(cfg)
-model.train()
-if os.environ.get("WITH_LIGER_GEN") == "1":
-    import liger_gen
-    liger_gen.apply_to(model)
-    assert type(model.model.norm).__name__ == "RMSNorm", type(model.model.norm)
-engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  config=config)
-rank, losses = dist.get_rank(), []
-batches = make_batches(byte_tokens(), 3, 4, 64, 0)
-for step in range(3):
-    b = batches[step, rank * 2:(rank + 1) * 2]
-    loss = engine(input_ids=b, labels=b).loss
-    engine.backward(loss)
-    engine.step()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    losses.append(float(mean) / 2)
+rank = dist.get_rank()
+batches = make_batches(byte_tokens(), 3, 4, 32, 0)  # 32 tokens: the interpreter's time goes with the rows
+def train(with_liger_gen):
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):  # partitioned as it is built, before initialize
+        model = cls(cfg)
+    model.train()
+    if with_liger_gen:
+        import liger_gen
+        liger_gen.apply_to(model)
+        assert type(model.model.norm).__name__ == "RMSNorm", type(model.model.norm)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=config)
+    losses = []
+    for step in range(3):
+        b = batches[step, rank * 2:(rank + 1) * 2]
+        loss = engine(input_ids=b, labels=b).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / 2)
+    return losses
+plain = train(False)  # first: apply_to's patches are in place only for the second model
+ours = train(True)
 if rank == 0:
-    print("LOSSES", *losses, flush=True)
+    print("PLAIN", *plain, flush=True)
+    print("OURS", *ours, flush=True)
 """
 
 
 @needs_deepspeed
-def test_a_model_partitioned_by_zero_init_before_apply_to_trains_as_plain_transformers(tmp_path, monkeypatch):
+def test_a_model_partitioned_by_zero_init_before_apply_to_trains_as_plain_transformers(tmp_path):
     """The Trainer's ZeRO-3 path: parameters partitioned while the model is built (deepspeed.zero.Init), then
-    apply_to, then deepspeed.initialize; the losses equal plain transformers' under the same engine."""
-    def losses(flag):
-        monkeypatch.setenv("WITH_LIGER_GEN", flag)
-        out = _run_script(tmp_path, f"zero_init_{flag}", ZERO_INIT, interpret="1")
-        return [float(v) for v in next(x for x in out.splitlines() if x.startswith("LOSSES")).split()[1:]]
-
-    plain, ours = losses("0"), losses("1")
+    apply_to, then deepspeed.initialize; the losses equal plain transformers' under the same engine (both models
+    in one torchrun, plain first)."""
+    out = _run_script(tmp_path, "zero_init", ZERO_INIT, interpret="1")
+    runs = {x.split()[0]: [float(v) for v in x.split()[1:]] for x in out.splitlines()
+            if x.startswith(("PLAIN", "OURS"))}
+    plain, ours = runs["PLAIN"], runs["OURS"]
     tol = loss_rel_tolerance(torch.float32)
     assert len(ours) == len(plain) == 3 and ours[-1] < ours[0]
     assert all(abs(a - b) <= tol * abs(b) for a, b in zip(ours, plain)), (ours, plain)
@@ -140,42 +146,42 @@ from liger_gen.bench.step import STEP_MODELS, _FAMILY_CLASSES, build_config, byt
 zero3 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-flag = os.environ["WITH_LIGER_GEN"]
-args = TrainingArguments(output_dir=f"out_{flag}", per_device_train_batch_size=2, max_steps=3, logging_steps=1,
-                         deepspeed=zero3, report_to=[], save_strategy="no", learning_rate=1e-3,
-                         lr_scheduler_type="constant", seed=0, dataloader_drop_last=True)
-torch.manual_seed(0)
-cfg = build_config("tiny", "sdpa")
-cfg.tie_word_embeddings = False  # lm_head.weight is then used by lm_head alone, which the fused loss never calls
-model = getattr(transformers, _FAMILY_CLASSES[STEP_MODELS["tiny"].family][1])(cfg)
-if flag == "1":
-    import liger_gen
-    liger_gen.apply_to(model)
-rows = make_batches(byte_tokens(), 3, 4, 64, 0).reshape(-1, 64)
-trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
-trainer.train()
-import deepspeed
-head = trainer.model_wrapped.module.lm_head.weight
-with deepspeed.zero.GatheredParameters([head]):  # the untied head after training: its gradient reached it
-    norm = float(head.detach().double().norm())
-if dist.get_rank() == 0:
-    print("LOSSES", *[h["loss"] for h in trainer.state.log_history if "loss" in h], flush=True)
-    print("HEAD", norm, flush=True)
+rows = make_batches(byte_tokens(), 3, 4, 32, 0).reshape(-1, 32)  # 32 tokens: the interpreter's time goes with rows
+def train(name, with_liger_gen):
+    args = TrainingArguments(output_dir=f"out_{name}", per_device_train_batch_size=2, max_steps=3, logging_steps=1,
+                             deepspeed=zero3, report_to=[], save_strategy="no", learning_rate=1e-3,
+                             lr_scheduler_type="constant", seed=0, dataloader_drop_last=True)
+    torch.manual_seed(0)
+    cfg = build_config("tiny", "sdpa")
+    cfg.tie_word_embeddings = False  # lm_head.weight is then used by lm_head alone, which the fused loss never calls
+    model = getattr(transformers, _FAMILY_CLASSES[STEP_MODELS["tiny"].family][1])(cfg)
+    if with_liger_gen:
+        import liger_gen
+        liger_gen.apply_to(model)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    trainer.train()
+    import deepspeed
+    head = trainer.model_wrapped.module.lm_head.weight
+    with deepspeed.zero.GatheredParameters([head]):  # the untied head after training: its gradient reached it
+        norm = float(head.detach().double().norm())
+    if dist.get_rank() == 0:
+        print(name, "LOSSES", *[h["loss"] for h in trainer.state.log_history if "loss" in h], flush=True)
+        print(name, "HEAD", norm, flush=True)
+train("PLAIN", False)  # first: apply_to's patches are in place only for the second model
+train("OURS", True)
 """
 
 
 @needs_deepspeed
-def test_transformers_trainer_with_zero3_trains_as_with_plain_transformers(tmp_path, monkeypatch):
+def test_transformers_trainer_with_zero3_trains_as_with_plain_transformers(tmp_path):
     """transformers' Trainer with a DeepSpeed ZeRO-3 config (its own deepspeed.initialize, every parameter
-    partitioned): the losses it logs with liger-gen equal those without."""
-    def run(flag):
-        monkeypatch.setenv("WITH_LIGER_GEN", flag)
-        out = _run_script(tmp_path, f"trainer_{flag}", TRAINER, interpret="1")
-        line = {x.split()[0]: [float(v) for v in x.split()[1:]] for x in out.splitlines()
-                if x.startswith(("LOSSES", "HEAD"))}
-        return line["LOSSES"], line["HEAD"][0]
-
-    (plain, plain_head), (ours, our_head) = run("0"), run("1")
+    partitioned): the losses it logs with liger-gen equal those without (both trainers in one torchrun, plain
+    first)."""
+    out = _run_script(tmp_path, "trainer", TRAINER, interpret="1")
+    runs = {tuple(x.split()[:2]): [float(v) for v in x.split()[2:]] for x in out.splitlines()
+            if x.startswith(("PLAIN ", "OURS "))}
+    (plain, (plain_head,)), (ours, (our_head,)) = ((runs[name, "LOSSES"], runs[name, "HEAD"])
+                                                   for name in ("PLAIN", "OURS"))
     tol = loss_rel_tolerance(torch.float32)
     assert len(ours) == len(plain) == 3 and ours[-1] < ours[0]
     assert all(abs(a - b) <= tol * abs(b) for a, b in zip(ours, plain)), (ours, plain)

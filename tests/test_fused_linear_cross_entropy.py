@@ -131,9 +131,11 @@ def test_all_targets_ignored_matches_pytorch(reduction, device):
 
 
 def test_bf16_llm_like_shape_gradients(device):
-    """Regression 6: bf16, 256 rows, hidden 1024, vocab 32000: dx and dW within 2e-2 of float64."""
+    """Regression 6: bf16, 64 rows, hidden 1024, vocab 8200: dx and dW within 2e-2 of float64."""
     gen = torch.Generator().manual_seed(6)
-    x, w, _, target = _case(256, 1024, 32000, torch.bfloat16, device, gen, ignore_every=7)
+    # hidden 1024 keeps an LLM's GEMM depth; vocab 8200 still spans 5 of the kernel's 2048-wide tiles with a
+    # masked tail (the interpreter's time grows with rows x tiles; 256 x 32000 took minutes, same errors)
+    x, w, _, target = _case(64, 1024, 8200, torch.bfloat16, device, gen, ignore_every=7)
     loss = OP(x, w, target)
     loss.backward()
     loss64, _, dx64, dw64, _ = fused_linear_cross_entropy_float64_chunked(x, w, target, chunk_rows=256)
@@ -593,7 +595,7 @@ def test_torch_compile_on_both_cpu_paths(reduction, interpret, monkeypatch):
         torch.testing.assert_close(a, r)
 
 
-MEMORY_BUDGET = 2**20  # 1 MiB for the test shape below; the full fp32 logits take 2.2 MiB
+MEMORY_BUDGET = 2**19  # 512 KiB for the test shape below; the full fp32 logits take 1.1 MiB
 
 
 @pytest.mark.parametrize("plan", ["heuristic", "fp32_logits_and_dw"])
@@ -613,13 +615,15 @@ def test_extra_memory_stays_within_the_budget_on_cpu_paths(interpret, dtype, red
         pytest.skip("float32 has one plan")
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     monkeypatch.setattr(FusedLinearCrossEntropySpace, "MAX_EXTRA_BYTES", MEMORY_BUDGET)
-    monkeypatch.setattr(flce_mod, "_SLICE_BYTES", 32 * 2**10)
+    monkeypatch.setattr(flce_mod, "_SLICE_BYTES", 16 * 2**10)
     if plan != "heuristic":
         heuristic = FusedLinearCrossEntropySpace.heuristic
         monkeypatch.setattr(FusedLinearCrossEntropySpace, "heuristic",
                             lambda self: dataclasses.replace(heuristic(self), LOGITS_FP32=1, DW_FP32=1))
     clear_caches()
-    rows, hidden, vocab = 192, 32, 3000
+    # vocab, budget and slices at half of a 3000-vocab case: the same number of chunks on every path, dtype and
+    # plan (2 to 11, ragged), the same shares of the budget, half the interpreter's tiles
+    rows, hidden, vocab = 192, 32, 1500
     gen = torch.Generator().manual_seed(32)
     x, w, b, target = _case(rows, hidden, vocab, dtype, "cpu", gen, bias=True)
     weight = torch.rand(vocab, generator=gen) + 0.5

@@ -96,7 +96,8 @@ def _preference_data(corpus):
 
 def _dpo_history(corpus, out_dir, loss_type, patched=False):
     tokenizer, _ = corpus
-    args = trl.DPOConfig(output_dir=str(out_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+    # 2 steps: the rewards are 0 at the first, the second's come from the first update
+    args = trl.DPOConfig(output_dir=str(out_dir), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
                          logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, max_length=64,
                          dataloader_num_workers=0, disable_tqdm=True, loss_type=loss_type, bf16=False)
     model = _model(len(tokenizer))
