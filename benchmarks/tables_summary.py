@@ -60,7 +60,7 @@ def main() -> None:
     for op, table in loaded.items():
         space = get_spec(op).space
         count, ratio = tables.nearest_evidence(table, space)
-        print(f"| {op} | {len(table['entries'])} | {count} | {'-' if ratio is None else f'{ratio:.3f}'} | "
+        print(f"| {op} | {len(table['entries'])} | {count} | {'-' if ratio is None else f'{ratio:.4f}'} | "
               f"{'yes' if tables.nearest_allowed(table, space) else 'no'} |")
 
 
