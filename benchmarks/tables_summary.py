@@ -1,5 +1,7 @@
 """Summarise the packaged tuned tables of one GPU: per model preset, the entries at its shapes (tuned against
-heuristic, the tuners' re-timed medians), and per op the nearest-dims evidence the runtime weighs.
+heuristic, the tuners' re-timed medians), per op the nearest-dims evidence the runtime weighs, and per op how far
+tuning beat the heuristic the code gives now (entries tuned or refreshed against an older heuristic are
+counted apart: their recorded gain is against a rule that no longer runs).
 
     python benchmarks/tables_summary.py [--gpu h200] [--models qwen2.5-7b,llama3-70b,...]
 
@@ -62,6 +64,29 @@ def main() -> None:
         count, ratio = tables.nearest_evidence(table, space)
         print(f"| {op} | {len(table['entries'])} | {count} | {'-' if ratio is None else f'{ratio:.4f}'} | "
               f"{'yes' if tables.nearest_allowed(table, space) else 'no'} |")
+
+    print()
+    print("| op | entries against the current heuristic | median gain | max gain (dims, rows) | gains >= 1.3x | "
+          "entries against an older heuristic |")
+    print("|---|---:|---:|---|---:|---:|")
+    for op, table in loaded.items():
+        space = get_spec(op).space
+        current, older = [], 0
+        for e in table["entries"]:
+            heur, tuned = entry_times(e)
+            if not (heur and tuned):
+                continue
+            if tables._current_heuristic(e, space, None):
+                dims = ",".join(str(v) for v in e["dims"].values())
+                current.append((heur / tuned, dims, e["rows"]))
+            else:
+                older += 1
+        if not current:
+            print(f"| {op} | 0 | - | - | - | {older} |")
+            continue
+        best = max(current)
+        print(f"| {op} | {len(current)} | {100 * (statistics.median(g for g, _, _ in current) - 1):+.1f}% | "
+              f"{best[0]:.2f}x ({best[1]}, {best[2]}) | {sum(g >= 1.3 for g, _, _ in current)} | {older} |")
 
 
 if __name__ == "__main__":
