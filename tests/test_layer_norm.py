@@ -129,6 +129,42 @@ def test_every_template_branch_passes_the_tuners_gate(changes, has_weight, has_b
     assert problem.check(module, "bwd") is None
 
 
+@pytest.mark.parametrize("n_cols", [1025, 2048, 2880, 4096, 5000, 8192])
+def test_wide_rows_get_layer_norms_own_backward_rule(n_cols):
+    """From 1025 to 8192 columns: 8K-element backward tiles, one program per SM, prefetch; the forward and the
+    widths outside keep RMSNorm's rule."""
+    from liger_gen.ops.rms_norm import RMSNormSpace
+    space = LayerNormSpace(n_cols, torch.bfloat16)
+    config, shared = space.heuristic(), RMSNormSpace(n_cols, torch.bfloat16).heuristic()
+    assert not space.violations(config)
+    assert config.BLOCK_M_BWD * config.BLOCK_N == 8192
+    assert (config.PROGRAMS_PER_SM, config.BWD_PREFETCH, config.dw_strategy) == (1, 1, "persistent")
+    assert config.num_warps_bwd == {2048: 8, 4096: 16, 8192: 8}[config.BLOCK_N]
+    assert (config.BLOCK_M_FWD, config.num_warps_fwd) == (shared.BLOCK_M_FWD, shared.num_warps_fwd)
+    # with at most 256 threads per program the rule's warps shrink to fit, and the config stays valid
+    small = LayerNormSpace(n_cols, torch.bfloat16, DeviceLimits(max_threads_per_block=256))
+    assert small.heuristic().num_warps_bwd <= 8 and not small.violations(small.heuristic())
+
+
+@pytest.mark.parametrize("n_cols", [1024, 8193, 16384])
+def test_other_widths_keep_the_shared_rule(n_cols):
+    from liger_gen.ops.rms_norm import RMSNormSpace
+    assert (LayerNormSpace(n_cols, torch.bfloat16).heuristic().to_dict()
+            == RMSNormSpace(n_cols, torch.bfloat16).heuristic().to_dict())
+
+
+@pytest.mark.parametrize("rows,n_cols", [(5, 2100), (3, 4096), (2, 8000)])
+def test_wide_rows_backward_rule_matches_float64(rows, n_cols, device):
+    """The wide-row heuristic's kernels through the tuner's float64 gate, with fewer rows than programs and a
+    row count the tile does not divide."""
+    problem = LayerNormProblem(torch.float32, n_cols, rows, device, seed=rows)
+    config = problem.space.heuristic()
+    assert config.PROGRAMS_PER_SM == 1 and config.BWD_PREFETCH == 1
+    module = load_variant("layer_norm", problem.template_params(config))
+    assert problem.check(module, "fwd") is None
+    assert problem.check(module, "bwd") is None
+
+
 def test_gate_catches_a_wrong_reference(device):
     problem = LayerNormProblem(torch.float32, 64, 9, device, seed=1)
     module = load_variant("layer_norm", problem.template_params(problem.space.heuristic()))

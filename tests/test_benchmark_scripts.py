@@ -1,0 +1,61 @@
+"""The small analysis scripts under benchmarks/ that BENCHMARKS.md quotes: they read committed logs, no GPU."""
+
+import importlib.util
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clock_summary_counts_only_busy_well_formed_samples(tmp_path):
+    rng = random.Random()
+    busy = [(rng.randint(1200, 1980), round(rng.uniform(300, 700), 2), rng.randint(40, 80)) for _ in range(15)]
+    lines = [f"2026/12/02 21:00:00.{i:03d}, {c}, {p}, {t}, {rng.randint(90, 100)}" for i, (c, p, t) in enumerate(busy)]
+    lines += ["2026/12/02 21:00:01.000, 345, 78.2, 39, 0",            # idle: left out
+              "2026/12/02 21:00:01.100, [N/A], [N/A], 39, 100",       # unreadable: left out
+              "garbage", ""]
+    rng.shuffle(lines)
+    path = tmp_path / "clocks_run.csv"
+    path.write_text("\n".join(lines) + "\n")
+    row = _load("clock_summary").summary(path).strip("| ").split(" | ")
+    assert row[0] == "clocks_run" and int(row[1]) == len(busy)
+    assert float(row[2]) == round(statistics.median(c for c, _, _ in busy))
+    assert float(row[3]) == min(c for c, _, _ in busy)
+    assert abs(float(row[4]) - statistics.median(p for _, p, _ in busy)) <= 0.05
+    assert float(row[5]) == max(t for _, _, t in busy)
+    empty = tmp_path / "none.csv"
+    empty.write_text("garbage\n")
+    assert "| none | 0 |" in _load("clock_summary").summary(empty)
+
+
+def test_step_shared_gemms_keeps_kernels_every_provider_ran_alike(tmp_path, capsys, monkeypatch):
+    rng = random.Random()
+    ms = {p: [rng.uniform(1, 50) for _ in range(3)] for p in ("a", "b")}
+
+    def profile(p, head_calls):
+        kernels = [{"name": "k_shared_0", "class": "gemm", "calls": 32.0, "ms": ms[p][0]},
+                   {"name": "k_shared_1", "class": "gemm", "calls": 16.0, "ms": ms[p][1]},
+                   {"name": "k_head", "class": "gemm", "calls": head_calls, "ms": ms[p][2]},
+                   {"name": "k_norm", "class": "liger_gen", "calls": 32.0, "ms": 1.0}]
+        return {"profile": {"top_kernels": kernels}}
+
+    data = {"models": {"m": {"providers": {"a": profile("a", 16.0), "b": profile("b", 1.0),
+                                           "c": {"profile": None}}}}}
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(sys, "argv", ["step_shared_gemms.py", str(path)])
+    _load("step_shared_gemms").main()
+    out = capsys.readouterr().out
+    assert "k_shared_0" in out and "k_shared_1" in out and "k_head" not in out and "k_norm" not in out
+    total = [line for line in out.splitlines() if line.startswith("| sum")][0]
+    assert f"{ms['a'][0] + ms['a'][1]:.2f}" in total and f"{ms['b'][0] + ms['b'][1]:.2f}" in total
