@@ -1,4 +1,5 @@
-"""The small analysis scripts under benchmarks/ that BENCHMARKS.md quotes: they read committed logs, no GPU."""
+"""The small analysis scripts under benchmarks/ that BENCHMARKS.md quotes (they read committed logs), and the
+sweeps' own kernels in Triton's interpreter: no GPU."""
 
 import importlib.util
 import json
@@ -6,6 +7,8 @@ import random
 import statistics
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,3 +62,36 @@ def test_step_shared_gemms_keeps_kernels_every_provider_ran_alike(tmp_path, caps
     assert "k_shared_0" in out and "k_shared_1" in out and "k_head" not in out and "k_norm" not in out
     total = [line for line in out.splitlines() if line.startswith("| sum")][0]
     assert f"{ms['a'][0] + ms['a'][1]:.2f}" in total and f"{ms['b'][0] + ms['b'][1]:.2f}" in total
+
+
+def _sweep(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "sweeps" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("exclude_target,mask_after", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_ce_sweep_kernel_matches_float64_cross_entropy(exclude_target, mask_after, inplace):
+    """The minimal two-pass kernel the cross-entropy sweeps time computes the mean loss's rows and gradient:
+    a persistent grid (fewer programs than rows), a vocab that is not a multiple of the tile, in place or not."""
+    import torch
+
+    kernel = _sweep("ce_inplace").ce_grad_kernel
+    rows, vocab, programs = 7, 1000, 3
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    ref = logits.double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(ref, target).backward()
+    ref_rows = torch.nn.functional.cross_entropy(logits.double(), target, reduction="none")
+    x = logits.clone()
+    dx = x if inplace else torch.empty_like(x)
+    loss = torch.empty(rows, dtype=torch.float32)
+    kernel[(programs,)](x, target, dx, loss, rows, vocab, vocab, 1.0 / rows, programs, BLOCK_V=256, HINTS=1,
+                        NUM_STAGES=1, EXCLUDE_TARGET=exclude_target, MASK_AFTER=mask_after, num_warps=4)
+    eps32, eps16 = torch.finfo(torch.float32).eps, 2.0 ** -8  # fp32 accumulation; one bf16 rounding of dx
+    assert ((loss.double() - ref_rows).abs() / ref_rows.abs()).max() <= 64 * eps32
+    err = (dx.double() - ref.grad).norm() / ref.grad.norm()
+    assert err <= eps16
