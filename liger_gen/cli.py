@@ -393,10 +393,10 @@ def show(gpu, show_trials) -> None:
               help="Token counts to check (capped per op as the tuner caps them).")
 @click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
               help="Comma-separated activation dtypes.")
-@click.option("--ops", default="rms_norm,rope,swiglu,fused_linear_cross_entropy", show_default=True,
-              callback=_csv_ops,
-              help="Comma-separated ops the model runs (default: what apply_to uses on a Llama-like model; add "
-                   "geglu, layer_norm, moe_permute, clamped_swiglu, ... for other families).")
+@click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
+              help="Comma-separated ops the model runs. Default: for a config.json of a supported family, the ops "
+                   "apply_to runs for it (its norm, RoPE, gated MLP or experts, fused linear cross-entropy); "
+                   "otherwise rms_norm,rope,swiglu,fused_linear_cross_entropy (a Llama-like model).")
 @click.option("--allow-heuristic", is_flag=True,
               help="Exit 0 even when some shapes would run the analytic heuristic (no tuned entry).")
 @click.option("--require-compiled", is_flag=True,
@@ -430,6 +430,11 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
     if not dtype_list:
         raise click.BadParameter("name at least one dtype (bfloat16, float16, float32)", param_hint="--dtype")
+    if ops is None:
+        from liger_gen.verify import LLAMA_OPS, ops_for_config
+
+        ops = (model_name.endswith(".json") or Path(model_name).is_file()) and ops_for_config(model_name) \
+            or list(LLAMA_OPS)
     report = check(gpu, model, rows, dtype_list, ops)
     print_report(report, gpu, model_name)
     print_verdict(report, allow_heuristic, require_compiled=require_compiled)

@@ -117,6 +117,8 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
                 report.file_problems.append(problem)
             if notice:
                 report.notices.append(f"{path}: {notice}; used (set {tables.STRICT_TABLES_ENV}=1 to refuse it)")
+    if not loaded and not report.file_problems:
+        report.notices.append(_no_tables_notice(gpu, roots))
     from liger_gen.codegen.spaces import template_names
 
     check_compiled(report, gpu, roots, {name: template_names(spec.space) for name, spec in specs.items()
@@ -134,6 +136,71 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             for r in spec.tuning_rows(model, rows):
                 report.findings.append(_find(report, spec, space, dtype, r, roots, loaded))
     return report
+
+
+#: The ops ``apply_to`` runs on a Llama-like model: what verify checks when the model's family is not known.
+LLAMA_OPS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def ops_for_config(path: str | Path) -> list[str] | None:
+    """The ops ``apply_to`` runs for the model a Hugging Face ``config.json`` describes, from its family
+    (``model_type``, see ``liger_gen.integrations.transformers.MODEL_FAMILIES``) and its MLP activation: the
+    family's norm (``rms_norm`` or ``layer_norm``), ``rope`` where the family's rotation is patched, the gated
+    MLP's kernel (``swiglu``; ``geglu`` for a GELU activation), ``moe_permute`` and the experts' GLU for a
+    mixture of experts (GPT-OSS: ``clamped_swiglu``), and ``fused_linear_cross_entropy`` for the LM head. None
+    when the file is not a readable config or its family is not supported."""
+    import json
+
+    from liger_gen.integrations.transformers import _ALIASES, MODEL_FAMILIES
+
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    model_type = cfg.get("model_type")
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and (model_type not in MODEL_FAMILIES or "hidden_size" not in cfg):
+        cfg, model_type = text, text.get("model_type", model_type)  # multimodal: the language model's
+    family = MODEL_FAMILIES.get(_ALIASES.get(model_type, model_type))
+    if family is None:
+        return None
+    ops = []
+    if family.norm == "layer":
+        ops.append("layer_norm")
+    elif family.norm is not None:
+        ops.append("rms_norm")
+    if family.rope:
+        ops.append("rope")
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    glu = "geglu" if "gelu" in act else "swiglu"
+    experts = any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in _EXPERT_COUNT_FIELDS)
+    if family.experts_gate == "clamped_swiglu":
+        ops.append("clamped_swiglu")
+    elif family.mlp or experts:
+        ops.append(glu)
+    if experts:
+        ops.append("moe_permute")
+    ops.append("fused_linear_cross_entropy")
+    return ops
+
+
+def _no_tables_notice(gpu: str, roots) -> str:
+    """What to say when no root holds a table for ``gpu``: the GPUs that have tables, and the closest name (a
+    misspelt --gpu is a valid name for some other GPU, so it is not an error by itself)."""
+    import difflib
+
+    from liger_gen.runtime.devices import KNOWN_GPUS
+
+    have = sorted({p.parent.name for _, root in roots if Path(root).is_dir()
+                   for p in Path(root).glob("*/*.json")})
+    close = (difflib.get_close_matches(gpu, have, n=1, cutoff=0.5)  # a GPU that has tables first
+             or difflib.get_close_matches(gpu, list(KNOWN_GPUS), n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]}?" if close and close[0] != gpu and gpu not in KNOWN_GPUS else ""
+    return (f"no tuned tables for {gpu!r} in any folder looked up (tables exist for: {', '.join(have) or 'none'})"
+            f"{hint}")
 
 
 def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tuple[str, ...]]) -> None:

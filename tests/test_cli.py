@@ -443,3 +443,65 @@ def test_first_step_options_and_a_hung_child_are_reported_not_raised(tmp_path):
     (run,) = result["models"]["tiny"]["transformers"]["runs"]  # the warm-up round's run is left out
     assert run["status"] == "error" and "no first step within 0.01 s" in run["reason"]
     assert json.loads((tmp_path / "first_step.json").read_text())["models"]["tiny"]["transformers"]["median_s"] is None
+
+
+def test_verify_names_the_gpus_that_have_tables_when_the_named_one_has_none(tmp_path, monkeypatch):
+    """A misspelt --gpu is a valid name for some other GPU: verify says that no table exists for it, which GPUs
+    have tables, and the closest of those; a known GPU without tables gets no guess."""
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    typo = _verify("--gpu", "hh200", "--model", "llama3-8b")
+    text = " ".join(typo.output.split())
+    assert typo.exit_code == 1 and "no tuned tables for 'hh200'" in text and "did you mean h200?" in text
+    known = " ".join(_verify("--gpu", "a100", "--model", "llama3-8b").output.split())
+    assert "no tuned tables for 'a100'" in known and "did you mean" not in known
+    ok = " ".join(_verify("--gpu", "h200", "--model", "llama3-8b").output.split())
+    assert "no tuned tables" not in ok
+
+
+def _write_config(tmp_path, name, **fields):
+    base = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=1024, rms_norm_eps=1e-6, hidden_act="silu")
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({**base, **fields}))
+    return path
+
+
+@pytest.mark.parametrize("fields,expected", [
+    (dict(model_type="llama"), ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]),
+    (dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh"),
+     ["rms_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
+    (dict(model_type="phimoe", num_local_experts=16),
+     ["layer_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"]),
+    (dict(model_type="gpt_oss", num_local_experts=32),
+     ["rms_norm", "rope", "clamped_swiglu", "moe_permute", "fused_linear_cross_entropy"]),
+    (dict(model_type="qwen3_moe", num_experts=128), ["rms_norm", "rope", "swiglu", "moe_permute",
+                                                      "fused_linear_cross_entropy"]),
+    (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", hidden_size=256,
+                                                hidden_activation="gelu_pytorch_tanh")),
+     ["rms_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
+    (dict(model_type="bert"), None),
+])
+def test_verify_default_ops_follow_the_config_family(tmp_path, fields, expected):
+    """Without --ops, verify checks the ops apply_to runs for a config.json's family; a family apply_to does
+    not support (or an unreadable file) falls back to the Llama-like default."""
+    from liger_gen.verify import ops_for_config
+
+    path = _write_config(tmp_path, "m", **fields)
+    assert ops_for_config(path) == expected
+    assert ops_for_config(tmp_path / "missing.json") is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert ops_for_config(bad) is None
+
+
+def test_verify_cli_checks_a_gemma_config_with_geglu(tmp_path, monkeypatch):
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    path = _write_config(tmp_path, "gemma2", model_type="gemma2", hidden_activation="gelu_pytorch_tanh")
+
+    def checked_ops(*extra):
+        out = _verify("--gpu", "h200", "--model", str(path), "--rows", "4096", "--allow-heuristic", *extra).output
+        cells = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+        return {c for c in cells if c}  # the op column (wrapped names leave fragments; these are short)
+
+    assert checked_ops() >= {"rms_norm", "rope", "geglu"} and "swiglu" not in checked_ops()
+    assert checked_ops("--ops", "swiglu") == {"swiglu"}
