@@ -952,11 +952,12 @@ def print_report(result: dict[str, Any], console=None) -> None:
                   f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel {meta['liger_kernel']}")
     summary = Table(title="Speed, memory and loss curve",
                     caption=f"x: tokens/s ratio. loss: |loss - transformers| / transformers at step 1, mean and max "
-                            f"over steps; pass if step 1 and mean <= {s['loss_rel_tol']:.2e}. 1st s: first step wall "
+                            f"over steps; loss check: pass if step 1 and mean <= {s['loss_rel_tol']:.2e} (ref: the "
+                            f"run the others are compared with). 1st s: first step wall "
                             f"time (compile time apart)")
     for col in ("model", "provider", "tok/s", "ms/step", "x HF", "x Liger", "peak GiB", "rsvd GiB",
-                "loss Δrel 1/mean/max", "", "1st s"):
-        summary.add_column(col, justify="left" if col in ("model", "provider", "") else "right")
+                "loss Δrel 1/mean/max", "loss check", "1st s"):
+        summary.add_column(col, justify="left" if col in ("model", "provider", "loss check") else "right")
     breakdown = Table(title="GPU time per step by kernel class (ms, torch.profiler)",
                       caption="busy: union of GPU activity per step; idle: ms/step (unprofiled) - busy")
     breakdown.add_column("model")
