@@ -71,7 +71,7 @@ def _sweep(name):
     return module
 
 
-@pytest.mark.parametrize("exclude_target,mask_after", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("exclude_target,mask_after", [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_ce_sweep_kernel_matches_float64_cross_entropy(exclude_target, mask_after, inplace):
     """The minimal two-pass kernel the cross-entropy sweeps time computes the mean loss's rows and gradient:

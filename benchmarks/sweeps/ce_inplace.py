@@ -33,7 +33,7 @@ def ce_grad_kernel(x_ptr, y_ptr, dx_ptr, loss_ptr, n_rows, n_cols, stride, inv_n
     """Mean cross-entropy rows and their gradient for a unit upstream gradient: pass 1 over a row (online max and
     sum), pass 2 re-reads it and writes softmax − onehot, scaled by 1/n. Rows loop over a grid of n_prog.
     EXCLUDE_TARGET: pass 1 leaves the target column out of the sum and adds it at the end (as liger-gen's kernel
-    does, for 1 − p_y to fp32 accuracy); MASK_AFTER: load masked columns as 0 and set them to −inf after (as
+    does, for 1 − p_y to fp32 accuracy): 1 with a compare in every tile, 2 only in the tile that holds the target; MASK_AFTER: load masked columns as 0 and set them to −inf after (as
     liger-gen's kernel does, which also soft-caps)."""
     pid = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK_V)
@@ -55,8 +55,13 @@ def ce_grad_kernel(x_ptr, y_ptr, dx_ptr, loss_ptr, n_rows, n_cols, stride, inv_n
             if MASK_AFTER:
                 x = tl.where(mask, x, float("-inf"))
             m_new = tl.maximum(m, tl.max(x, axis=0))
-            if EXCLUDE_TARGET:
+            if EXCLUDE_TARGET == 1:
                 e = tl.where(cols == y, 0.0, tl.exp(x - m_new))
+            elif EXCLUDE_TARGET == 2:  # the same, only in the tile that holds the target
+                if (y >= start) & (y < start + BLOCK_V):
+                    e = tl.where(cols == y, 0.0, tl.exp(x - m_new))
+                else:
+                    e = tl.exp(x - m_new)
             else:
                 e = tl.exp(x - m_new)
             s = s * tl.exp(m - m_new) + tl.sum(e, axis=0)

@@ -89,7 +89,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - report and go on
                 print("failed", bv, w, repr(e)[:120])
     for bv, w, hints in ((2048, 4, 0), (32768, 32, 1)):
-        for excl, after in ((1, 0), (0, 1), (1, 1)):
+        for excl, after in ((1, 0), (2, 0), (0, 1), (1, 1), (2, 1)):
             go = lambda: ce_grad_kernel[(ROWS,)](x, target, dx, loss, ROWS, VOCAB, VOCAB, 1.0 / ROWS, ROWS,
                                                 BLOCK_V=bv, HINTS=hints, NUM_STAGES=1, EXCLUDE_TARGET=excl,
                                                 MASK_AFTER=after, num_warps=w)
