@@ -430,11 +430,11 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
     if not dtype_list:
         raise click.BadParameter("name at least one dtype (bfloat16, float16, float32)", param_hint="--dtype")
-    if ops is None:
+    if ops is None:  # a config file's family, where resolve_model read the shapes from a file
+        from liger_gen.models import PRESETS
         from liger_gen.verify import LLAMA_OPS, ops_for_config
 
-        ops = (model_name.endswith(".json") or Path(model_name).is_file()) and ops_for_config(model_name) \
-            or list(LLAMA_OPS)
+        ops = (model_name not in PRESETS and ops_for_config(model_name)) or list(LLAMA_OPS)
     report = check(gpu, model, rows, dtype_list, ops)
     print_report(report, gpu, model_name)
     print_verdict(report, allow_heuristic, require_compiled=require_compiled)

@@ -33,8 +33,9 @@ def ce_grad_kernel(x_ptr, y_ptr, dx_ptr, loss_ptr, n_rows, n_cols, stride, inv_n
     """Mean cross-entropy rows and their gradient for a unit upstream gradient: pass 1 over a row (online max and
     sum), pass 2 re-reads it and writes softmax − onehot, scaled by 1/n. Rows loop over a grid of n_prog.
     EXCLUDE_TARGET: pass 1 leaves the target column out of the sum and adds it at the end (as liger-gen's kernel
-    does, for 1 − p_y to fp32 accuracy): 1 with a compare in every tile, 2 only in the tile that holds the target; MASK_AFTER: load masked columns as 0 and set them to −inf after (as
-    liger-gen's kernel does, which also soft-caps)."""
+    does, for 1 − p_y to fp32 accuracy): 1 with a compare in every tile, 2 only in the tile that holds the
+    target. MASK_AFTER: load masked columns as 0 and set them to −inf after (as liger-gen's kernel does, which
+    also soft-caps)."""
     pid = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK_V)
     for row in range(pid, n_rows, n_prog):
@@ -166,7 +167,6 @@ def main():
                 record(f"minimal {'over logits' if inplace else 'separate dx '} BV={bv:5d} w={w:2d} st={stages} "
                        f"hints={hints} {label} (loss err {err:.1e})", ms)
     print(f"minimal-kernel sweep: {time.time() - t0:.0f} s")
-    # the gradient of the best minimal config against float32 torch (fresh logits)
     results.sort()
     print("\nfastest 15 (ms, % of the copy rate for one read + one write of the logits):")
     for ms, name in results[:15]:
