@@ -51,10 +51,9 @@ def _gpu_name(ctx, param, value: str | None) -> str | None:
 
 
 def _packaged_gpus() -> list[str]:
-    from liger_gen.runtime.tables import packaged_root
+    from liger_gen.runtime.tables import gpus_with_tables, packaged_root
 
-    root = packaged_root()
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.json"))) if root.is_dir() else []
+    return gpus_with_tables([("packaged", packaged_root())])
 
 
 class _Group(click.Group):
@@ -430,12 +429,15 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
         raise click.BadParameter(str(exc), param_hint="--dtype") from None
     if not dtype_list:
         raise click.BadParameter("name at least one dtype (bfloat16, float16, float32)", param_hint="--dtype")
-    if ops is None:  # a config file's family, where resolve_model read the shapes from a file
+    if ops is None:  # the preset's or config file's own (resolve_model reads a file only if no preset is named so)
         from liger_gen.models import PRESETS
-        from liger_gen.verify import LLAMA_OPS, ops_for_config
+        from liger_gen.verify import default_ops
 
-        ops = (model_name not in PRESETS and ops_for_config(model_name)) or list(LLAMA_OPS)
+        ops, ops_source = default_ops(model_name, from_file=model_name not in PRESETS)
+    else:
+        ops_source = "those named by --ops"
     report = check(gpu, model, rows, dtype_list, ops)
+    report.ops_source = f"{', '.join(ops)} ({ops_source})"
     print_report(report, gpu, model_name)
     print_verdict(report, allow_heuristic, require_compiled=require_compiled)
     sys.exit(report.exit_code(allow_heuristic, require_compiled))

@@ -1,4 +1,6 @@
-"""The one atomic file writer: readers see the old file or the whole new one, never a part."""
+"""The one atomic file writer (readers see the old file or the whole new one, never a part) and the one reader of
+small files named by users (tables, model configs), which neither blocks on a FIFO nor reads a device file
+without end."""
 
 from __future__ import annotations
 
@@ -47,3 +49,24 @@ def not_private(st: os.stat_result, allow_root: bool = False) -> str | None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"writable by group or others (mode {oct(st.st_mode)})"
     return None
+
+
+def read_capped_text(path: str | os.PathLike, limit: int, what: str) -> str:
+    """The UTF-8 text of the regular file at ``path``, of at most ``limit`` bytes. OSError if it cannot be opened;
+    ValueError (naming ``what`` and the path) if it is not a regular file, is larger than ``limit`` or is not
+    UTF-8. Opened without blocking, so a FIFO cannot hang the reader, and read to at most the cap, so a device
+    file such as /dev/zero cannot exhaust memory."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{what} {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > limit:
+            raise ValueError(f"{what} {path} has {st.st_size:,} bytes, more than the {limit:,} it may have")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} {path} grew past {limit:,} bytes while it was read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"cannot read {what} {path}: not UTF-8 ({exc})") from exc

@@ -118,31 +118,94 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def from_hf_config(path: str | Path) -> ModelShape:
-    """Read a Hugging Face ``config.json``; ValueError names the missing or ill-typed field. For a
-    mixture-of-experts config (a ``moe_intermediate_size`` field), ``intermediate_size`` is that width: the one
-    its experts' GLU runs at."""
+#: The Hugging Face config of each preset beyond its dims: (``model_type``, the fields that set its family's
+#: layout, e.g. its experts). ``preset_hf_config`` adds the dims. Presets built whole take their Architecture's.
+_PRESET_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3-8b": ("llama", {}), "llama3-70b": ("llama", {}), "llama3.2-3b": ("llama", {}),
+    "qwen2.5-7b": ("qwen2", {}), "mistral-7b": ("mistral", {}),
+    "gpt-oss-20b": ("gpt_oss", dict(num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                        num_hidden_layers=48)),
+}
+
+MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is a few kB
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The top-level object of a Hugging Face ``config.json``; ValueError (naming the file) if it cannot be read,
+    is not a regular file of at most MAX_CONFIG_BYTES, is not JSON, or is not a JSON object."""
+    from liger_gen.files import read_capped_text
+
     path = Path(path)
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        cfg = json.loads(read_capped_text(path, MAX_CONFIG_BYTES, "model config"))
+    except OSError as exc:
         raise ValueError(f"cannot read model config {path}: {exc}") from exc
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
-    width_field = "moe_intermediate_size" if isinstance(cfg.get("moe_intermediate_size"), int) \
-        else "intermediate_size"
-    for field in ("hidden_size", width_field, "num_attention_heads", "vocab_size"):
-        if not isinstance(cfg.get(field), int):
-            raise ValueError(f"model config {path}: field {field!r} missing or not an integer")
-    heads = cfg["num_attention_heads"]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model config {path} is not JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model config {path} holds a JSON {type(cfg).__name__}, not an object of config fields")
+    return cfg
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields of a config: its ``text_config`` where a multimodal config nests one."""
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) else cfg
+
+
+def preset_hf_config(name: str) -> dict[str, Any] | None:
+    """The Hugging Face config fields (``model_type`` included) of a preset, for building it with transformers;
+    None for a name that is not a preset."""
+    if name in ARCHITECTURES:
+        a = ARCHITECTURES[name]
+        return {"model_type": a.family, **a.fields}
+    if name not in _PRESET_FAMILIES:
+        return None
+    family, extra = _PRESET_FAMILIES[name]
+    m = PRESETS[name]
+    return {"model_type": family, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
+            "head_dim": m.head_dim, "vocab_size": m.vocab_size, "rms_norm_eps": m.rms_norm_eps, **extra}
+
+
+def from_hf_config(path: str | Path) -> ModelShape:
+    """Read a Hugging Face ``config.json`` (``read_hf_config``; a multimodal config's ``text_config``); ValueError
+    names the file and the missing or ill-typed field. For a mixture-of-experts config (a
+    ``moe_intermediate_size`` field), ``intermediate_size`` is that width: the one its experts' GLU runs at."""
+    path = Path(path)
+    cfg = text_config(read_hf_config(path))
+
+    def positive(field: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"model config {path}: field {field!r} is {value!r}, not a positive integer")
+        return value
+
+    width_field = "moe_intermediate_size" if cfg.get("moe_intermediate_size") is not None else "intermediate_size"
+    dims = {field: positive(field, cfg.get(field))
+            for field in ("hidden_size", width_field, "num_attention_heads", "vocab_size")}
+    heads = dims["num_attention_heads"]
+    kv_heads = positive("num_key_value_heads", cfg["num_key_value_heads"]) \
+        if cfg.get("num_key_value_heads") is not None else heads
+    head_dim = positive("head_dim", cfg["head_dim"]) if cfg.get("head_dim") is not None \
+        else dims["hidden_size"] // heads
+    if head_dim < 1:
+        raise ValueError(f"model config {path}: hidden_size {dims['hidden_size']} is smaller than "
+                         f"num_attention_heads {heads} and there is no head_dim")
+    eps = cfg.get("rms_norm_eps", cfg.get("layer_norm_eps"))
+    if eps is None:
+        eps = 1e-6
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"model config {path}: field 'rms_norm_eps' is {eps!r}, not a number in (0, 1)")
     return ModelShape(
         name=path.stem if path.stem != "config" else path.parent.name or "config",
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg[width_field],
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims[width_field],
         num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=dims["vocab_size"],
+        rms_norm_eps=float(eps),
     )
 
 

@@ -16,6 +16,8 @@ build can fail early.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,8 @@ class Report:
     usable_compiled: int = 0
     missing_compiled: list[str] = field(default_factory=list)  # ops a usable store holds no kernel of
     roots: list[tuple[str, str]] = field(default_factory=list)  # (source, folder) in lookup order
+    no_tables: str | None = None  # set when no folder looked up holds a table for the GPU: what to say
+    ops_source: str = ""  # where the checked ops came from (--ops, the config's family, the Llama-like default)
 
     def compiled_missing(self) -> str | None:
         """Why ``--require-compiled`` fails, or None."""
@@ -98,11 +102,11 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             roots.append((source, root))
     report.roots = [(source, str(root)) for source, root in roots]
     loaded: dict[tuple[str, str], dict | None] = {}
+    same_remark: dict[tuple[str, str], list[str]] = {}
     for source, root in roots:  # every table file of this GPU, whether or not the model needs its op
         folder = Path(root) / gpu
         try:
-            paths = sorted(p for p in folder.glob("*.json") if not p.name.endswith(".trials.json")) \
-                if folder.is_dir() else []
+            paths = tables.table_files(folder)
         except OSError as exc:
             report.file_problems.append(f"cannot list {folder}: {type(exc).__name__}: {exc}")
             continue
@@ -115,10 +119,13 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             loaded[(str(root), spec.name)] = table
             if problem:
                 report.file_problems.append(problem)
-            if notice:
-                report.notices.append(f"{path}: {notice}; used (set {tables.STRICT_TABLES_ENV}=1 to refuse it)")
+            if notice:  # one line per folder and remark (most often: every file of another Triton)
+                same_remark.setdefault((str(folder), notice), []).append(spec.name)
+    for (folder, notice), names in same_remark.items():
+        report.notices.append(f"{folder}: {len(names)} table(s) ({', '.join(names)}): {notice}; used (set "
+                              f"{tables.STRICT_TABLES_ENV}=1 to refuse them)")
     if not loaded and not report.file_problems:
-        report.notices.append(_no_tables_notice(gpu, roots))
+        report.no_tables = tables.no_tables_message(gpu, roots)
     from liger_gen.codegen.spaces import template_names
 
     check_compiled(report, gpu, roots, {name: template_names(spec.space) for name, spec in specs.items()
@@ -143,64 +150,86 @@ LLAMA_OPS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def ops_for_config(path: str | Path) -> list[str] | None:
-    """The ops ``apply_to`` runs for the model a Hugging Face ``config.json`` describes, from its family
-    (``model_type``, see ``liger_gen.integrations.transformers.MODEL_FAMILIES``) and its MLP activation: the
-    family's norm (``rms_norm`` or ``layer_norm``), ``rope`` where the family's rotation is patched, the gated
-    MLP's kernel (``swiglu``; ``geglu`` for a GELU activation), ``moe_permute`` and the experts' GLU for a
-    mixture of experts (GPT-OSS: ``clamped_swiglu``), and ``fused_linear_cross_entropy`` for the LM head. None
-    when the file is not a readable config or its family is not supported."""
-    import json
-
-    from liger_gen.integrations.transformers import _ALIASES, MODEL_FAMILIES
+def ops_apply_to_runs(cfg: dict) -> tuple[list[str] | None, str]:
+    """(the ops ``apply_to`` runs for the model a Hugging Face config's fields describe, why) — or (None, why
+    not). The model is built with transformers on the meta device (``AutoModelForCausalLM.from_config``, no
+    weights allocated, no remote code), patched by ``apply_to`` and asked (``patched_ops``), so the answer is
+    ``apply_to``'s own: the family's norm, RoPE where the family's rotation is routed, the gated MLPs' and
+    experts' GLU, ``moe_permute`` for fused experts, ``fused_linear_cross_entropy`` where the LM-head loss is
+    fused (a multimodal model's keeps its own loss)."""
+    import warnings
 
     try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
+        import transformers
+    except ImportError:
+        return None, "transformers is not installed (pip install 'liger-gen[transformers]')"
+    from liger_gen.integrations import transformers as integration
+
     model_type = cfg.get("model_type")
-    text = cfg.get("text_config")
-    if isinstance(text, dict) and (model_type not in MODEL_FAMILIES or "hidden_size" not in cfg):
-        cfg, model_type = text, text.get("model_type", model_type)  # multimodal: the language model's
-    family = MODEL_FAMILIES.get(_ALIASES.get(model_type, model_type))
-    if family is None:
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        return None, f"model_type {model_type!r} is not one this transformers release ({transformers.__version__}) knows"
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    quiet = logging.getLogger("liger_gen"), logging.getLogger("transformers")
+    levels = [log.level for log in quiet]
+    try:
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            config_class = transformers.CONFIG_MAPPING[model_type]
+            # as from_pretrained reads a file: releases that write inf/NaN as {"__float__": ...} decode them
+            decode = getattr(config_class, "_decode_special_floats", None)
+            config = config_class.from_dict(decode(fields) if callable(decode) else fields)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            family = integration.family_of(model)  # ValueError: not a family apply_to supports
+            integration.apply_to(model, rope=False)  # RoPE routing is process-wide: predicted, not done
+    except Exception as exc:  # noqa: BLE001 - any failure to build the model means: no prediction
+        return None, f"{model_type}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+    ops = integration.patched_ops(model)
+    modeling = importlib.import_module(family.modeling_module)
+    if integration._rope_functions(family) and all(callable(getattr(modeling, f, None))
+                                                    for f, _ in integration._rope_functions(family)):
+        ops = [op for op in _op_order() if op in {*ops, "rope"}]
+    return ops, f"those apply_to runs on {type(model).__name__} built from the config"
+
+
+def _op_order() -> list[str]:
+    from liger_gen.ops import all_specs
+
+    return [spec.name for spec in all_specs()]
+
+
+def ops_for_config(path: str | Path) -> list[str] | None:
+    """The ops ``apply_to`` runs for the model a Hugging Face ``config.json`` describes (``ops_apply_to_runs``);
+    None when the file is not a readable config or its model cannot be built and patched."""
+    from liger_gen.models import read_hf_config
+
+    try:
+        cfg = read_hf_config(path)
+    except ValueError:
         return None
-    ops = []
-    if family.norm == "layer":
-        ops.append("layer_norm")
-    elif family.norm is not None:
-        ops.append("rms_norm")
-    if family.rope:
-        ops.append("rope")
-    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
-    glu = "geglu" if "gelu" in act else "swiglu"
-    experts = any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in _EXPERT_COUNT_FIELDS)
-    if family.experts_gate == "clamped_swiglu":
-        ops.append("clamped_swiglu")
-    elif family.mlp or experts:
-        ops.append(glu)
-    if experts:
-        ops.append("moe_permute")
-    ops.append("fused_linear_cross_entropy")
-    return ops
+    return ops_apply_to_runs(cfg)[0]
 
 
-def _no_tables_notice(gpu: str, roots) -> str:
-    """What to say when no root holds a table for ``gpu``: the GPUs that have tables, and the closest name (a
-    misspelt --gpu is a valid name for some other GPU, so it is not an error by itself)."""
-    import difflib
+def default_ops(model_name: str, from_file: bool) -> tuple[list[str], str]:
+    """The ops ``liger-gen verify`` checks without ``--ops``, and where they come from: those ``apply_to`` runs for
+    the preset or config file (``from_file``), else the Llama-like ``LLAMA_OPS`` with the reason."""
+    from liger_gen.models import preset_hf_config, read_hf_config
 
-    from liger_gen.runtime.devices import KNOWN_GPUS
-
-    have = sorted({p.parent.name for _, root in roots if Path(root).is_dir()
-                   for p in Path(root).glob("*/*.json")})
-    close = (difflib.get_close_matches(gpu, have, n=1, cutoff=0.5)  # a GPU that has tables first
-             or difflib.get_close_matches(gpu, list(KNOWN_GPUS), n=1, cutoff=0.6))
-    hint = f"; did you mean {close[0]}?" if close and close[0] != gpu and gpu not in KNOWN_GPUS else ""
-    return (f"no tuned tables for {gpu!r} in any folder looked up (tables exist for: {', '.join(have) or 'none'})"
-            f"{hint}")
+    try:
+        cfg = read_hf_config(model_name) if from_file else preset_hf_config(model_name)
+    except ValueError as exc:
+        cfg, why = None, str(exc)
+    else:
+        why = "" if cfg is not None else f"{model_name!r} has no family"
+    if cfg is not None:
+        ops, why = ops_apply_to_runs(cfg)
+        if ops:
+            return ops, why
+    return list(LLAMA_OPS), f"a Llama-like model's: no prediction for this one, {why}"
 
 
 def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tuple[str, ...]]) -> None:
@@ -268,7 +297,7 @@ def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tupl
                                    + ", ".join(f"{op} {n}" for op, n in held.items() if n)
                                    + (f"; none for {', '.join(missing)} (compiled at first use)" if missing else ""))
             report.usable_compiled += 1
-    if not found:
+    if not found and report.no_tables is None:  # without tables, building kernels is not the next step
         report.notices.append(f"no compiled kernels for {gpu}: every kernel is compiled at its first use in a "
                               f"process (`liger-gen build --gpu {gpu} --model ...` makes them)")
 
@@ -309,14 +338,20 @@ def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loa
 
 def print_report(report: Report, gpu: str, model_name: str, console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"liger-gen verify: {model_name} on {gpu}")
-    for column in ("op", "dtype", "dims", "rows", "source", "detail"):
-        table.add_column(column, overflow="fold")
-    for f in report.findings:
-        style = "green" if f.source != "heuristic" else "yellow"
-        table.add_row(f.op, f.dtype, " ".join(f"{k}={v}" for k, v in f.dims.items()), str(f.rows),
-                      Text(f.source, style=style), f.detail)
-    console.print(table)
+    if report.ops_source:
+        console.print(Text(f"ops checked: {report.ops_source}"), soft_wrap=True)
+    if report.no_tables is None:
+        table = Table(title=f"liger-gen verify: {model_name} on {gpu}")
+        for column in ("op", "dtype", "dims", "rows", "source", "detail"):
+            table.add_column(column, overflow="fold")
+        for f in report.findings:
+            style = "green" if f.source != "heuristic" else "yellow"
+            table.add_row(f.op, f.dtype, " ".join(f"{k}={v}" for k, v in f.dims.items()), str(f.rows),
+                          Text(f.source, style=style), f.detail)
+        console.print(table)
+    else:  # one line instead of a table whose every row says the same
+        console.print(Text(f"all {len(report.findings)} shapes of {model_name} would run the heuristic: "
+                           f"{report.no_tables}", style="yellow"), soft_wrap=True)
     for problem in report.file_problems:
         console.print(Text(f"unusable: {problem}", style="red"))
     for notice in report.notices:
@@ -343,6 +378,8 @@ def print_verdict(report: Report, allow_heuristic: bool, console: Console | None
     elif require_compiled and report.compiled_missing():
         console.print(Text(f"exit 1: {report.compiled_missing()}; build them with the Triton you train with "
                            f"(`liger-gen build`), or drop --require-compiled", style="red"))
+    elif heuristic and not allow_heuristic and report.no_tables:
+        console.print(Text(f"exit 1: {report.no_tables}", style="red"), soft_wrap=True)
     elif heuristic and not allow_heuristic:
         console.print(Text(f"exit 1: {heuristic} shape(s) would run the heuristic (no tuned entry); tune them, or "
                            f"pass --allow-heuristic to accept that", style="red"))

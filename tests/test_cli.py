@@ -1,6 +1,7 @@
 """The liger-gen command line on a machine without a GPU."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -472,14 +473,22 @@ def _write_config(tmp_path, name, **fields):
      ["rms_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
     (dict(model_type="phimoe", num_local_experts=16),
      ["layer_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"]),
-    (dict(model_type="gpt_oss", num_local_experts=32),
-     ["rms_norm", "rope", "clamped_swiglu", "moe_permute", "fused_linear_cross_entropy"]),
+    # GPT-OSS: apply_to routes the experts' clamped gate; the experts loop stays transformers' (no moe_permute)
+    (dict(model_type="gpt_oss", num_local_experts=32), ["rms_norm", "rope", "clamped_swiglu",
+                                                        "fused_linear_cross_entropy"]),
+    (dict(model_type="mixtral", num_local_experts=1), ["rms_norm", "rope", "swiglu", "moe_permute",
+                                                       "fused_linear_cross_entropy"]),
+    (dict(model_type="llama", hidden_act="relu"), ["rms_norm", "rope", "fused_linear_cross_entropy"]),
     (dict(model_type="qwen3_moe", num_experts=128), ["rms_norm", "rope", "swiglu", "moe_permute",
                                                       "fused_linear_cross_entropy"]),
-    (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", hidden_size=256,
+    # multimodal Gemma 3: AutoModelForCausalLM builds Gemma3ForConditionalGeneration, whose loss apply_to keeps
+    (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=512,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                                 hidden_activation="gelu_pytorch_tanh")),
-     ["rms_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
+     ["rms_norm", "rope", "geglu"]),
     (dict(model_type="bert"), None),
+    (dict(model_type=["llama"]), None),
+    (dict(model_type="paligemma", text_config=dict(model_type="gemma2", hidden_size=256)), None),
 ])
 def test_verify_default_ops_follow_the_config_family(tmp_path, fields, expected):
     """Without --ops, verify checks the ops apply_to runs for a config.json's family; a family apply_to does
@@ -494,6 +503,28 @@ def test_verify_default_ops_follow_the_config_family(tmp_path, fields, expected)
     assert ops_for_config(bad) is None
 
 
+@pytest.mark.parametrize("preset,expected", [
+    ("llama3-8b", ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]),
+    ("gpt-oss-20b", ["rms_norm", "rope", "clamped_swiglu", "fused_linear_cross_entropy"]),
+    ("qwen3-30b-a3b", ["rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"]),
+])
+def test_verify_default_ops_of_a_preset_are_its_familys(preset, expected):
+    from liger_gen.verify import default_ops
+
+    ops, why = default_ops(preset, from_file=False)
+    assert ops == expected and "apply_to runs on" in why
+
+
+def test_verify_says_where_its_ops_come_from(tmp_path, monkeypatch):
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    path = _write_config(tmp_path, "bert", model_type="bert")
+    text = " ".join(_verify("--gpu", "h200", "--model", str(path), "--allow-heuristic").output.split())
+    assert "ops checked: rms_norm, rope, swiglu, fused_linear_cross_entropy (a Llama-like model's" in text
+    assert "'bert' is not supported" in text
+    moe = " ".join(_verify("--gpu", "h200", "--model", "qwen3-30b-a3b", "--allow-heuristic").output.split())
+    assert "moe_permute" in moe and "Qwen3MoeForCausalLM" in moe
+
+
 def test_verify_cli_checks_a_gemma_config_with_geglu(tmp_path, monkeypatch):
     monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
     path = _write_config(tmp_path, "gemma2", model_type="gemma2", hidden_activation="gelu_pytorch_tanh")
@@ -505,3 +536,39 @@ def test_verify_cli_checks_a_gemma_config_with_geglu(tmp_path, monkeypatch):
 
     assert checked_ops() >= {"rms_norm", "rope", "geglu"} and "swiglu" not in checked_ops()
     assert checked_ops("--ops", "swiglu") == {"swiglu"}
+
+
+@pytest.mark.parametrize("content,message", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ('{"hidden_size": 0, "intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 8}',
+     "'hidden_size' is 0, not a positive integer"),
+    ('{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 0, "vocab_size": 8}',
+     "'num_attention_heads' is 0"),
+    ('{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 8, "rms_norm_eps": "x"}',
+     "'rms_norm_eps' is 'x'"),
+    ('{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 8, "head_dim": true}',
+     "'head_dim' is True"),
+    ('{"hidden_size": 2, "intermediate_size": 8, "num_attention_heads": 4, "vocab_size": 8}',
+     "smaller than num_attention_heads"),
+    ("{", "is not JSON"),
+])
+def test_a_malformed_config_is_a_model_error(tmp_path, content, message):
+    """A config.json whose values cannot describe a model ends verify with a --model error naming the field."""
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    result = _verify("--gpu", "h200", "--model", str(path))
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)  # opening a FIFO for reading would block until a writer came
+    result = _verify("--gpu", "h200", "--model", str(fifo))
+    assert result.exit_code == 2 and "is not a regular file" in result.output
+
+
+def test_gpus_with_tables_counts_only_op_tables(tmp_path):
+    for gpu, name in (("h200", "rms_norm.json"), ("a100", "rms_norm.trials.json"), ("l4", "notes.json")):
+        (tmp_path / gpu).mkdir()
+        (tmp_path / gpu / name).write_text("{}")
+    assert tables.gpus_with_tables([("user", tmp_path)]) == ["h200"]

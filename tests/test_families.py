@@ -19,7 +19,7 @@ import torch
 import liger_gen
 from liger_gen.bench.step import byte_tokens, make_batches
 from liger_gen.integrations.transformers import MODEL_FAMILIES, restore_rope
-from mini_models import FAMILY_CONFIGS, mini_model
+from mini_models import FAMILY_CONFIGS, mini_config, mini_model
 
 STEPS, BATCH, SEQ, LR = 20, 2, 32, 3e-3
 TOP_K = 5
@@ -155,11 +155,22 @@ def test_family_takes_a_bfloat16_training_step_on_the_plain_path(model_type, mon
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs CPU tensors")
 @pytest.mark.parametrize("model_type", INTERPRETER_FAMILIES)
-def test_family_trains_like_transformers_through_the_kernels(model_type, monkeypatch):
+def test_family_trains_like_transformers_through_the_kernels(model_type, monkeypatch, tmp_path):
+    """...and the ops whose kernels ran are those ``liger-gen verify`` predicts from the model's config.json."""
+    from liger_gen.ops import all_specs
+    from liger_gen.runtime.ops import chosen_configs, clear_caches
+    from liger_gen.verify import ops_for_config
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    clear_caches()  # chosen_configs() then lists the kernels of this test's runs only
     # 3 steps: the first loss checks the kernels' forwards; the next two losses and the parameters, their
     # gradients (the plain-path test above trains 20)
     _compare(model_type, 3)
+    op_of_space = {spec.space.__name__: spec.name for spec in all_specs()}
+    ran = {op_of_space[key[0]] for key, _ in chosen_configs()}
+    mini_config(model_type).to_json_file(tmp_path / "config.json")
+    predicted = ops_for_config(tmp_path / "config.json")
+    assert predicted is not None and set(predicted) == ran, (model_type, predicted, sorted(ran))
 
 
 def test_every_family_has_a_mini_model():

@@ -169,8 +169,8 @@ _patched_rope: dict[str, object] = {}  # modeling module name → its liger-gen 
 def family_of(model: nn.Module) -> ModelFamily:
     """The family entry of ``model``'s ``config.model_type``; ValueError naming the supported ones."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    model_type = _ALIASES.get(model_type, model_type)
-    if model_type not in MODEL_FAMILIES:
+    model_type = _ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
+    if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ValueError(f"liger_gen.apply_to: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(MODEL_FAMILIES))}")
     return MODEL_FAMILIES[model_type]
@@ -778,3 +778,40 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     model.liger_gen_report = report
     logger.info(report.summary() + ("; it was already patched" if already else ""))
     return model
+
+
+def _glu_op(activation: str) -> str:
+    """The op (table name) of a gated activation: swiglu for SiLU, geglu for either GELU, clamped_swiglu."""
+    return {"silu": "swiglu", "clamped_swiglu": "clamped_swiglu"}.get(activation, "geglu")
+
+
+def patched_ops(model: nn.Module) -> list[str]:
+    """The liger-gen ops a model patched by ``apply_to`` runs in training, in ``liger_gen.ops.all_specs`` order:
+    ``rms_norm`` / ``layer_norm`` for its norm modules, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
+    gated MLPs and experts' gates, ``moe_permute`` where the experts run ``liger_gen.functional.moe_experts``,
+    ``rope`` when the family's rotary function is routed to liger-gen in this process, and
+    ``fused_linear_cross_entropy`` when its loss is fused. ``[]`` for a model ``apply_to`` has not patched."""
+    from liger_gen.ops import all_specs
+
+    report = getattr(model, "liger_gen_report", None)
+    if not isinstance(report, PatchReport):
+        return []
+    ops = set()
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            ops.add("rms_norm")
+        elif isinstance(m, LayerNorm):
+            ops.add("layer_norm")
+        elif isinstance(m, GLUMLP):
+            ops.add(_glu_op(m.activation))
+        for hook in (m.__dict__.get("_apply_gate"), m.__dict__.get("forward")):
+            if isinstance(hook, (ExpertsGate, BatchedExpertsForward, FusedExpertsForward)):
+                ops.add(_glu_op(hook.activation))
+            if isinstance(hook, FusedExpertsForward):
+                ops.add("moe_permute")
+    family = MODEL_FAMILIES.get(report.family)
+    if family is not None and _rope_is_patched(family):
+        ops.add("rope")
+    if report.loss:
+        ops.add("fused_linear_cross_entropy")
+    return [spec.name for spec in all_specs() if spec.name in ops]

@@ -55,7 +55,7 @@ import triton
 from liger_gen.codegen.render import template_hash
 from liger_gen.codegen.spaces import (DeviceLimits, Space, dtype_from_name, dtype_name, log_distance,
                                       template_names)
-from liger_gen.files import not_private, write_atomic
+from liger_gen.files import not_private, read_capped_text, write_atomic
 from liger_gen.runtime.devices import GPU_SLUG
 
 FORMAT_VERSION = 3
@@ -178,6 +178,46 @@ def table_roots() -> list[tuple[str, Path]]:
     return roots
 
 
+def table_files(folder: Path) -> list[Path]:
+    """The table files of one GPU's folder, sorted: its ``*.json`` files other than trial logs (``[]`` when the
+    folder does not exist; OSError when it cannot be listed)."""
+    folder = Path(folder)
+    return sorted(p for p in folder.glob("*.json") if not p.name.endswith(".trials.json")) \
+        if folder.is_dir() else []
+
+
+def gpus_with_tables(roots: list[tuple[str, Path]] | None = None) -> list[str]:
+    """The GPU names (folder names) under ``roots`` (default: ``table_roots()``) that hold a table of one of
+    this installation's ops, sorted; a folder with only trial logs or other JSON files does not count."""
+    from liger_gen.ops import all_specs
+
+    ops = {spec.name for spec in all_specs()}
+    found = set()
+    for _, root in table_roots() if roots is None else roots:
+        try:
+            folders = [p for p in Path(root).iterdir() if p.is_dir()] if Path(root).is_dir() else []
+            found.update(p.name for p in folders if any(f.stem in ops for f in table_files(p)))
+        except OSError:  # an unreadable folder holds no table the runtime could read
+            continue
+    return sorted(found)
+
+
+def no_tables_message(gpu: str, roots: list[tuple[str, Path]] | None = None) -> str:
+    """What to say when no folder looked up holds a table for ``gpu``: the GPUs that have tables and, for a name
+    that is not a known GPU, the closest one ("did you mean h200?"); a misspelt name is a valid name for some
+    other GPU, so it is not an error by itself."""
+    import difflib
+
+    from liger_gen.runtime.devices import KNOWN_GPUS
+
+    have = gpus_with_tables(roots)
+    close = (difflib.get_close_matches(gpu, have, n=1, cutoff=0.5)  # a GPU that has tables first
+             or difflib.get_close_matches(gpu, list(KNOWN_GPUS), n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]}?" if close and close[0] != gpu and gpu not in KNOWN_GPUS else ""
+    return (f"no tuned tables for {gpu!r} in any folder looked up (tables exist for: {', '.join(have) or 'none'})"
+            f"{hint}")
+
+
 def table_path(root: Path, gpu: str, op: str) -> Path:
     """``<root>/<gpu>/<op>.json``."""
     return Path(root) / gpu / f"{op}.json"
@@ -190,24 +230,13 @@ def trials_path(path: Path) -> Path:
 
 
 def read_table_text(path: Path) -> str:
-    """The text of a table file: OSError if it cannot be opened; TableError if it is not a regular file, is larger
-    than MAX_TABLE_BYTES or is not UTF-8. Opened without blocking, so a FIFO named like a table cannot hang the
-    reader, and read to at most the cap, so a device file such as /dev/zero cannot exhaust memory."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise TableError(f"tuned table {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
-        if st.st_size > MAX_TABLE_BYTES:
-            raise TableError(f"tuned table {path} has {st.st_size:,} bytes, more than the {MAX_TABLE_BYTES:,} "
-                             f"a table may have (tables hold configs; trial logs belong beside them)")
-        data = f.read(MAX_TABLE_BYTES + 1)
-    if len(data) > MAX_TABLE_BYTES:
-        raise TableError(f"tuned table {path} grew past {MAX_TABLE_BYTES:,} bytes while it was read")
+    """The text of a table file (``liger_gen.files.read_capped_text``): OSError if it cannot be opened; TableError
+    if it is not a regular file, is larger than MAX_TABLE_BYTES or is not UTF-8."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TableError(f"cannot read tuned table {path}: not UTF-8 ({exc})") from exc
+        return read_capped_text(path, MAX_TABLE_BYTES, "tuned table")
+    except ValueError as exc:
+        raise TableError(f"{exc}" + (" (tables hold configs; trial logs belong beside them)"
+                                     if "more than the" in str(exc) else "")) from exc
 
 
 def load_table(path: Path, space: type[Space] | None = None) -> dict[str, Any]:

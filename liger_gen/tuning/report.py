@@ -359,8 +359,7 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) ->
     for source, root in tables.table_roots():
         folder = Path(root) / gpu
         try:
-            paths = sorted(p for p in folder.glob("*.json") if not p.name.endswith(".trials.json")) \
-                if folder.is_dir() else []
+            paths = tables.table_files(folder)
         except OSError as exc:
             console.print(Text(f"cannot list {safe_text(folder)}: {type(exc).__name__}: {safe_text(exc)}", style="red"))
             continue
@@ -402,7 +401,8 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) ->
                         console.print(Text(safe_text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
                             _trial_text(r) for r in (records if isinstance(records, list) else ())))))
     if not found:
-        console.print(Text(f"no tuned tables for {gpu!r} in " + ", ".join(safe_text(r) for _, r in tables.table_roots())))
+        console.print(Text(safe_text(tables.no_tables_message(gpu)) + "; looked up: "
+                           + ", ".join(safe_text(r) for _, r in tables.table_roots())))
     return found
 
 
