@@ -629,12 +629,19 @@ def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, de
 
 
 def _bench_plot(report, data: dict, path: Path) -> Path | None:
-    """The PNG, or None with a message when there is nothing to draw (a warning covers a missing matplotlib)."""
+    """The PNG, or None with a one-line message when there is nothing to draw or no matplotlib to draw it."""
+    import warnings
+
     try:
-        return report.plot(data, path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            png = report.plot(data, path)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         click.echo(f"no PNG: {exc}", err=True)
         return None
+    for w in caught:  # report.plot's own warnings (no matplotlib) as plain lines, not a Python warning's two
+        click.echo(f"no PNG: {w.message}" if png is None else str(w.message), err=True)
+    return png
 
 
 if __name__ == "__main__":  # pragma: no cover

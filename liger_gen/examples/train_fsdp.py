@@ -263,9 +263,14 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     rank = dist.get_rank() if distributed else 0
     try:
         summary = train(args, device, rank, world, distributed)
-        if distributed:
-            dist.barrier()
-        print(json.dumps(summary), flush=True)
+        # one JSON line per rank, in rank order, each in one write: torchrun merges the ranks' stdout, and
+        # lines printed at once could interleave
+        for turn in range(world if distributed else 1):
+            if distributed:
+                dist.barrier()
+            if turn == rank:
+                sys.stdout.write(json.dumps(summary) + "\n")
+                sys.stdout.flush()
         return summary
     finally:
         if distributed:  # the model, the optimizer and DDP's reducer are gone by now: no thread outlives the group
