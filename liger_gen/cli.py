@@ -369,7 +369,9 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
 @main.command()
 @click.option("--gpu", callback=_gpu_name, default=None, help="GPU short name; default: the visible GPU.")
 @click.option("--trials", "show_trials", is_flag=True, help="Also list every trial.")
-def show(gpu, show_trials) -> None:
+@click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
+              help="Comma-separated ops whose tables to print. Default: every table.")
+def show(gpu, show_trials, ops) -> None:
     """Print the tuned tables for the current or named GPU."""
     from liger_gen.tuning.report import show_tables
     from liger_gen.runtime.devices import current_gpu
@@ -379,7 +381,7 @@ def show(gpu, show_trials) -> None:
         if visible is None:
             raise click.ClickException("no CUDA GPU is visible: name one with --gpu (e.g. --gpu h200)")
         gpu = visible[0]
-    if not show_tables(gpu, all_specs(), show_trials=show_trials):
+    if not show_tables(gpu, all_specs(), show_trials=show_trials, ops=ops):
         sys.exit(1)
 
 

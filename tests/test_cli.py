@@ -96,6 +96,8 @@ def test_show_lists_a_user_table(runner, tmp_path, monkeypatch):
     result = runner.invoke(main, ["show", "--gpu", "h200"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "n_cols=4096" in result.output and "16384" in result.output and "1.07x" in result.output and "in use" in result.output
+    only = runner.invoke(main, ["show", "--gpu", "h200", "--ops", "rope"], terminal_width=200)
+    assert only.exit_code == 0 and "rms_norm.json" not in only.output and "rope.json" in only.output
 
 
 def test_model_presets_and_hf_config(tmp_path):

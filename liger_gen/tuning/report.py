@@ -344,10 +344,12 @@ def summary_table(op: str, entries: list[dict]) -> Table:
     return table
 
 
-def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) -> bool:
+def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
+                ops: Sequence[str] | None = None) -> bool:
     """Print every table found for ``gpu`` in the lookup order, judged against the op ``specs`` of this
     installation (a table of another op is listed as not used); False if none was found. ``show_trials``: also
-    list each entry's trials, read from the trial log beside the table.
+    list each entry's trials, read from the trial log beside the table. ``ops``: only the tables of these ops
+    (their file names), None for all.
 
     Everything read from a table is printed as plain text: rich markup in it is not interpreted and terminal
     control characters are replaced (``safe_text``), so a table can neither break the listing nor drive the
@@ -359,7 +361,7 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False) ->
     for source, root in tables.table_roots():
         folder = Path(root) / gpu
         try:
-            paths = tables.table_files(folder)
+            paths = [p for p in tables.table_files(folder) if ops is None or p.stem in ops]
         except OSError as exc:
             console.print(Text(f"cannot list {safe_text(folder)}: {type(exc).__name__}: {safe_text(exc)}", style="red"))
             continue
