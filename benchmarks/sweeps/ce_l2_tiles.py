@@ -20,19 +20,19 @@ from liger_gen.ops.cross_entropy import CrossEntropyProblem  # noqa: E402
 ROWS, VOCAB, CALLS = 8192, 128256, 20
 
 
-def kernel_ms(fn):
-    """{kernel name: mean ms per call} of fn's CUDA kernels over CALLS calls, after 3 untimed ones."""
+def kernel_ms(fn, calls=CALLS):
+    """{kernel name: mean ms per call} of fn's CUDA kernels over ``calls`` calls, after 3 untimed ones."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and getattr(e, "device_time_total", 0) > 0:
-            out[e.key[:60]] = e.device_time_total / 1000 / CALLS
+            out[e.key[:60]] = e.device_time_total / 1000 / calls
     return out
 
 

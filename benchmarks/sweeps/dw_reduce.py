@@ -8,13 +8,15 @@ mean per call over 50 calls. Needs CUDA.
     python benchmarks/sweeps/dw_reduce.py
 """
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import ProfilerActivity, profile
 
-CALLS = 50
+sys.path.insert(0, str(Path(__file__).parent))
+from ce_l2_tiles import kernel_ms as kernel_ms_by_name  # noqa: E402  (torch.profiler, mean ms per call)
 
 
 @triton.jit
@@ -27,18 +29,6 @@ def reduce_kernel(part_ptr, out_ptr, n_partials, n_cols, BLOCK_P: tl.constexpr, 
         mask = (parts < n_partials)[:, None] & col_mask[None, :]
         acc += tl.load(part_ptr + parts.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
-
-
-def kernel_ms(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()
-               if e.device_type.name == "CUDA") / 1000 / CALLS
 
 
 def main():
@@ -62,7 +52,7 @@ def main():
             run()
             err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-5, (n_cols, n_partials, p, c, err)
-            row.append(kernel_ms(run) * 1000)
+            row.append(sum(kernel_ms_by_name(run, calls=50).values()) * 1000)
         k = min(range(len(tiles)), key=row.__getitem__)
         best[(n_cols, n_partials)] = (tiles[k], row[k], row[0])
         print(f"{n_cols:5d} {n_partials:5d} " + " ".join(f"{t:9.2f}" for t in row), flush=True)
