@@ -168,6 +168,9 @@ def ops_apply_to_runs(cfg: dict) -> tuple[list[str] | None, str]:
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         return None, f"model_type {model_type!r} is not one this transformers release ({transformers.__version__}) knows"
+    if integration._ALIASES.get(model_type, model_type) not in integration.MODEL_FAMILIES:  # before any building
+        return None, (f"model_type {model_type!r} is not a family apply_to supports (supported: "
+                      f"{', '.join(sorted(integration.MODEL_FAMILIES))})")
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     quiet = logging.getLogger("liger_gen"), logging.getLogger("transformers")
     levels = [log.level for log in quiet]

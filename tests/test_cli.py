@@ -522,7 +522,7 @@ def test_verify_says_where_its_ops_come_from(tmp_path, monkeypatch):
     path = _write_config(tmp_path, "bert", model_type="bert")
     text = " ".join(_verify("--gpu", "h200", "--model", str(path), "--allow-heuristic").output.split())
     assert "ops checked: rms_norm, rope, swiglu, fused_linear_cross_entropy (a Llama-like model's" in text
-    assert "'bert' is not supported" in text
+    assert "'bert' is not a family apply_to supports" in text
     moe = " ".join(_verify("--gpu", "h200", "--model", "qwen3-30b-a3b", "--allow-heuristic").output.split())
     assert "moe_permute" in moe and "Qwen3MoeForCausalLM" in moe
 
