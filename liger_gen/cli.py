@@ -53,7 +53,7 @@ def _gpu_name(ctx, param, value: str | None) -> str | None:
 def _packaged_gpus() -> list[str]:
     from liger_gen.runtime.tables import gpus_with_tables, packaged_root
 
-    return gpus_with_tables([("packaged", packaged_root())])
+    return gpus_with_tables([spec.name for spec in all_specs()], [("packaged", packaged_root())])
 
 
 class _Group(click.Group):

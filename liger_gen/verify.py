@@ -125,7 +125,7 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
         report.notices.append(f"{folder}: {len(names)} table(s) ({', '.join(names)}): {notice}; used (set "
                               f"{tables.STRICT_TABLES_ENV}=1 to refuse them)")
     if not loaded and not report.file_problems:
-        report.no_tables = tables.no_tables_message(gpu, roots)
+        report.no_tables = tables.no_tables_message(gpu, specs, roots)
     from liger_gen.codegen.spaces import template_names
 
     check_compiled(report, gpu, roots, {name: template_names(spec.space) for name, spec in specs.items()

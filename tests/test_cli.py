@@ -573,4 +573,4 @@ def test_gpus_with_tables_counts_only_op_tables(tmp_path):
     for gpu, name in (("h200", "rms_norm.json"), ("a100", "rms_norm.trials.json"), ("l4", "notes.json")):
         (tmp_path / gpu).mkdir()
         (tmp_path / gpu / name).write_text("{}")
-    assert tables.gpus_with_tables([("user", tmp_path)]) == ["h200"]
+    assert tables.gpus_with_tables(["rms_norm"], [("user", tmp_path)]) == ["h200"]

@@ -186,12 +186,11 @@ def table_files(folder: Path) -> list[Path]:
         if folder.is_dir() else []
 
 
-def gpus_with_tables(roots: list[tuple[str, Path]] | None = None) -> list[str]:
+def gpus_with_tables(ops, roots: list[tuple[str, Path]] | None = None) -> list[str]:
     """The GPU names (folder names) under ``roots`` (default: ``table_roots()``) that hold a table of one of
-    this installation's ops, sorted; a folder with only trial logs or other JSON files does not count."""
-    from liger_gen.ops import all_specs
-
-    ops = {spec.name for spec in all_specs()}
+    ``ops`` (op names: this installation's), sorted; a folder with only trial logs or other JSON files does not
+    count."""
+    ops = set(ops)
     found = set()
     for _, root in table_roots() if roots is None else roots:
         try:
@@ -202,15 +201,15 @@ def gpus_with_tables(roots: list[tuple[str, Path]] | None = None) -> list[str]:
     return sorted(found)
 
 
-def no_tables_message(gpu: str, roots: list[tuple[str, Path]] | None = None) -> str:
+def no_tables_message(gpu: str, ops, roots: list[tuple[str, Path]] | None = None) -> str:
     """What to say when no folder looked up holds a table for ``gpu``: the GPUs that have tables and, for a name
     that is not a known GPU, the closest one ("did you mean h200?"); a misspelt name is a valid name for some
-    other GPU, so it is not an error by itself."""
+    other GPU, so it is not an error by itself. ``ops``: the op names whose tables count (``gpus_with_tables``)."""
     import difflib
 
     from liger_gen.runtime.devices import KNOWN_GPUS
 
-    have = gpus_with_tables(roots)
+    have = gpus_with_tables(ops, roots)
     close = (difflib.get_close_matches(gpu, have, n=1, cutoff=0.5)  # a GPU that has tables first
              or difflib.get_close_matches(gpu, list(KNOWN_GPUS), n=1, cutoff=0.6))
     hint = f"; did you mean {close[0]}?" if close and close[0] != gpu and gpu not in KNOWN_GPUS else ""

@@ -403,7 +403,7 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
                         console.print(Text(safe_text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
                             _trial_text(r) for r in (records if isinstance(records, list) else ())))))
     if not found:
-        console.print(Text(safe_text(tables.no_tables_message(gpu)) + "; looked up: "
+        console.print(Text(safe_text(tables.no_tables_message(gpu, spaces)) + "; looked up: "
                            + ", ".join(safe_text(r) for _, r in tables.table_roots())))
     return found
 
