@@ -57,10 +57,11 @@ def read_capped_text(path: str | os.PathLike, limit: int, what: str) -> str:
     UTF-8. Opened without blocking, so a FIFO cannot hang the reader, and read to at most the cap, so a device
     file such as /dev/zero cannot exhaust memory."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # checked before fdopen, which names a folder by its descriptor
+        os.close(fd)
+        raise ValueError(f"{what} {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{what} {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
         if st.st_size > limit:
             raise ValueError(f"{what} {path} has {st.st_size:,} bytes, more than the {limit:,} it may have")
         data = f.read(limit + 1)

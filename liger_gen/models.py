@@ -141,8 +141,9 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         cfg = json.loads(read_capped_text(path, MAX_CONFIG_BYTES, "model config"))
     except OSError as exc:
         raise ValueError(f"cannot read model config {path}: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"model config {path} is not JSON: {exc}") from exc
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested past Python's stack
+        raise ValueError(f"model config {path} is not JSON this reader can parse: {type(exc).__name__}: "
+                         f"{exc}") from exc
     if not isinstance(cfg, dict):
         raise ValueError(f"model config {path} holds a JSON {type(cfg).__name__}, not an object of config fields")
     return cfg

@@ -139,7 +139,11 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             report.notices.append(f"{name}: no shape for this model ({type(exc).__name__}: {exc})")
             continue
         for dtype in dtypes:
-            space = spec.space(dims, dtype, limits)
+            try:
+                space = spec.space(dims, dtype, limits)
+            except ValueError as exc:  # dims this op's kernels do not take: the runtime would refuse the call
+                report.file_problems.append(f"{name}: the model's dims are outside what the op supports ({exc})")
+                continue
             for r in spec.tuning_rows(model, rows):
                 report.findings.append(_find(report, spec, space, dtype, r, roots, loaded))
     return report
@@ -150,13 +154,16 @@ LLAMA_OPS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def ops_apply_to_runs(cfg: dict) -> tuple[list[str] | None, str]:
+def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | None, str]:
     """(the ops ``apply_to`` runs for the model a Hugging Face config's fields describe, why) — or (None, why
     not). The model is built with transformers on the meta device (``AutoModelForCausalLM.from_config``, no
     weights allocated, no remote code), patched by ``apply_to`` and asked (``patched_ops``), so the answer is
     ``apply_to``'s own: the family's norm, RoPE where the family's rotation is routed, the gated MLPs' and
     experts' GLU, ``moe_permute`` for fused experts, ``fused_linear_cross_entropy`` where the LM-head loss is
-    fused (a multimodal model's keeps its own loss)."""
+    fused (a multimodal model's keeps its own loss). Attention is built as "eager" whatever the config names (the
+    ops do not depend on it, and flash-attention need not be installed where verify runs); a config of more than
+    MAX_LAYERS layers is not built. ``quiet``: raise the ``liger_gen`` and ``transformers`` loggers to ERROR
+    while building (process-wide: for the single-threaded command line)."""
     import warnings
 
     try:
@@ -171,11 +178,15 @@ def ops_apply_to_runs(cfg: dict) -> tuple[list[str] | None, str]:
     if integration._ALIASES.get(model_type, model_type) not in integration.MODEL_FAMILIES:  # before any building
         return None, (f"model_type {model_type!r} is not a family apply_to supports (supported: "
                       f"{', '.join(sorted(integration.MODEL_FAMILIES))})")
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    quiet = logging.getLogger("liger_gen"), logging.getLogger("transformers")
-    levels = [log.level for log in quiet]
+    layers = [c.get("num_hidden_layers") for c in (cfg, cfg.get("text_config")) if isinstance(c, dict)]
+    if any(isinstance(n, int) and n > MAX_LAYERS for n in layers):
+        return None, f"num_hidden_layers {max(n for n in layers if isinstance(n, int))} is more than {MAX_LAYERS}"
+    fields = {k: v for k, v in cfg.items()
+              if k not in ("model_type", "_attn_implementation", "attn_implementation")}
+    loggers = (logging.getLogger("liger_gen"), logging.getLogger("transformers")) if quiet else ()
+    levels = [log.level for log in loggers]
     try:
-        for log in quiet:
+        for log in loggers:
             log.setLevel(logging.ERROR)
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
@@ -183,13 +194,13 @@ def ops_apply_to_runs(cfg: dict) -> tuple[list[str] | None, str]:
             # as from_pretrained reads a file: releases that write inf/NaN as {"__float__": ...} decode them
             decode = getattr(config_class, "_decode_special_floats", None)
             config = config_class.from_dict(decode(fields) if callable(decode) else fields)
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
             family = integration.family_of(model)  # ValueError: not a family apply_to supports
             integration.apply_to(model, rope=False)  # RoPE routing is process-wide: predicted, not done
     except Exception as exc:  # noqa: BLE001 - any failure to build the model means: no prediction
         return None, f"{model_type}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:
-        for log, level in zip(quiet, levels):
+        for log, level in zip(loggers, levels):
             log.setLevel(level)
     ops = integration.patched_ops(model)
     modeling = importlib.import_module(family.modeling_module)
@@ -197,6 +208,9 @@ def ops_apply_to_runs(cfg: dict) -> tuple[list[str] | None, str]:
                                                     for f, _ in integration._rope_functions(family)):
         ops = [op for op in _op_order() if op in {*ops, "rope"}]
     return ops, f"those apply_to runs on {type(model).__name__} built from the config"
+
+
+MAX_LAYERS = 1024  # far above any released model; building is per layer, and the count never changes the ops
 
 
 def _op_order() -> list[str]:
@@ -229,7 +243,7 @@ def default_ops(model_name: str, from_file: bool) -> tuple[list[str], str]:
     else:
         why = "" if cfg is not None else f"{model_name!r} has no family"
     if cfg is not None:
-        ops, why = ops_apply_to_runs(cfg)
+        ops, why = ops_apply_to_runs(cfg, quiet=True)
         if ops:
             return ops, why
     return list(LLAMA_OPS), f"a Llama-like model's: no prediction for this one, {why}"

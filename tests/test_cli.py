@@ -574,3 +574,43 @@ def test_gpus_with_tables_counts_only_op_tables(tmp_path):
         (tmp_path / gpu).mkdir()
         (tmp_path / gpu / name).write_text("{}")
     assert tables.gpus_with_tables(["rms_norm"], [("user", tmp_path)]) == ["h200"]
+
+
+def test_verify_predicts_ops_whatever_attention_the_config_names(tmp_path):
+    """A config naming flash-attention (not installed here) still gets its ops, and the loggers are left as
+    they were when the library (not the command line) asks."""
+    import logging
+
+    from liger_gen.verify import ops_apply_to_runs
+
+    cfg = dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, vocab_size=1024,
+               _attn_implementation="flash_attention_2", attn_implementation="flash_attention_2")
+    levels = [logging.getLogger(n).level for n in ("liger_gen", "transformers")]
+    ops, why = ops_apply_to_runs(cfg)
+    assert ops == ["rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"], why
+    assert [logging.getLogger(n).level for n in ("liger_gen", "transformers")] == levels
+    deep = ops_apply_to_runs({**cfg, "num_hidden_layers": 10**6})
+    assert deep[0] is None and "more than" in deep[1]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("[" * 100000 + "]" * 100000, "RecursionError"),
+    (None, "is not a regular file"),  # a folder named like a config
+])
+def test_unparseable_config_files_are_model_errors(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    result = _verify("--gpu", "h200", "--model", str(path))
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_verify_reports_dims_an_op_does_not_take(tmp_path, monkeypatch):
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    path = _write_config(tmp_path, "wide", model_type="llama", hidden_size=70000, num_hidden_layers=2)
+    result = _verify("--gpu", "h200", "--model", str(path), "--allow-heuristic")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "rms_norm: the model's dims are outside what the op supports" in text
