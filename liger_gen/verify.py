@@ -151,7 +151,6 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
 
 #: The ops ``apply_to`` runs on a Llama-like model: what verify checks when the model's family is not known.
 LLAMA_OPS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
-_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | None, str]:
@@ -202,21 +201,14 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | No
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
-    ops = integration.patched_ops(model)
     modeling = importlib.import_module(family.modeling_module)
-    if integration._rope_functions(family) and all(callable(getattr(modeling, f, None))
-                                                    for f, _ in integration._rope_functions(family)):
-        ops = [op for op in _op_order() if op in {*ops, "rope"}]
+    functions = integration._rope_functions(family)  # what apply_to(rope=True) would route
+    ops = integration.patched_ops(model, rope=bool(functions) and all(callable(getattr(modeling, f, None))
+                                                                      for f, _ in functions))
     return ops, f"those apply_to runs on {type(model).__name__} built from the config"
 
 
 MAX_LAYERS = 1024  # far above any released model; building is per layer, and the count never changes the ops
-
-
-def _op_order() -> list[str]:
-    from liger_gen.ops import all_specs
-
-    return [spec.name for spec in all_specs()]
 
 
 def ops_for_config(path: str | Path) -> list[str] | None:

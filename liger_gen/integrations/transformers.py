@@ -785,12 +785,13 @@ def _glu_op(activation: str) -> str:
     return {"silu": "swiglu", "clamped_swiglu": "clamped_swiglu"}.get(activation, "geglu")
 
 
-def patched_ops(model: nn.Module) -> list[str]:
+def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     """The liger-gen ops a model patched by ``apply_to`` runs in training, in ``liger_gen.ops.all_specs`` order:
     ``rms_norm`` / ``layer_norm`` for its norm modules, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
     gated MLPs and experts' gates, ``moe_permute`` where the experts run ``liger_gen.functional.moe_experts``,
     ``rope`` when the family's rotary function is routed to liger-gen in this process, and
-    ``fused_linear_cross_entropy`` when its loss is fused. ``[]`` for a model ``apply_to`` has not patched."""
+    ``fused_linear_cross_entropy`` when its loss is fused. ``[]`` for a model ``apply_to`` has not patched.
+    ``rope``: whether to count RoPE as routed (None: whether this process routes the family's now)."""
     from liger_gen.ops import all_specs
 
     report = getattr(model, "liger_gen_report", None)
@@ -810,7 +811,7 @@ def patched_ops(model: nn.Module) -> list[str]:
             if isinstance(hook, FusedExpertsForward):
                 ops.add("moe_permute")
     family = MODEL_FAMILIES.get(report.family)
-    if family is not None and _rope_is_patched(family):
+    if rope if rope is not None else (family is not None and _rope_is_patched(family)):
         ops.add("rope")
     if report.loss:
         ops.add("fused_linear_cross_entropy")
