@@ -95,3 +95,26 @@ def test_ce_sweep_kernel_matches_float64_cross_entropy(exclude_target, mask_afte
     assert ((loss.double() - ref_rows).abs() / ref_rows.abs()).max() <= 64 * eps32
     err = (dx.double() - ref.grad).norm() / ref.grad.norm()
     assert err <= eps16
+
+
+def test_ce_target_column_sweep_renders_the_template_it_is_given():
+    """The sweep that times two cross-entropy templates side by side renders from the text it is handed and
+    then from the package's file again (a mix-up would time one template twice)."""
+    import torch
+
+    from liger_gen.codegen import render
+    from liger_gen.ops.cross_entropy import CrossEntropyProblem
+
+    sweep = _sweep("ce_target_column")
+    problem = CrossEntropyProblem(torch.float32, {"vocab": 1000}, 8, "cpu", seed=0)
+    params = problem.template_params(problem.space.heuristic())
+    current = render.render("cross_entropy", params)
+    marker = f"# marker {random.randrange(2**31)}\n"
+    old = (ROOT / "liger_gen" / "templates" / "cross_entropy.py.jinja").read_text().replace(
+        "import triton\n", marker + "import triton\n", 1)
+    try:
+        sweep.with_template(old)
+        assert marker in render.render("cross_entropy", params)
+    finally:
+        sweep.with_template(None)
+    assert render.render("cross_entropy", params) == current and marker not in current

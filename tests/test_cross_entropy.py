@@ -241,6 +241,76 @@ def test_regression_3_confident_bf16_row_keeps_its_tiny_true_class_gradient(stra
     assert ((got - ref).abs() / ref.abs() < 1e-2).all(), (got, ref)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in-place"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "softcap": 30.0, "weighted": True}],
+                         ids=["plain", "smooth-softcap-weighted"])
+@pytest.mark.parametrize("block_v", [256, 8192], ids=["target-tile-read-first", "compare-per-column"])
+def test_streamed_gradient_kernel_keeps_confident_rows_to_fp32_accuracy(block_v, opts, in_place, device):
+    """The gradient-writing kernel over several vocab tiles (the last one partial, two rows per program) sums
+    1 − p_y apart from the target in its second pass (reading the target's tile first, or with a compare per
+    column for tiles wider than the module's Q_TILE_MAX) and rewrites the target column last: confident rows
+    keep their tiny loss and target gradient to fp32 relative accuracy wherever the target sits, also when the
+    gradient overwrites the logits."""
+    gen = _gen("confident-streamed", block_v, in_place, tuple(opts))
+    rows, v = 8, 9000
+    x = torch.randn(rows, v, generator=gen, dtype=torch.float64)
+    t = torch.tensor([0, 255, 256, v - 1, 600, -100, 8192, 8191])
+    margin = 16.5 + 2.0 * torch.rand(rows, generator=gen, dtype=torch.float64)
+    hit = t >= 0
+    x[hit.nonzero()[:, 0], t[hit]] = x.max(dim=1).values[hit] + margin[hit]
+    if "softcap" not in opts:  # a shift softmax does not see: q must not carry lse's rounding (|lse|·2^-24)
+        x[1::2] += 1000.0
+    opts = dict(opts)
+    weight = (0.5 + torch.rand(v, generator=gen)).to(device) if opts.pop("weighted", False) else None
+    x = x.float().to(device)
+    t = t.to(device)
+    x64 = x.double().requires_grad_()
+    ref_rows, _ = cross_entropy_float64(x64, t, weight, reduction="none", **opts)
+    ref_rows.sum().backward()
+    p_y = torch.softmax((x64.detach() if opts.get("softcap") is None
+                         else opts["softcap"] * torch.tanh(x64.detach() / opts["softcap"])), -1)
+    q_ref = 1 - p_y[hit.nonzero()[:, 0], t.cpu()[hit]]
+    assert (q_ref < 1e-3).all() and (q_ref > 0).all(), q_ref  # 1 − p_y far below fp32's resolution of 1 − ε
+    base = CrossEntropySpace(v, torch.float32, DeviceLimits.interpreter()).heuristic()
+    config = dataclasses.replace(base, GRAD_IN_FWD=1, BLOCK_V_BWD=block_v, BLOCK_M_BWD=2, num_warps_bwd=4)
+    src = x.clone()
+    grad = src if in_place else torch.empty_like(x)
+    loss_rows, _, _ = cross_entropy_loss_and_grad(src, t, grad, weight=weight, config=config, **opts)
+    ok_rows = hit.nonzero()[:, 0].to(device)
+    rel_loss = ((loss_rows.double() - ref_rows.detach()).abs() / ref_rows.detach().abs())[ok_rows]
+    assert (rel_loss < 1e-5).all(), rel_loss
+    got_y = grad[ok_rows, t[ok_rows]].double()
+    ref_y = x64.grad[ok_rows, t[ok_rows]]
+    assert ((got_y - ref_y).abs() / ref_y.abs() < 1e-5).all(), (got_y, ref_y)
+    assert rel_l2(grad, x64.grad) < FP32_OUT_TOL * 10
+    assert torch.equal(grad[5], torch.zeros_like(grad[5]))  # the ignored row
+
+
+@pytest.mark.parametrize("want_grad", [False, True], ids=["loss-only", "with-grad"])
+def test_a_row_whose_first_tiles_are_all_minus_inf_is_finite(want_grad, device):
+    """The running max starts at −inf: a row whose first vocab tiles hold only −inf (masked-out vocabulary)
+    must not fold exp(−inf − (−inf)) = NaN into its sum, with or without the gradient."""
+    gen = _gen("minus-inf-tiles", want_grad)
+    rows, v = 5, 1100
+    x = torch.randn(rows, v, generator=gen)
+    x[0, :600] = float("-inf")
+    x[3, 256:] = float("-inf")
+    t = torch.tensor([700, 3, 5, 10, 1099])
+    x, t = x.to(device), t.to(device)
+    base = CrossEntropySpace(v, torch.float32, DeviceLimits.interpreter()).heuristic()
+    config = dataclasses.replace(base, GRAD_IN_FWD=1, BLOCK_V_BWD=256, BLOCK_M_BWD=2, num_warps_bwd=4,
+                                 BLOCK_V_FWD=256, BLOCK_M_FWD=2, num_warps_fwd=4)
+    x64 = x.double().requires_grad_()
+    ref_rows, _ = cross_entropy_float64(x64, t, reduction="none")
+    ref_rows.sum().backward()
+    grad = torch.empty_like(x) if want_grad else None
+    loss_rows, _, _ = cross_entropy_loss_and_grad(x.clone(), t, grad, config=config)
+    assert torch.isfinite(loss_rows).all(), loss_rows
+    assert rel_l2(loss_rows, ref_rows) < FP32_OUT_TOL
+    if want_grad:
+        assert torch.isfinite(grad).all() and rel_l2(grad, x64.grad) < FP32_OUT_TOL * 10
+
+
 def test_regression_5_bf16_vocab_256000_loss(device):
     """16M elements; about 1 s in the interpreter on this machine."""
     gen = _gen("reg5")
