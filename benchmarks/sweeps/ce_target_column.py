@@ -3,12 +3,12 @@
 The kernel keeps 1 − p_y = Σ_{j≠y} p_j apart from the target's term so that a confident row's tiny gradient
 and loss stay accurate. The template of an earlier commit (``--old``, a file) did it in the first pass, with a
 compare in every tile; the current one sums every column in the first pass and forms the sum in the second,
-from the p it computes anyway, then rewrites the target column after a barrier. The second pass leaves the
-target out either by reading the target's tile once more first and skipping that tile ("read"), or with a
-compare per column ("compare"); the module's Q_TILE_MAX picks by tile width, and this times both at every tile. This times both templates'
-training step (the op benchmark's measure: GPU kernel time from torch.profiler, mean of 20 calls, every kernel
-of the step) over vocab tile, warps and L2 hints, beside Liger-Kernel's kernel and a copy of the logits, and
-runs the tuner's gate (float64 reference) on every new variant. Needs CUDA.
+from the p it computes anyway (leaving out the target's tile, which it reads once more first), then rewrites the
+target column after a barrier. (A variant with a compare per column in the second pass instead of the extra
+tile read, timed by this script at commit dedc931, was slower at every tile but 16384 columns on 16 warps.) This times both
+templates' training step (the op benchmark's measure: GPU kernel time from torch.profiler, mean of 20 calls,
+every kernel of the step) over vocab tile, warps and L2 hints, beside Liger-Kernel's kernel and a copy of the
+logits, and runs the tuner's gate (float64 reference) on every new variant. Needs CUDA.
 
     git show <commit>:liger_gen/templates/cross_entropy.py.jinja > /tmp/ce_old.py.jinja
     python benchmarks/sweeps/ce_target_column.py --old /tmp/ce_old.py.jinja
@@ -65,15 +65,10 @@ def main():
                     print(f"  skip {bv}/{w}: {p.space.violations(c)}")
                     continue
                 module = load_variant("cross_entropy", p.template_params(c))
-                modes = (("read", 1 << 30), ("compare", 0)) if label == "current" else (("", None),)
-                for mode, q_tile_max in modes:
-                    if q_tile_max is not None:
-                        module.Q_TILE_MAX = q_tile_max
-                    name = f"{label}-{mode}" if mode else label
-                    gate = p.check(module, "fwd") if label == "current" else None
-                    ms = show(f"{name:15s} BV={bv:5d} w={w:2d} hints={hints} gate={'ok' if gate is None else gate}",
-                              kernel_ms(p.launcher(module, "fwd")))
-                    rows.append((ms, name, bv, w, hints))
+                gate = p.check(module, "fwd") if label == "current" else None
+                ms = show(f"{label:7s} BV={bv:5d} w={w:2d} hints={hints} gate={'ok' if gate is None else gate}",
+                          kernel_ms(p.launcher(module, "fwd")))
+                rows.append((ms, label, bv, w, hints))
     with_template(None)
     x0 = p.buffers["logits"]
     target = p.buffers["target"]
@@ -91,7 +86,7 @@ def main():
     out = torch.empty_like(x0)
     copy = show("copy of the logits (one read + one write)", kernel_ms(lambda: out.copy_(x0)))
     print("\nbest per template (ms, x of the copy):")
-    for label in ("current-read", "current-compare", "old", "liger-kernel"):
+    for label in ("current", "old", "liger-kernel"):
         mine = sorted(r for r in rows if r[1] == label)
         if mine:
             ms, _, bv, w, hints = mine[0]
