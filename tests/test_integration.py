@@ -124,9 +124,17 @@ def test_restore_rope_puts_transformers_function_back(device):
 
     original = modeling_llama.apply_rotary_pos_emb
     liger_gen.apply_to(_model("llama", device))
-    assert modeling_llama.apply_rotary_pos_emb.liger_gen
+    assert _rope_call(modeling_llama).liger_gen
     integration.restore_rope()
-    assert modeling_llama.apply_rotary_pos_emb is original
+    assert modeling_llama.apply_rotary_pos_emb is original and not getattr(_rope_call(modeling_llama), "liger_gen",
+                                                                           False)
+
+
+def _rope_call(modeling):
+    """What a call of ``modeling.apply_rotary_pos_emb`` runs: the function, or the forward of the module that
+    transformers makes of it with the ``kernels`` package installed (5.25 and later)."""
+    current = modeling.apply_rotary_pos_emb
+    return current.forward if isinstance(current, torch.nn.Module) else current
 
 
 def test_patched_rope_keeps_transformers_signature(device):
@@ -142,7 +150,7 @@ def test_patched_rope_keeps_transformers_signature(device):
     expected = original(q, k, cos, sin, unsqueeze_dim=2)
     liger_gen.apply_to(_model("llama", device))
     # unsqueeze_dim is the 5th parameter since transformers 5.0, the 6th (after position_ids) before
-    padding = [None] * (list(inspect.signature(original).parameters).index("unsqueeze_dim") - 4)
+    padding = [None] * (list(inspect.signature(_rope_call(modeling_llama)).parameters).index("unsqueeze_dim") - 4)
     got = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, *padding, 2)
     for a, b in zip(got, expected):
         assert rel_l2(a, b) < REL_TOL[torch.float32]

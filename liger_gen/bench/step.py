@@ -535,8 +535,12 @@ def patch_report(model, family: str) -> dict[str, Any]:
     their ``forward`` comes from), and the causal-LM ``forward``."""
     modeling = importlib.import_module(_MODELING_MODULES[family])
     rope = modeling.apply_rotary_pos_emb
+    if isinstance(rope, torch.nn.Module):  # transformers' function as a hub-kernel module: calls run its forward
+        rope = rope.__dict__.get("forward", f"{modeling.__name__}.apply_rotary_pos_emb")
 
     def origin(obj) -> str:
+        if isinstance(obj, str):
+            return obj
         fn = getattr(obj, "__func__", obj)
         if not hasattr(fn, "__globals__"):  # a callable object, e.g. liger-gen's FusedLossForward
             return f"{type(fn).__module__}.{type(fn).__qualname__}"

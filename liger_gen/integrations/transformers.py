@@ -25,7 +25,9 @@
   routed to ``liger_gen.functional.rope`` (wrapped to keep transformers' signature). Attention modules call that
   function through their modeling module's globals, so this patch is process-wide: every model of that family in
   the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
-  functions back. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
+  functions back. Where transformers has turned the function into a hub-kernel module (with the ``kernels``
+  package installed, transformers 5.25 and later), the module stays and its ``forward`` is routed instead, so
+  models that hold copies of it still pickle and load. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
   pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back
   after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same
   rotation of interleaved pairs: its real and imaginary parts are the cos/sin tables.
@@ -61,7 +63,7 @@ from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
 logger = logging.getLogger("liger_gen")
 
 # transformers releases the family table was checked against (the convergence tests run on them)
-TESTED_TRANSFORMERS = ("4.51.3", "4.57.1", "5.0.0", "5.14.1", "5.17.0", "5.24.0")
+TESTED_TRANSFORMERS = ("4.51.3", "4.57.1", "5.0.0", "5.14.1", "5.17.0", "5.24.0", "5.25.0")
 
 
 @dataclass(frozen=True)
@@ -493,7 +495,38 @@ class FusedLossForward:
 # ------------------------------------------------------------------------------------------------ RoPE
 
 
-def _transformers_rope(original, family: ModelFamily, interleaved: bool = False):
+def _is_function_module(obj) -> bool:
+    """Whether ``obj`` is a module-level function that transformers turned into an ``nn.Module`` instance for hub
+    kernels (``kernels.use_kernel_forward_from_hub`` on a function, transformers 5.25 and later with the
+    ``kernels`` package): calls go through its ``forward``, and attention modules keep private copies of it that
+    pickle by looking the module-level object up again."""
+    return isinstance(obj, nn.Module)
+
+
+def _rope_signature(original) -> inspect.Signature:
+    """The call signature of transformers' rotary function, also when it is a function module."""
+    if _is_function_module(original):
+        signature = inspect.signature(type(original).forward)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])  # no ``self``
+    return inspect.signature(original)
+
+
+def _wraps_rope(original, name: str):
+    """functools.wraps for transformers' rotary function; a function module lends its name, module and
+    signature (copying its ``__dict__`` would copy the module's parameters and hooks)."""
+    if not _is_function_module(original):
+        return functools.wraps(original)
+
+    def wrap(function):
+        function.__module__ = type(original).__module__
+        function.__name__ = function.__qualname__ = name
+        function.__signature__ = _rope_signature(original)
+        return function
+
+    return wrap
+
+
+def _transformers_rope(original, family: ModelFamily, interleaved: bool = False, name: str | None = None):
     """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
     honoured by name or position; a ``position_ids`` argument is used only with (seq, dim) tables, as the older
     releases that pass such tables use it (transformers ignores it with per-position tables). Per the family:
@@ -503,7 +536,8 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
     as two halves, the layout that function returns."""
     from liger_gen.functional import rope
 
-    signature = inspect.signature(original)
+    signature = _rope_signature(original)
+    name = name or getattr(original, "__name__", family.rope_function)
     keeps_dtype, tables, pairs = family.rope_keeps_dtype, family.rope_tables, family.rope_pairs and not interleaved
 
     def halves(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -518,7 +552,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
         return rot if width == y.shape[-1] else torch.cat((rot, y[..., width:]), dim=-1)
 
     if tables == "complex":  # Llama 4: complex multiplication of interleaved pairs, in fp32, cast back
-        @functools.wraps(original)
+        @_wraps_rope(original, name)
         def apply_rotary_emb(xq, xk, freqs_cis):
             cos, sin = freqs_cis.real, freqs_cis.imag
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -529,7 +563,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False)
         apply_rotary_emb.liger_gen = True
         return apply_rotary_emb
 
-    @functools.wraps(original)
+    @_wraps_rope(original, name)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
         dtypes = q.dtype, k.dtype
@@ -569,9 +603,15 @@ def _patch_rope(model: nn.Module, modeling, family: ModelFamily) -> bool:
         original = _original_rope.setdefault(key, current)
         patched = _patched_rope.get(key)
         if patched is None:
-            patched = _patched_rope[key] = _transformers_rope(original, family, interleaved)
-        setattr(modeling, function, patched)
-        done = done and getattr(modeling, function) is patched
+            patched = _patched_rope[key] = _transformers_rope(original, family, interleaved, function)
+        if _is_function_module(original):
+            # the module stays where transformers put it (attention modules' private copies are rebuilt from
+            # it when a model is loaded); module calls run ``self.forward``, an instance attribute first
+            setattr(modeling, function, original)
+            original.forward = patched
+        else:
+            setattr(modeling, function, patched)
+        done = done and _routed(modeling, function)
         # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
         # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
         # which now names the wrapper, so those references must be the wrapper for torch.save to work.
@@ -595,12 +635,23 @@ def _rope_is_patched(family: ModelFamily) -> bool:
         modeling = importlib.import_module(family.modeling_module)
     except ImportError:
         return False
-    return all(getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in functions)
+    return all(_routed(modeling, f) for f, _ in functions)
+
+
+def _routed(modeling, function: str) -> bool:
+    """Whether calls of ``modeling.<function>`` run liger-gen's wrapper now."""
+    current = getattr(modeling, function, None)
+    if _is_function_module(current):
+        current = current.__dict__.get("forward")
+    patched = _patched_rope.get((modeling.__name__, function))
+    return patched is not None and current is patched
 
 
 def restore_rope() -> None:
     """Undo the process-wide RoPE patch of every family ``apply_to`` patched."""
     for (name, function_name), function in _original_rope.items():
+        if _is_function_module(function):
+            function.__dict__.pop("forward", None)
         setattr(importlib.import_module(name), function_name, function)
     _original_rope.clear()
 
