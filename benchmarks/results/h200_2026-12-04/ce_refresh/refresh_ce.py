@@ -1,5 +1,7 @@
 """Re-time the cross-entropy and FLCE H200 tables under the current cross-entropy template (tune --refresh), then
-rebuild the compiled store for llama3.2-1b and qwen2.5-0.5b and verify. One process; writes to $OUT as it goes."""
+rebuild the compiled store for llama3.2-1b and qwen2.5-0.5b and verify. One process, run from the repository root
+on the H200: ``OUT=<log folder> python refresh_ce.py [seconds: skip the build past this]``. The refreshed tables
+go to /tmp/rt first (the packaged ones stay the priors of every later command), then into the package."""
 import glob
 import os
 import shutil
@@ -8,7 +10,7 @@ import sys
 import time
 
 T0 = time.monotonic()
-OUT = os.environ["OUT"]
+OUT = os.environ.get("OUT", ".")
 NEW = "/tmp/rt"
 PKG = "liger_gen/tuned/h200"
 
