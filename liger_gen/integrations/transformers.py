@@ -27,7 +27,8 @@
   the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
   functions back. Where transformers has turned the function into a hub-kernel module (with the ``kernels``
   package installed, transformers 5.25 and later), the module stays and its ``forward`` is routed instead, so
-  models that hold copies of it still pickle and load. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
+  models that hold copies of it still pickle and load; the routing then takes precedence over a hub kernel that
+  ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
   pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back
   after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same
   rotation of interleaved pairs: its real and imaginary parts are the cos/sin tables.
@@ -368,10 +369,16 @@ def _experts_gate(module: nn.Module, family: ModelFamily
 # ------------------------------------------------------------------------------------------------ loss
 
 
-@functools.lru_cache(maxsize=None)
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
 def _signature(function) -> inspect.Signature:
-    """The signature of a model class's forward, read once (binding a call to it happens every step)."""
-    return inspect.signature(function)
+    """The signature of a model class's forward, read once (binding a call to it happens every step). A plain
+    dict rather than functools.lru_cache: torch.compile traces through an lru_cache wrapper with a warning."""
+    signature = _SIGNATURES.get(function)
+    if signature is None:
+        signature = _SIGNATURES[function] = inspect.signature(function)
+    return signature
 
 
 def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | None, float | None]:

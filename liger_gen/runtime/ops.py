@@ -183,8 +183,9 @@ def check_targets(op: str, target: torch.Tensor, n_classes: int, ignore_index: i
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bool(bad.any()):
-        raise ValueError(f"{op}: target holds class indices outside [0, {n_classes}) that are not ignore_index="
-                         f"{ignore_index}: e.g. {int(target[bad][0])}")
+        raise ValueError(f"{op}: {describe('target', target)} holds class indices outside [0, {n_classes}) "
+                         f"that are not ignore_index={ignore_index}: e.g. {int(target[bad][0])} at position "
+                         f"{int(bad.nonzero()[0, 0])}")
 
 
 def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
