@@ -28,9 +28,9 @@
   functions back. Where transformers has turned the function into a hub-kernel module (with the ``kernels``
   package installed, transformers 5.25 and later), the module stays and its ``forward`` is routed instead, so
   models that hold copies of it still pickle and load; the routing then takes precedence over a hub kernel that
-  ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are widened, the interleaved
-  pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back
-  after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same
+  ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are
+  widened, the interleaved pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and
+  Cohere 2, interleaved back after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same
   rotation of interleaved pairs: its real and imaginary parts are the cos/sin tables.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
