@@ -30,8 +30,9 @@
   models that hold copies of it still pickle and load; the routing then takes precedence over a hub kernel that
   ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are
   widened, the interleaved pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and
-  Cohere 2, interleaved back after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same
-  rotation of interleaved pairs: its real and imaginary parts are the cos/sin tables.
+  Cohere 2, interleaved back after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a
+  ``freqs_cis`` table) is the same rotation of interleaved pairs: its real and imaginary parts are the cos/sin
+  tables.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
