@@ -3,7 +3,18 @@
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture(autouse=True)
+def _restore_rope():
+    """The examples call apply_to, whose RoPE routing is process-wide: undo it for the tests that follow."""
+    yield
+    from liger_gen.integrations.transformers import restore_rope
+
+    restore_rope()
 
 
 def test_use_in_training_code_example_runs():

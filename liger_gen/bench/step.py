@@ -633,6 +633,8 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
     _free(device)
     res: dict[str, Any] = {"status": "ok", "reason": None, "compile_s": None}
     modeling = _MODELING_MODULES[run.family]
+    if provider != "liger-gen" and "liger_gen.integrations.transformers" in sys.modules:
+        _undo_liger_gen()  # RoPE routed by an earlier apply_to in this process would run in this provider too
     with restore_module_globals([modeling]):
         t0 = time.perf_counter()
         model = build_model(run.model_name, device, run.dtype, run.seed, run.attn_implementation)
