@@ -124,10 +124,10 @@ def test_restore_rope_puts_transformers_function_back(device):
 
     original = modeling_llama.apply_rotary_pos_emb
     liger_gen.apply_to(_model("llama", device))
-    assert _rope_call(modeling_llama).liger_gen
+    assert modeling_llama.apply_rotary_pos_emb.liger_gen
     integration.restore_rope()
-    assert modeling_llama.apply_rotary_pos_emb is original and not getattr(_rope_call(modeling_llama), "liger_gen",
-                                                                           False)
+    assert modeling_llama.apply_rotary_pos_emb is original
+    assert not getattr(modeling_llama.apply_rotary_pos_emb, "liger_gen", False)
 
 
 def _rope_call(modeling):
@@ -232,6 +232,29 @@ def test_compiled_training_step_of_a_patched_model_on_cpu(interpret, monkeypatch
     model.zero_grad(set_to_none=True)
     got = torch.compile(step, backend="aot_eager")(ids, labels)
     assert rel_l2(got, expected) < 1e-6
+    for name, p in model.named_parameters():
+        assert rel_l2(p.grad, ref_grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_patched_model_forward_compiles_without_a_graph_break(family, interpret, monkeypatch):
+    """torch.compile(fullgraph=True) of a patched model's forward (RoPE routed, the fused loss), whatever form
+    transformers gives its rotary function (a function, or with the ``kernels`` package a module whose attention
+    callers wrap it): the same loss and gradients as eager."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    model = _model(family, torch.device("cpu")).train()
+    liger_gen.apply_to(model)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 211, (2, 10), generator=gen)
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss
+    got.backward()
+    assert rel_l2(got.detach(), expected.detach()) < 1e-6
     for name, p in model.named_parameters():
         assert rel_l2(p.grad, ref_grads[name]) < 1e-5, name
 

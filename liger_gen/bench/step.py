@@ -535,8 +535,8 @@ def patch_report(model, family: str) -> dict[str, Any]:
     their ``forward`` comes from), and the causal-LM ``forward``."""
     modeling = importlib.import_module(_MODELING_MODULES[family])
     rope = modeling.apply_rotary_pos_emb
-    if isinstance(rope, torch.nn.Module):  # transformers' function as a hub-kernel module: calls run its forward
-        rope = rope.__dict__.get("forward", f"{modeling.__name__}.apply_rotary_pos_emb")
+    if isinstance(rope, torch.nn.Module):  # transformers' function as a hub-kernel module (liger-gen's, or not)
+        rope = getattr(rope, "liger_gen_function", None) or f"{modeling.__name__}.apply_rotary_pos_emb"
 
     def origin(obj) -> str:
         if isinstance(obj, str):

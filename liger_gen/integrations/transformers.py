@@ -26,9 +26,10 @@
   function through their modeling module's globals, so this patch is process-wide: every model of that family in
   the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
   functions back. Where transformers has turned the function into a hub-kernel module (with the ``kernels``
-  package installed, transformers 5.25 and later), the module stays and its ``forward`` is routed instead, so
-  models that hold copies of it still pickle and load; the routing then takes precedence over a hub kernel that
-  ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are
+  package installed, transformers 5.25 and later), it is replaced by a module of a subclass of that module's class
+  whose ``forward`` is liger-gen's, so that models holding copies of it (rebuilt from the module-level object
+  when unpickled) still pickle and load, and torch.compile traces it without a graph break; the routing then takes
+  precedence over a hub kernel that ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are
   widened, the interleaved pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and
   Cohere 2, interleaved back after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a
   ``freqs_cis`` table) is the same rotation of interleaved pairs: its real and imaginary parts are the cos/sin
@@ -54,6 +55,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -382,6 +384,17 @@ def _signature(function) -> inspect.Signature:
     return signature
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, read once (torch.compile does not trace ``dataclasses.fields``)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | None, float | None]:
     """(multiplier of the hidden states, softcap) that reproduce the family's logits before the loss."""
     config = model.config
@@ -448,7 +461,7 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     # the load-balancing loss is added where the family's forward adds it (a modeling function and a coefficient)
     moe = hasattr(outputs, "router_logits")
     aux_loss = None
-    modeling = importlib.import_module(type(self).__module__)
+    modeling = sys.modules[type(self).__module__]  # imported with the class (import_module stops torch.compile)
     if router and getattr(outputs, "router_logits", None) is not None \
             and hasattr(modeling, "load_balancing_loss_func") and hasattr(self, "router_aux_loss_coef"):
         aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
@@ -456,7 +469,7 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     out_cls = modeling_outputs.MoeCausalLMOutputWithPast if moe else modeling_outputs.CausalLMOutputWithPast
     # the base model's fields by the output class's own names (the cache field was renamed in transformers 5)
-    fields = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(out_cls)}
+    fields = {name: getattr(outputs, name, None) for name in _field_names(out_cls)}
     fields.update(loss=loss, logits=None)
     if moe:
         fields["aux_loss"] = aux_loss
@@ -482,6 +495,15 @@ class FusedLossForward:
     def __init__(self, module: nn.Module, family: ModelFamily | None = None):
         self.module = module
         self.family = family or family_of(module)
+        # read here what each call looks up, so that torch.compile finds it cached (it traces neither
+        # inspect.signature nor dataclasses.fields)
+        from transformers import modeling_outputs
+
+        _signature(type(module).forward)
+        if isinstance(getattr(module, "model", None), nn.Module):
+            _signature(type(module.model).forward)
+        for cls in (modeling_outputs.CausalLMOutputWithPast, modeling_outputs.MoeCausalLMOutputWithPast):
+            _field_names(cls)
 
     def __call__(self, *args, **kwargs):
         return _causal_lm_forward(self.module, self.family, *args, **kwargs)
@@ -507,8 +529,24 @@ def _is_function_module(obj) -> bool:
     """Whether ``obj`` is a module-level function that transformers turned into an ``nn.Module`` instance for hub
     kernels (``kernels.use_kernel_forward_from_hub`` on a function, transformers 5.25 and later with the
     ``kernels`` package): calls go through its ``forward``, and attention modules keep private copies of it that
-    pickle by looking the module-level object up again."""
+    are rebuilt, when unpickled, as ``type(<the module-level object>)()``."""
     return isinstance(obj, nn.Module)
+
+
+def _routed_function_module(original: nn.Module, patched) -> nn.Module:
+    """A module to put in place of the function module ``original``: an instance of a subclass of its class (so
+    ``type(obj)()`` still builds one, as unpickling does) whose ``forward`` calls ``patched``, with the original
+    forward's signature. The subclass keeps the class's name and module, so the module-level object pickles by
+    name as before."""
+    base = type(original)
+
+    def forward(self, *args, **kwargs):
+        return patched(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(base.forward)
+    routed = type(base.__name__, (base,), {"forward": forward, "liger_gen": True, "liger_gen_function": staticmethod(patched),
+                                           "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return routed()
 
 
 def _rope_signature(original) -> inspect.Signature:
@@ -534,6 +572,34 @@ def _wraps_rope(original, name: str):
     return wrap
 
 
+def _binder(signature: inspect.Signature, name: str):
+    """``Signature.bind(...).arguments`` with the defaults filled in, in plain Python: torch.compile traces it
+    (``Signature.bind`` reads a mappingproxy, which breaks the graph once the trace has mutated a dict, as
+    transformers' hub-kernel wrappers of attention modules do). TypeError as a call of the function would raise."""
+    params = list(signature.parameters.values())
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var_positional = any(p.kind is p.VAR_POSITIONAL for p in params)
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def bind(args: tuple, kwargs: dict) -> dict:
+        if len(args) > len(positional) and not var_positional:
+            raise TypeError(f"{name}() takes {len(positional)} positional arguments but {len(args)} were given")
+        arguments = dict(defaults)
+        arguments.update(zip(positional, args))
+        given = positional[:len(args)]
+        for key, value in kwargs.items():
+            if key in given:
+                raise TypeError(f"{name}() got multiple values for argument {key!r}")
+            if key not in keywords and not var_keyword:
+                raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+            arguments[key] = value
+        return arguments
+
+    return bind
+
+
 def _transformers_rope(original, family: ModelFamily, interleaved: bool = False, name: str | None = None):
     """liger-gen RoPE with the signature of the transformers function it replaces: ``unsqueeze_dim`` is
     honoured by name or position; a ``position_ids`` argument is used only with (seq, dim) tables, as the older
@@ -546,6 +612,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False,
 
     signature = _rope_signature(original)
     name = name or getattr(original, "__name__", family.rope_function)
+    bind = _binder(signature, name)
     keeps_dtype, tables, pairs = family.rope_keeps_dtype, family.rope_tables, family.rope_pairs and not interleaved
 
     def halves(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -573,7 +640,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False,
 
     @_wraps_rope(original, name)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        arguments = signature.bind(q, k, cos, sin, *args, **kwargs).arguments
+        arguments = bind((q, k, cos, sin, *args), kwargs)
         dtypes = q.dtype, k.dtype
         half = tables == "half"
         if tables == "interleaved":
@@ -611,15 +678,12 @@ def _patch_rope(model: nn.Module, modeling, family: ModelFamily) -> bool:
         original = _original_rope.setdefault(key, current)
         patched = _patched_rope.get(key)
         if patched is None:
-            patched = _patched_rope[key] = _transformers_rope(original, family, interleaved, function)
-        if _is_function_module(original):
-            # the module stays where transformers put it (attention modules' private copies are rebuilt from
-            # it when a model is loaded); module calls run ``self.forward``, an instance attribute first
-            setattr(modeling, function, original)
-            original.forward = patched
-        else:
-            setattr(modeling, function, patched)
-        done = done and _routed(modeling, function)
+            patched = _transformers_rope(original, family, interleaved, function)
+            if _is_function_module(original):
+                patched = _routed_function_module(original, patched)
+            _patched_rope[key] = patched
+        setattr(modeling, function, patched)
+        done = done and getattr(modeling, function) is patched
         # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
         # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
         # which now names the wrapper, so those references must be the wrapper for torch.save to work.
@@ -643,23 +707,12 @@ def _rope_is_patched(family: ModelFamily) -> bool:
         modeling = importlib.import_module(family.modeling_module)
     except ImportError:
         return False
-    return all(_routed(modeling, f) for f, _ in functions)
-
-
-def _routed(modeling, function: str) -> bool:
-    """Whether calls of ``modeling.<function>`` run liger-gen's wrapper now."""
-    current = getattr(modeling, function, None)
-    if _is_function_module(current):
-        current = current.__dict__.get("forward")
-    patched = _patched_rope.get((modeling.__name__, function))
-    return patched is not None and current is patched
+    return all(getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in functions)
 
 
 def restore_rope() -> None:
     """Undo the process-wide RoPE patch of every family ``apply_to`` patched."""
     for (name, function_name), function in _original_rope.items():
-        if _is_function_module(function):
-            function.__dict__.pop("forward", None)
         setattr(importlib.import_module(name), function_name, function)
     _original_rope.clear()
 
