@@ -153,6 +153,48 @@ def test_family_takes_a_bfloat16_training_step_on_the_plain_path(model_type, mon
     assert abs(got - expected) <= torch.finfo(torch.bfloat16).eps * abs(expected), (model_type, got, expected)
 
 
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_patched_family_forward_compiles_without_a_graph_break(model_type, monkeypatch):
+    """torch.compile(fullgraph=True) of the patched model's forward (norms, MLP or experts, RoPE, the fused loss):
+    the loss and the gradients of eager. Eval mode, so dropout (Seed-OSS's) draws nothing; gradients stay on, so
+    the fused loss runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = mini_model(model_type)
+    if model is None:
+        pytest.skip(f"this transformers release has no {model_type}")
+    model.eval()
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (BATCH, 10),
+                        generator=torch.Generator().manual_seed(7))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            liger_gen.apply_to(model)
+        expected = model(input_ids=ids, labels=ids).loss
+        expected.backward()
+        ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss
+            got.backward()
+        except Exception:  # noqa: BLE001 - transformers' own model may not compile in this release
+            restore_rope()
+            torch._dynamo.reset()
+            plain = mini_model(model_type).eval()
+            try:
+                torch.compile(plain, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+            except Exception as e:  # noqa: BLE001
+                pytest.skip(f"{model_type}: transformers' own model does not compile here either: {e}"[:300])
+            raise
+    finally:
+        restore_rope()
+        torch._dynamo.reset()
+    assert _rel_l2(got.detach(), expected.detach()) <= 1e-6, (model_type, got.item(), expected.item())
+    for name, p in model.named_parameters():
+        if name in ref:
+            assert _rel_l2(p.grad, ref[name]) <= 1e-5, (model_type, name)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs CPU tensors")
 @pytest.mark.parametrize("model_type", INTERPRETER_FAMILIES)
 def test_family_trains_like_transformers_through_the_kernels(model_type, monkeypatch, tmp_path):
