@@ -190,11 +190,37 @@ def test_patched_model_pickles_and_loads(device):
     from liger_gen.integrations.transformers import restore_rope
 
     restore_rope()
+    # what the loaded model's attention modules keep of the rotary function (transformers 5.25 with `kernels`:
+    # private copies, rebuilt from the module-level object when unpickled) is transformers' own again
+    kept = [f for m in loaded.modules() for f in (m.__dict__.get("_kernel_funcs") or {}).values()]
+    assert not any(getattr(f, "liger_gen", False) for f in kept)
     buffer.seek(0)
     fresh = torch.load(buffer, weights_only=False)
     assert not fresh.liger_gen_report.rope and "apply_to" in fresh.liger_gen_report.note
     assert liger_gen.apply_to(fresh).liger_gen_report.rope
     restore_rope()
+
+
+def test_a_patched_model_loaded_in_a_new_process_compiles_without_a_graph_break(tmp_path):
+    """A patched model saved whole and loaded in a process that never called apply_to: torch.compile with
+    fullgraph=True gives the eager loss (what the fused-loss forward looks up is read when it is unpickled)."""
+    import subprocess
+    import sys
+
+    model = _model("llama", torch.device("cpu")).train()
+    liger_gen.apply_to(model)
+    torch.save(model, tmp_path / "model.pt")
+    script = (
+        "import sys, torch\n"
+        "m = torch.load(sys.argv[1], weights_only=False)\n"
+        "ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(3))\n"
+        "got = torch.compile(m, backend='aot_eager', fullgraph=True)(input_ids=ids, labels=ids).loss\n"
+        "expected = m(input_ids=ids, labels=ids).loss\n"
+        "print(abs(got.item() - expected.item()) / expected.item())\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt")], capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
 
 
 def test_use_cache_in_training_runs_the_original_forward(device):

@@ -395,6 +395,14 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
+def _output_field_names() -> None:
+    """Read the field names of the causal-LM output classes ahead of a torch.compile trace."""
+    from transformers import modeling_outputs
+
+    for cls in (modeling_outputs.CausalLMOutputWithPast, modeling_outputs.MoeCausalLMOutputWithPast):
+        _field_names(cls)
+
+
 def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | None, float | None]:
     """(multiplier of the hidden states, softcap) that reproduce the family's logits before the loss."""
     config = model.config
@@ -495,15 +503,16 @@ class FusedLossForward:
     def __init__(self, module: nn.Module, family: ModelFamily | None = None):
         self.module = module
         self.family = family or family_of(module)
-        # read here what each call looks up, so that torch.compile finds it cached (it traces neither
-        # inspect.signature nor dataclasses.fields)
-        from transformers import modeling_outputs
-
+        # read here what each call looks up, so that torch.compile finds it cached (it does not trace
+        # dataclasses.fields)
         _signature(type(module).forward)
         if isinstance(getattr(module, "model", None), nn.Module):
             _signature(type(module.model).forward)
-        for cls in (modeling_outputs.CausalLMOutputWithPast, modeling_outputs.MoeCausalLMOutputWithPast):
-            _field_names(cls)
+        _output_field_names()
+
+    def __setstate__(self, state: dict) -> None:  # a model unpickled in another process: warm the caches too
+        self.__dict__.update(state)
+        _output_field_names()
 
     def __call__(self, *args, **kwargs):
         return _causal_lm_forward(self.module, self.family, *args, **kwargs)
@@ -534,19 +543,26 @@ def _is_function_module(obj) -> bool:
 
 
 def _routed_function_module(original: nn.Module, patched) -> nn.Module:
-    """A module to put in place of the function module ``original``: an instance of a subclass of its class (so
-    ``type(obj)()`` still builds one, as unpickling does) whose ``forward`` calls ``patched``, with the original
-    forward's signature. The subclass keeps the class's name and module, so the module-level object pickles by
-    name as before."""
+    """A module to put in place of the function module ``original``: an instance of a subclass of its class whose
+    ``forward`` calls ``patched``, with the original forward's signature. The subclass keeps the class's name and
+    module, so the module-level object pickles by name as before. What ``type(obj)()`` builds (kernels' copies,
+    and the attention modules' private copies when a model is unpickled) is transformers' own module, so nothing
+    outside the module-level object stays routed after ``restore_rope``."""
     base = type(original)
 
     def forward(self, *args, **kwargs):
         return patched(*args, **kwargs)
 
+    def new(cls, *args, **kwargs):
+        return base(*args, **kwargs)
+
     forward.__signature__ = inspect.signature(base.forward)
-    routed = type(base.__name__, (base,), {"forward": forward, "liger_gen": True, "liger_gen_function": staticmethod(patched),
+    routed = type(base.__name__, (base,), {"forward": forward, "__new__": new, "liger_gen": True,
+                                           "liger_gen_function": staticmethod(patched),
                                            "__module__": base.__module__, "__qualname__": base.__qualname__})
-    return routed()
+    module = nn.Module.__new__(routed)
+    module.__init__()
+    return module
 
 
 def _rope_signature(original) -> inspect.Signature:
