@@ -35,6 +35,13 @@ CPU_PATHS = [pytest.param("1", id="interpreter", marks=pytest.mark.skipif(
              pytest.param("0", id="plain")]
 
 
+def rope_call(modeling):
+    """What a call of ``modeling.apply_rotary_pos_emb`` runs: the function, or the forward of the module that
+    transformers makes of it with the ``kernels`` package installed (5.25 and later)."""
+    current = modeling.apply_rotary_pos_emb
+    return current.forward if isinstance(current, torch.nn.Module) else current
+
+
 def seeded(*key) -> torch.Generator:
     """A CPU generator seeded from ``key`` (the test's parameters): the same inputs in every run and process
     (Python's ``hash`` of strings changes from process to process), different ones between cases."""

@@ -21,6 +21,8 @@ pytest.importorskip("transformers")
 from liger_gen.bench import step  # noqa: E402
 from liger_gen.models import PRESETS  # noqa: E402
 
+from conftest import rope_call  # noqa: E402
+
 TEMPLATES = Path(step.__file__).resolve().parent.parent / "templates"
 
 
@@ -403,13 +405,6 @@ def test_write_json_is_strict(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _rope_call(modeling):
-    """What a call of ``modeling.apply_rotary_pos_emb`` runs: the function, or the forward of the module that
-    transformers makes of it with the ``kernels`` package installed (5.25 and later)."""
-    current = modeling.apply_rotary_pos_emb
-    return current.forward if isinstance(current, torch.nn.Module) else current
-
-
 def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     """Two AdamW steps (one warm-up, one timed) of the tiny Llama in bf16, plain transformers then liger-gen.
 
@@ -423,12 +418,12 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     import liger_gen
 
     modeling = importlib.import_module("transformers.models.llama.modeling_llama")
-    rope_before = _rope_call(modeling)
+    rope_before = rope_call(modeling)
     # an earlier apply_to in this process routes RoPE process-wide: the plain provider must not run it
     liger_gen.apply_to(transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=64)))
-    assert _rope_call(modeling) != rope_before
+    assert rope_call(modeling) != rope_before
     console = Console(record=True, width=200)
     result = step.run_step_benchmark("tiny", ["transformers", "liger-gen"], batch_size=2, seq_len=64,
                                      warmup_steps=1, steps=1, profile_steps=0, lr=1e-2, device="cpu",
@@ -454,7 +449,7 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     assert lg["patch"]["rope"].endswith("(wrapped by liger_gen.integrations.transformers)")
     assert all("liger_gen" in c for c in lg["patch"]["norm_classes"] + lg["patch"]["mlp_classes"])
     assert lg["patch"]["forward"].endswith("FusedLossForward")
-    assert _rope_call(modeling) == rope_before  # liger-gen's process-wide RoPE patch was undone
+    assert rope_call(modeling) == rope_before  # liger-gen's process-wide RoPE patch was undone
     # JSON and report
     data = json.loads((tmp_path / "step.json").read_text())
     assert data["schema"] == step.SCHEMA

@@ -7,7 +7,7 @@ import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.integrations import transformers as integration
 
-from conftest import CPU_PATHS
+from conftest import CPU_PATHS, rope_call
 
 
 @pytest.fixture(autouse=True)
@@ -130,13 +130,6 @@ def test_restore_rope_puts_transformers_function_back(device):
     assert not getattr(modeling_llama.apply_rotary_pos_emb, "liger_gen", False)
 
 
-def _rope_call(modeling):
-    """What a call of ``modeling.apply_rotary_pos_emb`` runs: the function, or the forward of the module that
-    transformers makes of it with the ``kernels`` package installed (5.25 and later)."""
-    current = modeling.apply_rotary_pos_emb
-    return current.forward if isinstance(current, torch.nn.Module) else current
-
-
 def test_patched_rope_keeps_transformers_signature(device):
     """Callers of the module function may pass unsqueeze_dim positionally, as transformers' signature allows."""
     from transformers.models.llama import modeling_llama
@@ -150,7 +143,7 @@ def test_patched_rope_keeps_transformers_signature(device):
     expected = original(q, k, cos, sin, unsqueeze_dim=2)
     liger_gen.apply_to(_model("llama", device))
     # unsqueeze_dim is the 5th parameter since transformers 5.0, the 6th (after position_ids) before
-    padding = [None] * (list(inspect.signature(_rope_call(modeling_llama)).parameters).index("unsqueeze_dim") - 4)
+    padding = [None] * (list(inspect.signature(rope_call(modeling_llama)).parameters).index("unsqueeze_dim") - 4)
     got = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, *padding, 2)
     for a, b in zip(got, expected):
         assert rel_l2(a, b) < REL_TOL[torch.float32]
@@ -204,6 +197,7 @@ def test_patched_model_pickles_and_loads(device):
 def test_a_patched_model_loaded_in_a_new_process_compiles_without_a_graph_break(tmp_path):
     """A patched model saved whole and loaded in a process that never called apply_to: torch.compile with
     fullgraph=True gives the eager loss (what the fused-loss forward looks up is read when it is unpickled)."""
+    import os
     import subprocess
     import sys
 
@@ -218,7 +212,7 @@ def test_a_patched_model_loaded_in_a_new_process_compiles_without_a_graph_break(
         "expected = m(input_ids=ids, labels=ids).loss\n"
         "print(abs(got.item() - expected.item()) / expected.item())\n")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt")], capture_output=True,
-                          text=True, timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
 

@@ -26,14 +26,14 @@
   function through their modeling module's globals, so this patch is process-wide: every model of that family in
   the process uses it afterwards (the function computes the same values); ``restore_rope()`` puts transformers'
   functions back. Where transformers has turned the function into a hub-kernel module (with the ``kernels``
-  package installed, transformers 5.25 and later), it is replaced by a module of a subclass of that module's class
-  whose ``forward`` is liger-gen's, so that models holding copies of it (rebuilt from the module-level object
-  when unpickled) still pickle and load, and torch.compile traces it without a graph break; the routing then takes
-  precedence over a hub kernel that ``kernels.kernelize`` maps to the function. Other layouts are mapped onto it: GPT-OSS's half-width tables are
-  widened, the interleaved pairs of DeepSeek-V3, GLM-4 and Cohere 2 are de-interleaved (and, for GLM-4 and
-  Cohere 2, interleaved back after the rotation). Llama 4's complex rotation (``apply_rotary_emb`` with a
-  ``freqs_cis`` table) is the same rotation of interleaved pairs: its real and imaginary parts are the cos/sin
-  tables.
+  package installed, transformers 5.25 and later), it is replaced by a module of a subclass of that module's
+  class whose ``forward`` is liger-gen's, so that models holding copies of it (rebuilt from the module-level
+  object when unpickled) still pickle and load, and torch.compile traces it without a graph break; the routing
+  then takes precedence over a hub kernel that ``kernels.kernelize`` maps to the function. Other layouts are
+  mapped onto it: GPT-OSS's half-width tables are widened, the interleaved pairs of DeepSeek-V3, GLM-4 and
+  Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back after the rotation). Llama 4's
+  complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same rotation of interleaved pairs:
+  its real and imaginary parts are the cos/sin tables.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,
@@ -384,25 +384,6 @@ def _signature(function) -> inspect.Signature:
     return signature
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    """A dataclass's field names, read once (torch.compile does not trace ``dataclasses.fields``)."""
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
-
-
-def _output_field_names() -> None:
-    """Read the field names of the causal-LM output classes ahead of a torch.compile trace."""
-    from transformers import modeling_outputs
-
-    for cls in (modeling_outputs.CausalLMOutputWithPast, modeling_outputs.MoeCausalLMOutputWithPast):
-        _field_names(cls)
-
-
 def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | None, float | None]:
     """(multiplier of the hidden states, softcap) that reproduce the family's logits before the loss."""
     config = model.config
@@ -476,8 +457,10 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
                                                      self.num_experts_per_tok, named.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     out_cls = modeling_outputs.MoeCausalLMOutputWithPast if moe else modeling_outputs.CausalLMOutputWithPast
-    # the base model's fields by the output class's own names (the cache field was renamed in transformers 5)
-    fields = {name: getattr(outputs, name, None) for name in _field_names(out_cls)}
+    # the base model's fields by the output class's own names (the cache field was renamed in transformers 5);
+    # __dataclass_fields__ rather than dataclasses.fields, which torch.compile does not trace (the output classes
+    # declare no ClassVar or InitVar, so both name the same fields)
+    fields = {name: getattr(outputs, name, None) for name in out_cls.__dataclass_fields__}
     fields.update(loss=loss, logits=None)
     if moe:
         fields["aux_loss"] = aux_loss
@@ -503,16 +486,6 @@ class FusedLossForward:
     def __init__(self, module: nn.Module, family: ModelFamily | None = None):
         self.module = module
         self.family = family or family_of(module)
-        # read here what each call looks up, so that torch.compile finds it cached (it does not trace
-        # dataclasses.fields)
-        _signature(type(module).forward)
-        if isinstance(getattr(module, "model", None), nn.Module):
-            _signature(type(module.model).forward)
-        _output_field_names()
-
-    def __setstate__(self, state: dict) -> None:  # a model unpickled in another process: warm the caches too
-        self.__dict__.update(state)
-        _output_field_names()
 
     def __call__(self, *args, **kwargs):
         return _causal_lm_forward(self.module, self.family, *args, **kwargs)
@@ -573,16 +546,16 @@ def _rope_signature(original) -> inspect.Signature:
     return inspect.signature(original)
 
 
-def _wraps_rope(original, name: str):
+def _wraps_rope(original, name: str, signature: inspect.Signature):
     """functools.wraps for transformers' rotary function; a function module lends its name, module and
-    signature (copying its ``__dict__`` would copy the module's parameters and hooks)."""
+    signature (``_rope_signature``; copying its ``__dict__`` would copy the module's parameters and hooks)."""
     if not _is_function_module(original):
         return functools.wraps(original)
 
     def wrap(function):
         function.__module__ = type(original).__module__
         function.__name__ = function.__qualname__ = name
-        function.__signature__ = _rope_signature(original)
+        function.__signature__ = signature
         return function
 
     return wrap
@@ -643,7 +616,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False,
         return rot if width == y.shape[-1] else torch.cat((rot, y[..., width:]), dim=-1)
 
     if tables == "complex":  # Llama 4: complex multiplication of interleaved pairs, in fp32, cast back
-        @_wraps_rope(original, name)
+        @_wraps_rope(original, name, signature)
         def apply_rotary_emb(xq, xk, freqs_cis):
             cos, sin = freqs_cis.real, freqs_cis.imag
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -654,7 +627,7 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False,
         apply_rotary_emb.liger_gen = True
         return apply_rotary_emb
 
-    @_wraps_rope(original, name)
+    @_wraps_rope(original, name, signature)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         arguments = bind((q, k, cos, sin, *args), kwargs)
         dtypes = q.dtype, k.dtype
