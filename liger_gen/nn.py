@@ -23,7 +23,8 @@ class RMSNorm(nn.Module):
         elementwise_affine: False for no weight (``y = x / rms(x)``; ``weight`` is None, as in
             ``torch.nn.RMSNorm(elementwise_affine=False)``).
 
-    Shape: input (..., hidden_size) → output of the same shape.
+    Shape: input (..., hidden_size) → output of the same shape; with ``residual`` (same shape), a pair of that
+    shape (the normalised sum, the sum).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
@@ -41,8 +42,17 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.casting_mode = casting_mode
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm of ``hidden_states``; with ``residual``, ``(RMSNorm(residual + hidden_states), residual +
+        hidden_states)`` in one pass (``liger_gen.functional.fused_add_rms_norm``; the pre-norm decoder's residual
+        add before this norm)."""
+        if residual is None:
+            return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
+        if self.weight is None or residual.shape != hidden_states.shape:
+            s = residual + hidden_states  # broadcasting, or no weight: the add, then the norm
+            return F.rms_norm(s, self.weight, self.variance_epsilon, self.offset, self.casting_mode), s
+        return F.fused_add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, self.offset,
+                                    self.casting_mode)
 
     def extra_repr(self) -> str:
         shape = "no weight" if self.weight is None else f"{tuple(self.weight.shape)}"

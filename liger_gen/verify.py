@@ -150,7 +150,7 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
 
 
 #: The ops ``apply_to`` runs on a Llama-like model: what verify checks when the model's family is not known.
-LLAMA_OPS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+LLAMA_OPS = ("rms_norm", "fused_add_rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 
 
 def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | None, str]:

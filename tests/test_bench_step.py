@@ -425,7 +425,8 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
         vocab_size=64)))
     assert rope_call(modeling) != rope_before
     console = Console(record=True, width=200)
-    result = step.run_step_benchmark("tiny", ["transformers", "liger-gen"], batch_size=2, seq_len=64,
+    result = step.run_step_benchmark("tiny", ["transformers", "liger-gen", "liger-gen-unfused-add"], batch_size=2,
+                                     seq_len=64,
                                      warmup_steps=1, steps=1, profile_steps=0, lr=1e-2, device="cpu",
                                      out_dir=tmp_path, console=console, command="pytest")
     tol = result["settings"]["loss_rel_tol"]
@@ -449,6 +450,13 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     assert lg["patch"]["rope"].endswith("(wrapped by liger_gen.integrations.transformers)")
     assert all("liger_gen" in c for c in lg["patch"]["norm_classes"] + lg["patch"]["mlp_classes"])
     assert lg["patch"]["forward"].endswith("FusedLossForward")
+    assert lg["patch"]["decoder_layers"] == ["LlamaDecoderLayer (liger_gen.integrations.transformers."
+                                             "FusedResidualForward)"]
+    unfused = runs["liger-gen-unfused-add"]
+    assert unfused["status"] == "ok" and unfused["loss_check"]["pass"], unfused.get("reason")
+    assert unfused["patch"]["decoder_layers"] == ["LlamaDecoderLayer (transformers.models.llama.modeling_llama."
+                                                  "LlamaDecoderLayer.forward)"]
+    assert plain["patch"]["decoder_layers"] == unfused["patch"]["decoder_layers"]
     assert rope_call(modeling) == rope_before  # liger-gen's process-wide RoPE patch was undone
     # JSON and report
     data = json.loads((tmp_path / "step.json").read_text())

@@ -470,24 +470,24 @@ def _write_config(tmp_path, name, **fields):
 
 
 @pytest.mark.parametrize("fields,expected", [
-    (dict(model_type="llama"), ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]),
+    (dict(model_type="llama"), ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]),
     (dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh"),
-     ["rms_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
+     ["rms_norm", "fused_add_rms_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
     (dict(model_type="phimoe", num_local_experts=16),
      ["layer_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"]),
     # GPT-OSS: apply_to routes the experts' clamped gate; the experts loop stays transformers' (no moe_permute)
-    (dict(model_type="gpt_oss", num_local_experts=32), ["rms_norm", "rope", "clamped_swiglu",
+    (dict(model_type="gpt_oss", num_local_experts=32), ["rms_norm", "fused_add_rms_norm", "rope", "clamped_swiglu",
                                                         "fused_linear_cross_entropy"]),
-    (dict(model_type="mixtral", num_local_experts=1), ["rms_norm", "rope", "swiglu", "moe_permute",
+    (dict(model_type="mixtral", num_local_experts=1), ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "moe_permute",
                                                        "fused_linear_cross_entropy"]),
-    (dict(model_type="llama", hidden_act="relu"), ["rms_norm", "rope", "fused_linear_cross_entropy"]),
-    (dict(model_type="qwen3_moe", num_experts=128), ["rms_norm", "rope", "swiglu", "moe_permute",
+    (dict(model_type="llama", hidden_act="relu"), ["rms_norm", "fused_add_rms_norm", "rope", "fused_linear_cross_entropy"]),
+    (dict(model_type="qwen3_moe", num_experts=128), ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "moe_permute",
                                                       "fused_linear_cross_entropy"]),
     # multimodal Gemma 3: AutoModelForCausalLM builds Gemma3ForConditionalGeneration, whose loss apply_to keeps
     (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=512,
                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                                 hidden_activation="gelu_pytorch_tanh")),
-     ["rms_norm", "rope", "geglu"]),
+     ["rms_norm", "fused_add_rms_norm", "rope", "geglu"]),
     (dict(model_type="bert"), None),
     (dict(model_type=["llama"]), None),
     (dict(model_type="paligemma", text_config=dict(model_type="gemma2", hidden_size=256)), None),
@@ -506,9 +506,9 @@ def test_verify_default_ops_follow_the_config_family(tmp_path, fields, expected)
 
 
 @pytest.mark.parametrize("preset,expected", [
-    ("llama3-8b", ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]),
-    ("gpt-oss-20b", ["rms_norm", "rope", "clamped_swiglu", "fused_linear_cross_entropy"]),
-    ("qwen3-30b-a3b", ["rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"]),
+    ("llama3-8b", ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]),
+    ("gpt-oss-20b", ["rms_norm", "fused_add_rms_norm", "rope", "clamped_swiglu", "fused_linear_cross_entropy"]),
+    ("qwen3-30b-a3b", ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"]),
 ])
 def test_verify_default_ops_of_a_preset_are_its_familys(preset, expected):
     from liger_gen.verify import default_ops
@@ -521,7 +521,7 @@ def test_verify_says_where_its_ops_come_from(tmp_path, monkeypatch):
     monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
     path = _write_config(tmp_path, "bert", model_type="bert")
     text = " ".join(_verify("--gpu", "h200", "--model", str(path), "--allow-heuristic").output.split())
-    assert "ops checked: rms_norm, rope, swiglu, fused_linear_cross_entropy (a Llama-like model's" in text
+    assert "ops checked: rms_norm, fused_add_rms_norm, rope, swiglu, fused_linear_cross_entropy (a Llama-like model's" in text
     assert "'bert' is not a family apply_to supports" in text
     moe = " ".join(_verify("--gpu", "h200", "--model", "qwen3-30b-a3b", "--allow-heuristic").output.split())
     assert "moe_permute" in moe and "Qwen3MoeForCausalLM" in moe
@@ -588,7 +588,7 @@ def test_verify_predicts_ops_whatever_attention_the_config_names(tmp_path):
                _attn_implementation="flash_attention_2", attn_implementation="flash_attention_2")
     levels = [logging.getLogger(n).level for n in ("liger_gen", "transformers")]
     ops, why = ops_apply_to_runs(cfg)
-    assert ops == ["rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"], why
+    assert ops == ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"], why
     assert [logging.getLogger(n).level for n in ("liger_gen", "transformers")] == levels
     deep = ops_apply_to_runs({**cfg, "num_hidden_layers": 10**6})
     assert deep[0] is None and "more than" in deep[1]

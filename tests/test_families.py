@@ -34,6 +34,9 @@ LOSS_RTOL = 2e-6
 PARAM_RTOL = 1e-4  # relative L2 of each parameter after the 20 updates
 LOGPROB_ATOL = 1e-3  # held-out top-k log-probabilities (nats)
 
+# families whose decoder layers have no ``h = residual + h; residual = h; h = norm(h)`` before an RMSNorm
+UNFUSED_LAYOUTS = ("olmo2", "olmo3", "exaone4", "cohere2", "phimoe")
+
 # one family per distinct block, run through the kernels (Triton's interpreter)
 INTERPRETER_FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "olmo2", "cohere2", "granite", "gpt_oss", "llama4_text")
 
@@ -94,6 +97,10 @@ def _compare(model_type: str, steps: int):
     assert report.norms > 0 and report.loss, report.summary()
     assert report.mlps + report.experts > 0, report.summary()
     assert report.rope == family.rope, report.summary()
+    # the attention residual add fused into the next norm in every pre-norm decoder layer; the post-norm (OLMo 2/3,
+    # Exaone 4), parallel-block (Cohere 2) and LayerNorm (PhiMoE) layouts keep transformers' add
+    layers = sum(type(m).__name__.endswith("DecoderLayer") for m in patched.modules())
+    assert report.fused_adds == (0 if model_type in UNFUSED_LAYOUTS else layers), report.summary()
     assert all(math.isfinite(x) for x in plain_losses + patched_losses)
     rel = [abs(a - b) / abs(b) for a, b in zip(patched_losses, plain_losses)]
     assert max(rel) <= LOSS_RTOL, (model_type, max(rel), rel)

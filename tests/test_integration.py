@@ -74,6 +74,70 @@ def test_apply_to_swaps_every_part_and_training_matches(family, device):
         assert rel_l2(g, ref_grads[name]) < 1e-3, name
 
 
+def test_residual_add_runs_inside_the_next_norm(device, monkeypatch):
+    """Each decoder layer's attention residual add runs in the post-attention norm's kernel (one
+    fused_add_rms_norm call per layer per forward), and the model computes what transformers' does: loss and
+    every gradient against the unpatched model in float64, as close as the unfused patch gets."""
+    import copy
+
+    import liger_gen.functional
+
+    calls = []
+    fused = liger_gen.functional.fused_add_rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(liger_gen.functional, "fused_add_rms_norm", counted)
+    model = _model("llama", device).train()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 211, (2, 20), generator=gen).to(device)
+    _, ref = _loss_and_grads(copy.deepcopy(model).double(), ids, ids)
+    unfused = liger_gen.apply_to(copy.deepcopy(model), fused_add_rms_norm=False)
+    assert unfused.liger_gen_report.fused_adds == 0
+    assert not any(isinstance(m.__dict__.get("forward"), integration.FusedResidualForward)
+                   for m in unfused.modules())
+    liger_gen.apply_to(model)
+    assert model.liger_gen_report.fused_adds == 2 and "2 residual adds fused" in model.liger_gen_report.summary()
+    assert "fused_add_rms_norm" in integration.patched_ops(model)
+    _, base = _loss_and_grads(unfused, ids, ids)
+    assert not calls
+    out, grads = _loss_and_grads(model, ids, ids)
+    assert calls == [torch.Size([2, 20, 64])] * 2
+    for name, g in grads.items():
+        err, err_unfused = rel_l2(g.double(), ref[name]), rel_l2(base[name].double(), ref[name])
+        assert err <= max(2 * err_unfused, 4 * REL_TOL[torch.float32]), (name, err, err_unfused)
+    # a second apply_to keeps the one rewrite; a copy and a pickle carry it
+    liger_gen.apply_to(model)
+    assert model.liger_gen_report.fused_adds == 2
+    for other in (copy.deepcopy(model), __import__("pickle").loads(__import__("pickle").dumps(model))):
+        calls.clear()
+        layer = other.model.layers[0]
+        assert layer.forward.module is layer
+        other_out, _ = _loss_and_grads(other, ids, ids)
+        assert len(calls) == 2 and torch.equal(other_out.loss, out.loss)
+
+
+def test_fused_residual_forward_falls_back_where_the_norm_is_not_liger_gens(device):
+    """A layer whose post-attention norm was put back to transformers' own after apply_to adds, then norms."""
+    model = _model("llama", device).train()
+    ids = torch.randint(0, 211, (1, 12)).to(device)
+    expected = model(input_ids=ids, labels=ids).loss.detach()
+    original = [layer.post_attention_layernorm for layer in model.model.layers]
+    liger_gen.apply_to(model, rope=False)
+    for layer, norm in zip(model.model.layers, original):
+        layer.post_attention_layernorm = norm
+    assert rel_l2(model(input_ids=ids, labels=ids).loss.detach(), expected) < 1e-5
+    liger_gen.apply_to(model, rms_norm=False, rope=False)  # no norm swapped: nothing more to fuse
+    assert model.liger_gen_report.fused_adds == 2
+
+
+def test_no_fusion_without_liger_gens_norms(device):
+    model = liger_gen.apply_to(_model("qwen2", device), rms_norm=False, rope=False)
+    assert model.liger_gen_report.fused_adds == 0 and "residual" not in model.liger_gen_report.summary()
+
+
 def test_eval_mode_returns_logits_equal_to_transformers(device):
     model = _model("llama", device).eval()
     ids = torch.randint(0, 211, (1, 16)).to(device)

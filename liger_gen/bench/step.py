@@ -10,9 +10,12 @@ order given, in one process:
 - ``transformers``  plain transformers (``attn_implementation="sdpa"``);
 - ``liger-kernel``  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(model=model)`` with its defaults
                     (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); CUDA only;
-- ``liger-gen``     ``liger_gen.apply_to(model)`` (RMSNorm, RoPE, SwiGLU MLP, LM-head loss without logits);
+- ``liger-gen``     ``liger_gen.apply_to(model)`` (RMSNorm, the attention residual add fused into the next RMSNorm,
+                    RoPE, SwiGLU MLP, LM-head loss without logits);
 - ``torch-compile`` ``torch.compile(model)`` (default mode); the first step's wall time, which holds the
-                    compilation, is reported apart (``first_step_s``, ``compile_s``).
+                    compilation, is reported apart (``first_step_s``, ``compile_s``);
+- ``liger-gen-unfused-add``  ``liger_gen.apply_to(model, fused_add_rms_norm=False)``: the decoder layers keep
+                    transformers' residual add before the post-attention norm (what that fusion is worth).
 
 Every provider trains a freshly built model from the same initial weights (built once with ``seed``, copied to
 the host, loaded into each provider's model) for ``warmup_steps + steps + profile_steps`` AdamW steps (bf16
@@ -122,7 +125,10 @@ SCHEMA = "liger-gen/bench-step/1"
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
 
-PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen", "torch-compile")
+PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen", "torch-compile", "liger-gen-unfused-add")
+#: the providers that run ``liger_gen.apply_to``, with its keyword arguments
+LIGER_GEN_PROVIDERS: dict[str, dict[str, bool]] = {"liger-gen": {},
+                                                   "liger-gen-unfused-add": {"fused_add_rms_norm": False}}
 DEFAULT_PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen")
 DEFAULT_MODELS: tuple[str, ...] = ("llama3.2-1b", "qwen2.5-0.5b")
 REFERENCE_PROVIDER = "transformers"
@@ -531,8 +537,8 @@ def _undo_liger_gen() -> None:
 
 
 def patch_report(model, family: str) -> dict[str, Any]:
-    """What the model will run: its family's ``apply_rotary_pos_emb``, the norm and MLP classes (with the module
-    their ``forward`` comes from), and the causal-LM ``forward``."""
+    """What the model will run: its family's ``apply_rotary_pos_emb``, the decoder-layer, norm and MLP classes
+    (with the module their ``forward`` comes from), and the causal-LM ``forward``."""
     modeling = importlib.import_module(_MODELING_MODULES[family])
     rope = modeling.apply_rotary_pos_emb
     if isinstance(rope, torch.nn.Module):  # transformers' function as a hub-kernel module (liger-gen's, or not)
@@ -552,15 +558,17 @@ def patch_report(model, family: str) -> dict[str, Any]:
             name += f" (wrapped by {defined_in})"
         return name
 
-    norms, mlps = set(), set()
+    norms, mlps, layers = set(), set(), set()
     for m in model.modules():
         cls = type(m).__name__
+        if cls.endswith("DecoderLayer"):
+            layers.add(f"{cls} ({origin(m.forward)})")
         if cls.endswith("RMSNorm"):
             norms.add(f"{cls} ({origin(m.forward)})")
         elif cls.endswith("MLP"):
             mlps.add(f"{cls} ({origin(m.forward)})")
     return {"rope": origin(rope), "norm_classes": sorted(norms), "mlp_classes": sorted(mlps),
-            "forward": origin(model.forward)}
+            "decoder_layers": sorted(layers), "forward": origin(model.forward)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -633,7 +641,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
     _free(device)
     res: dict[str, Any] = {"status": "ok", "reason": None, "compile_s": None}
     modeling = _MODELING_MODULES[run.family]
-    if provider != "liger-gen" and "liger_gen.integrations.transformers" in sys.modules:
+    if provider not in LIGER_GEN_PROVIDERS and "liger_gen.integrations.transformers" in sys.modules:
         _undo_liger_gen()  # RoPE routed by an earlier apply_to in this process would run in this provider too
     with restore_module_globals([modeling]):
         t0 = time.perf_counter()
@@ -643,10 +651,10 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
         try:
             if provider == "liger-kernel":
                 _apply_liger_kernel(model, run.family)
-            elif provider == "liger-gen":
+            elif provider in LIGER_GEN_PROVIDERS:
                 import liger_gen
 
-                liger_gen.apply_to(model)
+                liger_gen.apply_to(model, **LIGER_GEN_PROVIDERS[provider])
             res["patch"] = patch_report(model, run.family)
             step_model = torch.compile(model) if provider == "torch-compile" else model
             optimizer = make_optimizer(model, run.lr, device)
@@ -709,7 +717,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
                 k += run.profile_steps
             res["losses"] = [float(x) for x in torch.stack(losses).float().cpu()]
         finally:
-            if provider == "liger-gen":
+            if provider in LIGER_GEN_PROVIDERS:
                 _undo_liger_gen()
             if provider == "torch-compile":
                 torch._dynamo.reset()

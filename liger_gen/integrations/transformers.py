@@ -504,6 +504,147 @@ class FusedLossForward:
         return "forward"
 
 
+# ------------------------------------------------------------------------------------------------ residual adds
+
+
+_FUSED_LAYER_FORWARDS: dict[type, tuple[Any, tuple[str, ...]] | None] = {}  # layer class → (forward, norm names)
+
+
+def _add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x): one fused pass where ``norm`` is liger-gen's RMSNorm."""
+    if isinstance(norm, RMSNorm):
+        return norm(x, residual=residual)
+    s = residual + x
+    return norm(s), s
+
+
+def _match_add_then_norm(statements: list) -> tuple[str, str, Any, str] | None:
+    """(hidden name, residual name, added expression, norm attribute) when three statements read
+    ``h = r + <x>; r = h; h = self.<norm>(h)`` (the pre-norm decoder between its attention and MLP blocks)."""
+    import ast
+
+    if len(statements) < 3 or not all(isinstance(s, ast.Assign) and len(s.targets) == 1
+                                      and isinstance(s.targets[0], ast.Name) for s in statements[:3]):
+        return None
+    add, keep, norm = statements[:3]
+    h, r = add.targets[0].id, keep.targets[0].id
+    if not (isinstance(add.value, ast.BinOp) and isinstance(add.value.op, ast.Add)
+            and isinstance(add.value.left, ast.Name) and add.value.left.id == r and h != r):
+        return None
+    if not (isinstance(keep.value, ast.Name) and keep.value.id == h and norm.targets[0].id == h):
+        return None
+    call = norm.value
+    if not (isinstance(call, ast.Call) and not call.keywords and len(call.args) == 1
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == h
+            and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "self"):
+        return None
+    return h, r, add.value.right, call.func.attr
+
+
+def _fused_layer_forward(cls: type) -> tuple[Any, tuple[str, ...]] | None:
+    """``cls.forward`` with each ``h = r + x; r = h; h = self.<norm>(h)`` at the top level of its body turned into
+    ``h, r = _add_then_norm(self.<norm>, x, r)``, and the names of those norms; None where its source has no such
+    statements or cannot be rewritten (no source, a closure). Everything else in the forward — its signature,
+    decorators, the attention and MLP calls, what it returns — is the release's own code, so one rewrite serves
+    every transformers release and family with this layout. Read once per class."""
+    if cls in _FUSED_LAYER_FORWARDS:
+        return _FUSED_LAYER_FORWARDS[cls]
+    import ast
+    import linecache
+    import textwrap
+
+    result = None
+    inner = inspect.unwrap(cls.forward)
+    try:
+        if getattr(inner, "__code__", None) is None or inner.__code__.co_freevars:
+            raise TypeError("not a plain function")  # a closure (e.g. super() without arguments)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+        definition = tree.body[0]
+        if not isinstance(definition, ast.FunctionDef) or definition.name != inner.__name__:
+            raise TypeError("source is not the function's definition")
+        body, norms, i = [], [], 0
+        while i < len(definition.body):
+            match = _match_add_then_norm(definition.body[i:i + 3])
+            if match is None:
+                body.append(definition.body[i])
+                i += 1
+                continue
+            h, r, x, norm = match
+            stmt = ast.parse(f"{h}, {r} = __liger_gen_add_then_norm__(self.{norm}, __x__, {r})").body[0]
+            stmt.value.args[1] = x
+            body.append(stmt)
+            norms.append(norm)
+            i += 3
+        if norms:
+            definition.body = body
+            # the function is defined inside a maker whose argument is the helper, so the modeling module's
+            # globals (which the rewritten function reads, as the original does) gain no name
+            maker = ast.parse("def __liger_gen_make__(__liger_gen_add_then_norm__):\n    pass").body[0]
+            maker.body = [definition, ast.Return(ast.Name(definition.name, ast.Load()))]
+            source = ast.unparse(ast.fix_missing_locations(ast.Module([maker], type_ignores=[])))
+            filename = f"<liger-gen: {cls.__module__}.{inner.__qualname__} with the residual add fused into the norm>"
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
+            namespace: dict[str, Any] = {}
+            exec(compile(source, filename, "exec"), inner.__globals__, namespace)  # noqa: S102 - our rewrite
+            function = namespace["__liger_gen_make__"](_add_then_norm)
+            function.__qualname__, function.__module__ = inner.__qualname__, inner.__module__
+            result = (function, tuple(norms))
+    except (OSError, TypeError, SyntaxError, NameError, AttributeError, IndexError) as e:
+        logger.debug("liger_gen.apply_to: %s.forward not rewritten: %s", cls.__qualname__, e)
+        result = None
+    _FUSED_LAYER_FORWARDS[cls] = result
+    return result
+
+
+class FusedResidualForward:
+    """The ``forward`` ``apply_to`` installs on a decoder layer: the layer class's own forward with the residual add
+    before each pre-norm fused into that norm (``liger_gen.functional.fused_add_rms_norm``), bound to the layer.
+
+    A plain object rather than a bound method so that the patched model pickles (the rewritten function is
+    rebuilt from the layer class's source when loaded); it has the original forward's signature and name.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.function = _fused_layer_forward(type(module))[0]
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.module, *args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        return {"module": self.module}
+
+    def __setstate__(self, state: dict) -> None:
+        self.module = state["module"]
+        rewritten = _fused_layer_forward(type(self.module))
+        # a release whose layer no longer has the layout: the class's own forward (unfused, same values)
+        self.function = rewritten[0] if rewritten is not None else type(self.module).forward
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = _signature(type(self.module).forward)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
+
+
+def _fusable_layer(module: nn.Module, modeling, norm_kind: str | None, swapped: set[int]) -> bool:
+    """Whether ``module`` is a decoder layer of ``modeling`` whose forward can take the fused residual add: its
+    rewrite exists and every norm it names is (or is about to be) a liger-gen RMSNorm."""
+    cls = type(module)
+    if cls.__module__ != modeling.__name__ or not cls.__name__.endswith("DecoderLayer") \
+            or isinstance(module.__dict__.get("forward"), FusedResidualForward) or norm_kind == "layer":
+        return False
+    rewritten = _fused_layer_forward(cls)
+    if rewritten is None:
+        return False
+    norms = [getattr(module, name, None) for name in rewritten[1]]
+    return all(isinstance(n, RMSNorm) or id(n) in swapped for n in norms)
+
+
 # ------------------------------------------------------------------------------------------------ RoPE
 
 
@@ -717,6 +858,7 @@ class PatchReport:
     norms: int = 0
     mlps: int = 0
     experts: int = 0
+    fused_adds: int = 0
     rope: bool = False
     loss: bool = False
     left: list[str] | None = None
@@ -735,6 +877,7 @@ class PatchReport:
     def summary(self) -> str:
         done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts"] if self.experts
                                                                  else [])
+        done += [f"{self.fused_adds} residual adds fused into norms"] if self.fused_adds else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         return f"liger_gen.apply_to({self.family}): {', '.join(done)}{left}"
@@ -769,7 +912,8 @@ def _check_not_sharded(model: nn.Module) -> None:
 
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-             fused_linear_cross_entropy: bool = True, strict: bool = False) -> nn.Module:
+             fused_linear_cross_entropy: bool = True, fused_add_rms_norm: bool = True,
+             strict: bool = False) -> nn.Module:
     """Replace the supported parts of a transformers model in place and return the model.
 
     Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
@@ -787,6 +931,10 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` and route MoE experts' gates.
         rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
         fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
+        fused_add_rms_norm: in decoder layers whose forward adds the attention output to the residual stream and
+            then applies an RMSNorm (``h = residual + h; residual = h; h = self.norm(h)``), do the add inside
+            the norm's kernel (``liger_gen.functional.fused_add_rms_norm``: one pass, same values). Needs
+            ``rms_norm``; layers of other layouts (post-norm, parallel blocks, LayerNorm) are left as they are.
         strict: raise instead of leaving a module of a requested kind unpatched; the model is then unchanged.
 
     Raises:
@@ -814,6 +962,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     gates: list[tuple[nn.Module, ExpertsGate | BatchedExpertsForward | FusedExpertsForward]] = []
     norm_swaps = 0
+    swapped_norms: set[int] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             cls = type(child).__name__
@@ -825,6 +974,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                 else:
                     swaps.append((parent, name, new))
                     norm_swaps += 1
+                    swapped_norms.add(id(child))
             elif type(child).__module__ != modeling.__name__:
                 continue
             elif rms_norm and cls.endswith("NormGated"):
@@ -858,6 +1008,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     if strict and left:
         raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
                          f"{'; '.join(_group(left))}; nothing was changed")
+    fused_layers = [m for m in model.modules() if fused_add_rms_norm and rms_norm
+                    and _fusable_layer(m, modeling, family.norm, swapped_norms)]
     for parent, name, new in swaps:
         setattr(parent, name, new)
     for module, gate in gates:
@@ -865,6 +1017,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             module.forward = gate
         else:
             module._apply_gate = gate
+    for layer in fused_layers:
+        layer.forward = FusedResidualForward(layer)
     if rope and _rope_functions(family):
         _patch_rope(model, modeling, family)
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
@@ -873,6 +1027,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
     report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
     report.experts = sum(_is_patched_experts(m) for m in model.modules())
+    report.fused_adds = sum(len(_fused_layer_forward(type(m))[1]) for m in model.modules()
+                            if isinstance(m.__dict__.get("forward"), FusedResidualForward))
     report.rope = _rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.left = _group(left)
@@ -888,7 +1044,8 @@ def _glu_op(activation: str) -> str:
 
 def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     """The liger-gen ops a model patched by ``apply_to`` runs in training, in ``liger_gen.ops.all_specs`` order:
-    ``rms_norm`` / ``layer_norm`` for its norm modules, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
+    ``rms_norm`` / ``layer_norm`` for its norm modules, ``fused_add_rms_norm`` where decoder layers fuse their
+    residual add into the norm, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
     gated MLPs and experts' gates, ``moe_permute`` where the experts run ``liger_gen.functional.moe_experts``,
     ``rope`` when the family's rotary function is routed to liger-gen in this process, and
     ``fused_linear_cross_entropy`` when its loss is fused. ``[]`` for a model ``apply_to`` has not patched.
@@ -902,6 +1059,8 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     for m in model.modules():
         if isinstance(m, RMSNorm):
             ops.add("rms_norm")
+        if isinstance(m.__dict__.get("forward"), FusedResidualForward):
+            ops.add("fused_add_rms_norm")
         elif isinstance(m, LayerNorm):
             ops.add("layer_norm")
         elif isinstance(m, GLUMLP):
