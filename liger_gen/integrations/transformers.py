@@ -414,8 +414,9 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     labels = named.get("labels")
     if labels is None or not torch.is_grad_enabled() or named.get("use_cache") or extra.get("use_cache"):
         return original(self, *args, **kwargs)
-    from transformers import modeling_outputs
-
+    # imported by every modeling module; an import statement here stops torch.compile in a process where nothing
+    # imported transformers' lazy module attribute before (a patched model loaded with torch.load)
+    modeling_outputs = sys.modules["transformers.modeling_outputs"]
     from liger_gen.functional import fused_linear_cross_entropy
 
     for name in ("self", "labels", "logits_to_keep", "num_logits_to_keep"):
