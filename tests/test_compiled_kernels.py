@@ -1496,3 +1496,27 @@ def test_the_cache_manager_is_installed_once_per_process(monkeypatch, knob_manag
     compiled.install_cache_manager()  # a later discovery must not wrap the tool that wraps us
     assert knob_manager.cache.manager_class is Other and compiled._previous_manager == [None]
     assert ours is compiled._manager_class[0]
+
+
+def test_a_recording_keeps_no_tensor_alive_after_its_block():
+    """What ``launch.record()`` saw (every recorded launch's tensors) is freed as soon as the caller drops it,
+    without waiting for the garbage collector: on the first training step a recording otherwise held the LM
+    head's gradient (1 GB at Llama-3-8B's vocabulary) for a step."""
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        t = torch.empty(4096)
+        alive = weakref.ref(t)
+        with launch.record() as recording:
+            recording.launches.append((None, None, (1,), (t,), None))  # what a lean launch appends
+            torch.zeros(1).add_(1)  # a non-view op: noted as other work
+        assert recording.other_work is not None
+        del recording, t
+        assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()

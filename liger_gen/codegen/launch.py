@@ -342,19 +342,33 @@ class Recording:
         self.other_work: str | None = None
 
 
+_VIEWS_ONLY = None
+
+
 def _views_only_mode(recording: Recording):
     """A dispatch mode that lets every operator run and notes in ``recording`` the first one that is not a view
-    (views change metadata only; anything else is work on the device a replay would not repeat)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    (views change metadata only; anything else is work on the device a replay would not repeat). The mode class
+    is made once: a class made per call is a reference cycle (class, dict, function), and its closure would keep
+    the recording, with every tensor the recorded launches took, alive until the garbage collector ran (seen on
+    the first training step: the LM head's gradient held for a step)."""
+    global _VIEWS_ONLY
+    if _VIEWS_ONLY is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
 
-    class ViewsOnly(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if recording.other_work is None and not getattr(func, "is_view", False) \
-                    and func.overloadpacket is not torch.ops.aten.detach:
-                recording.other_work = str(func)
-            return func(*args, **(kwargs or {}))
+        class ViewsOnly(TorchDispatchMode):
+            def __init__(self, recording: Recording):
+                super().__init__()
+                self.recording = recording
 
-    return ViewsOnly()
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                recording = self.recording
+                if recording is not None and recording.other_work is None \
+                        and not getattr(func, "is_view", False) and func.overloadpacket is not torch.ops.aten.detach:
+                    recording.other_work = str(func)
+                return func(*args, **(kwargs or {}))
+
+        _VIEWS_ONLY = ViewsOnly
+    return _VIEWS_ONLY(recording)
 
 
 @contextlib.contextmanager
@@ -367,10 +381,12 @@ def record():
     _tls.recording = recording
     with _lock:
         _recordings += 1
+    mode = _views_only_mode(recording)
     try:
-        with _views_only_mode(recording):
+        with mode:
             yield recording
     finally:
+        mode.recording = None  # the mode object may outlive the block (torch's mode stack, a traceback)
         _tls.recording = outer
         with _lock:
             _recordings -= 1
