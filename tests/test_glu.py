@@ -658,3 +658,79 @@ def test_geglu_mlp_bf16_gradients_against_float64_and_transformers(scaled):
               f"{outside(t, e):.2e}, liger-gen vs float64 {outside(o, e):.2e}")
         assert err_o < REL_TOL[torch.bfloat16], name
         assert err_o <= 1.02 * err_t, (name, err_o, err_t)
+
+
+def _mlp(packed: bool, activation: str, hidden: int, inter: int, device, dtype, gen):
+    from liger_gen.ops.glu import GLUMLP
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    linear = lambda i, o: torch.nn.Linear(i, o).to(device, dtype)  # noqa: E731
+    if packed:
+        return GLUMLP(activation, linear(inter, hidden), gate_up_proj=linear(hidden, 2 * inter))
+    return GLUMLP(activation, linear(inter, hidden), gate_proj=linear(hidden, inter), up_proj=linear(hidden, inter))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, True], ids=["gate-up", "packed"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glumlp_backward_writes_over_its_activations_and_matches_float64(device, dtype, packed, activation,
+                                                                          storage_peak, monkeypatch):
+    """GLUMLP's eager backward writes dgate/dup over its own gate/up activations (two activation-sized buffers
+    fewer at the backward's peak) and its gradients match float64 as closely as the buffered backward's."""
+    import copy
+
+    from liger_gen.ops import glu as glu_module
+
+    gen = seeded(dtype, packed, activation)
+    mlp = _mlp(packed, activation, 32, 96, device, dtype, gen)
+    x = _randn((3, 40, 32), dtype, device, gen).requires_grad_()
+    dy = _randn((3, 40, 32), dtype, device, gen)
+    ref = copy.deepcopy(mlp).double()
+    ref.in_place_backward = False
+    x64 = x.detach().double().requires_grad_()
+    with monkeypatch.context() as m:
+        m.setattr(glu_module, "uses_triton", lambda t: False)  # float64: the plain-PyTorch op
+        ref(x64).backward(dy.double())
+    results = {}
+    for in_place in (False, True):
+        model = copy.deepcopy(mlp)
+        model.in_place_backward = in_place
+        xi = x.detach().requires_grad_()
+        y = model(xi)
+        with storage_peak() as meter:
+            y.backward(dy)
+        grads = [xi.grad] + [p.grad for p in model.parameters()]
+        errors = [rel_l2(g.double(), r) for g, r in zip(grads, [x64.grad] + [p.grad for p in ref.parameters()])]
+        results[in_place] = (meter.peak, errors)
+    (peak_buffered, err_buffered), (peak_in_place, err_in_place) = results[False], results[True]
+    activation_bytes = 3 * 40 * 96 * torch.finfo(dtype).bits // 8
+    assert peak_buffered - peak_in_place >= 2 * activation_bytes, (peak_buffered, peak_in_place)
+    for e, b in zip(err_in_place, err_buffered):
+        assert e <= max(1.01 * b, REL_TOL[dtype] / 100), (err_in_place, err_buffered)
+
+
+def test_glumlp_second_backward_through_the_graph_is_refused_by_name(device):
+    gen = seeded("retain")
+    mlp = _mlp(False, "silu", 16, 48, device, torch.float32, gen)
+    loss = mlp(_randn((2, 8, 16), torch.float32, device, gen)).square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"GLUMLP: a second backward .* `in_place_backward = False`"):
+        loss.backward()
+    mlp.in_place_backward = False  # then retain_graph works: both backwards give the same gradient
+    mlp.zero_grad()
+    loss = mlp(_randn((2, 8, 16), torch.float32, device, gen)).square().sum()
+    loss.backward(retain_graph=True)
+    first = mlp.gate_proj.weight.grad.clone()
+    loss.backward()
+    assert torch.allclose(mlp.gate_proj.weight.grad, 2 * first, rtol=1e-5, atol=1e-6)
+
+
+def test_glumlp_keeps_activations_a_forward_hook_holds(device):
+    """A forward hook on a projection may keep its output: the backward then leaves the activations as they are."""
+    gen = seeded("hook")
+    mlp = _mlp(False, "silu", 16, 48, device, torch.float32, gen)
+    kept = []
+    mlp.up_proj.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = _randn((2, 8, 16), torch.float32, device, gen)
+    mlp(x).sum().backward()
+    assert torch.equal(kept[0], mlp.up_proj(x))

@@ -28,7 +28,8 @@ from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Prob
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
+                                   no_double_backward, use_custom_op, uses_triton)
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # the template's spellings
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -327,13 +328,16 @@ def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate:
         module, _, _ = kernel_module(_SPACE_OF[activation], gate, n_cols, rows, activation=activation)
         module.backward(dy, gate, up, dgate, dup)
     else:  # the backward formulas autograd runs for act(gate) * up, which is what the kernel reproduces
-        dup.copy_(dy * _act_torch(gate, activation))
+        # both results before either store: dgate and dup may be gate and up themselves (_GLUOverwrite)
+        d_up = dy * _act_torch(gate, activation)
         da = dy * up
         if activation == "silu":
-            dgate.copy_(torch.ops.aten.silu_backward(da, gate))
+            d_gate = torch.ops.aten.silu_backward(da, gate)
         else:
             approximate = "tanh" if activation == "gelu_tanh" else "none"
-            dgate.copy_(torch.ops.aten.gelu_backward(da, gate, approximate=approximate))
+            d_gate = torch.ops.aten.gelu_backward(da, gate, approximate=approximate)
+        dup.copy_(d_up)
+        dgate.copy_(d_gate)
 
 
 def _fwd_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -627,18 +631,84 @@ class SwiGLUMLP(nn.Module):
 GLU_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
-def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` for an activation of ``GLU_ACTIVATIONS``: swiglu or geglu."""
+def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str, overwrite: bool = False) -> torch.Tensor:
+    """``act(gate) * up`` for an activation of ``GLU_ACTIVATIONS``: swiglu or geglu. ``overwrite``: the caller owns
+    gate and up (nothing else reads them after this call), so the backward may write the gradients over them
+    (``_GLUOverwrite``); taken only where that is safe to check, else the usual op runs."""
+    if overwrite and _can_overwrite(gate, up):
+        n_cols = gate.shape[-1]
+        return _GLUOverwrite.apply(as_rows(gate, n_cols), as_rows(up, n_cols), activation).view(gate.shape)
     if activation == "silu":
         return swiglu(gate, up)
     return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def glu_gate_up_product(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` of a packed ``gate_up`` (gate first) for an activation of ``GLU_ACTIVATIONS``."""
+def glu_gate_up_product(gate_up: torch.Tensor, activation: str, overwrite: bool = False) -> torch.Tensor:
+    """``act(gate) * up`` of a packed ``gate_up`` (gate first) for an activation of ``GLU_ACTIVATIONS``;
+    ``overwrite`` as in ``glu_product``."""
+    if overwrite and _can_overwrite(gate_up):
+        width = gate_up.shape[-1]
+        packed = as_rows(gate_up, width)
+        gate, up = _split(packed)
+        return _GLUOverwrite.apply(gate, up, activation, packed).view(*gate_up.shape[:-1], width // 2)
     if activation == "silu":
         return swiglu_gate_up(gate_up)
     return geglu_gate_up(gate_up, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def _can_overwrite(*tensors: torch.Tensor) -> bool:
+    """Whether the backward of the GLU may write its gradients over ``tensors``: eager autograd (a traced graph
+    uses the custom op, which may not mutate its inputs), plain tensors that are not leaves (a leaf's gradient
+    would share its data) and that some other op made, with gradients wanted, on the kernel path, with the
+    dtypes and shapes the op takes."""
+    if use_custom_op() or not torch.is_grad_enabled():
+        return False
+    first = tensors[0]
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.grad_fn is None or not t.is_floating_point() or t.dim() < 1 \
+                or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.device != first.device:
+            return False
+    if len(tensors) == 2 and (tensors[1].shape != first.shape or tensors[1].dtype != first.dtype):
+        return False
+    if len(tensors) == 1 and first.shape[-1] % 2:
+        return False
+    return uses_triton(first) and first.numel() > 0
+
+
+class _GLUOverwrite(torch.autograd.Function):
+    """``act(gate) · up`` (2-D views with unit column stride) whose backward writes dgate over gate and dup over up
+    and returns them: no gradient buffers, so a decoder layer's MLP backward needs two (rows × intermediate)
+    buffers less at its peak (Liger-Kernel's SwiGLU does the same). For callers that own gate and up
+    (``GLUMLP``, which made them a line earlier). The write bumps both tensors' version counters, so an autograd
+    node that saved them too, or a second backward through the same graph (``retain_graph=True``), fails with
+    PyTorch's in-place error instead of reading gradients as activations. ``packed``: the (rows, 2·n) tensor
+    gate and up are the halves of (its gradient is returned whole)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation, packed=None):
+        y = _fwd_impl(gate, up, activation)
+        ctx.save_for_backward(*((packed,) if packed is not None else (gate, up)))
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        no_double_backward("glu", "liger_gen.reference.glu_torch")
+        try:
+            saved_tensors = ctx.saved_tensors
+        except RuntimeError as e:  # the version bump of an earlier backward through this node
+            raise RuntimeError("liger_gen GLUMLP: a second backward through the same graph (retain_graph=True) "
+                               "cannot run: the first wrote the gradients over the MLP's saved gate and up "
+                               "activations to save memory. Set `in_place_backward = False` on the GLUMLP "
+                               "modules (e.g. for m in model.modules(): if isinstance(m, liger_gen.nn.GLUMLP): "
+                               "m.in_place_backward = False) to keep them.") from e
+        gate, up = saved_tensors if len(saved_tensors) == 2 else _split(saved_tensors[0])
+        _glu_bwd_into(dy, gate, up, gate, up, ctx.activation)
+        for t in saved_tensors:
+            torch.autograd.graph.increment_version(t)
+        if len(saved_tensors) == 1:  # the packed input's gradient, whole (gate and up are its halves)
+            return None, None, None, saved_tensors[0]
+        return gate, up, None, None
 
 
 class GLUMLP(nn.Module):
@@ -656,6 +726,12 @@ class GLUMLP(nn.Module):
 
     The projections are the modules given (no new parameters): the state_dict keys and the Parameter objects
     are the original MLP's. Shape: (..., hidden) → (..., hidden).
+
+    Memory: in eager training on the kernel path the backward writes the gradients of gate and up over those two
+    activations (which only this forward holds) instead of allocating two more (rows × intermediate) buffers.
+    A second backward through the same graph (``retain_graph=True``) then raises RuntimeError saying so; set the
+    attribute ``in_place_backward = False`` to keep the activations. Forward hooks on the projections, and
+    torch.compile (which runs the custom op), switch the in-place backward off by themselves.
 
     Raises:
         ValueError: an unknown activation; not exactly one of (gate_proj and up_proj) or gate_up_proj; dropout
@@ -693,19 +769,31 @@ class GLUMLP(nn.Module):
         else:
             self.gate_proj, self.up_proj = gate_proj, up_proj
         self.down_proj = down_proj
+        self.in_place_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if "gate_up_proj" in self._modules:
-            h = glu_gate_up_product(self.gate_up_proj(x), self.activation)
+            h = glu_gate_up_product(self.gate_up_proj(x), self.activation, overwrite=self._may_overwrite())
         else:
             gate = self.gate_proj(x)
             if self.gate_multiplier != 1.0:
                 gate = gate * self.gate_multiplier
-            h = glu_product(gate, self.up_proj(x), self.activation)
+            h = glu_product(gate, self.up_proj(x), self.activation, overwrite=self._may_overwrite())
         y = self.down_proj(h)
         if self.down_multiplier != 1.0:
             y = y * self.down_multiplier
         return nn.functional.dropout(y, p=self.dropout, training=self.training) if self.dropout else y
+
+    def _may_overwrite(self) -> bool:
+        """Whether the backward may write over the projections' outputs: ``in_place_backward`` is on and nothing but
+        this forward sees them (no forward hooks on the projections, module-level or global: a hook could keep the
+        tensors the backward overwrites)."""
+        from torch.nn.modules import module as nn_module
+
+        if not self.in_place_backward or nn_module._global_forward_hooks:
+            return False
+        names = ("gate_up_proj",) if "gate_up_proj" in self._modules else ("gate_proj", "up_proj")
+        return not any(self._modules[n]._forward_hooks for n in names)
 
     def extra_repr(self) -> str:
         extra = [f"activation={self.activation!r}"] + ([f"dropout={self.dropout}"] if self.dropout else [])
