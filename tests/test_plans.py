@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import liger_gen
+from liger_gen.ops import fused_add_rms_norm as FA
 from liger_gen.ops import rms_norm as N
 from liger_gen.ops import rope as R
 from liger_gen.reference import rope_torch
@@ -55,6 +56,62 @@ def test_rms_norm_through_its_plan_equals_the_full_path(device, shape, dtype):
         assert plan.fwd.replay is not None and any(lc.replay is not None for lc in plan.bwd.values())
     with torch.no_grad():
         assert torch.equal(F.rms_norm(x, w, 1e-6), full(x, w))
+
+
+@pytest.mark.parametrize("shape", [(5, 72), (2, 3, 40)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16+fp32-residual"])
+@pytest.mark.parametrize("sum_used", [True, False], ids=["sum-used", "sum-unused"])
+def test_fused_add_rms_norm_through_its_plan_equals_the_full_path(device, shape, dtypes, sum_used):
+    """The decoder's residual add + norm: the plan's (y, s) and the gradients of x, residual and weight equal the
+    full path's exactly, with and without an upstream gradient of the sum (the residual stream), for mixed dtypes
+    too; the later calls replay on a GPU."""
+    x_dtype, r_dtype = dtypes
+    x = _randn(*shape, key=("x", dtypes), dtype=x_dtype, device=device)
+    r = _randn(*shape, key=("r", dtypes), dtype=r_dtype, device=device)
+    w = _randn(shape[-1], key=("w", dtypes), dtype=x_dtype, device=device)
+    rows = x.numel() // shape[-1]
+
+    def full(a, b, c):
+        y, s = FA.fused_add_rms_norm_2d(a.reshape(rows, -1), b.reshape(rows, -1), c, 1e-6, 0.0, "llama")[:2]
+        return y.view(shape), s.view(shape)
+
+    def grads(fn, dy, ds):
+        a, b, c = (t.detach().requires_grad_() for t in (x, r, w))
+        y, s = fn(a, b, c)
+        outs, grads_in = ((y, s), (dy, ds)) if sum_used else ((y,), (dy,))
+        return (y, s, *torch.autograd.grad(outs, (a, b, c), grads_in))
+
+    ops.clear_caches()
+    for call in range(3):  # the first call builds the plan (and records), the others use it
+        dy = _randn(*shape, key=("dy", dtypes, call), dtype=x_dtype, device=device)
+        ds = _randn(*shape, key=("ds", dtypes, call), dtype=r_dtype, device=device)
+        got = grads(lambda a, b, c: F.fused_add_rms_norm(a, b, c, 1e-6), dy, ds)
+        want = grads(full, dy, ds)
+        for g, ref in zip(got, want):
+            assert g.dtype == ref.dtype and torch.equal(g, ref)
+    assert len(FA._PLANS) == 1
+    plan = next(iter(FA._PLANS.values()))
+    if device.type == "cuda":  # the later calls replayed the recorded launches
+        assert plan.fwd.replay is not None and any(lc.replay is not None for lc in plan.bwd.values())
+    with torch.no_grad():
+        for g, ref in zip(F.fused_add_rms_norm(x, r, w, 1e-6), full(x, r, w)):
+            assert torch.equal(g, ref)
+
+
+def test_fused_add_rms_norm_plan_skips_non_contiguous_inputs_and_still_checks(device):
+    x = _randn(8, 64, key=("x",), device=device)
+    r = _randn(64, 8, key=("r",), device=device).t()  # a transposed view: the full path (copied rows)
+    w = _randn(64, key=("w",), device=device)
+    ops.clear_caches()
+    y, s = F.fused_add_rms_norm(x, r, w)
+    assert len(FA._PLANS) == 0 and torch.equal(s, x + r)
+    F.fused_add_rms_norm(x, r.contiguous(), w)
+    assert len(FA._PLANS) == 1
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        F.fused_add_rms_norm(x, r.contiguous()[:4], w)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        F.fused_add_rms_norm(x, r.contiguous(), w[:32])
 
 
 def test_inputs_a_plan_does_not_cover_are_still_checked(device):

@@ -9,6 +9,11 @@
   the listed classes is swapped: decoder norms, Gemma 2/3's sandwich norms, OLMo 2's post-norms, q/k norms
   (Qwen 3, Gemma 3, OLMo 2 over the whole projection). A norm whose weight is not 1-D (Cohere 2's per-head q/k
   norms) is left as it is.
+- **Residual adds** (``fused_add_rms_norm=True``): a decoder layer whose forward reads ``h = residual + x;
+  residual = h; h = self.<norm>(h)`` (the pre-norm block between attention and MLP) gets that forward with the
+  three statements made one call of the (liger-gen) norm with the residual, which runs
+  ``liger_gen.functional.fused_add_rms_norm``: the add and the norm in one pass, the same values. The rewrite is
+  of the layer class's own source (read once per class), so the rest of the forward is the release's own code.
 - **Gated MLPs** → ``liger_gen.nn.GLUMLP`` holding the same projections: ``gate_proj``/``up_proj``/``down_proj``
   (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
   own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's

@@ -26,9 +26,11 @@ from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Input
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.rms_norm import (CASTING_MODES, DecoderNormProblem, RMSNormConfig, RMSNormSpace, rms_norm_float64,
                                     rms_norm_out_dtype, rms_norm_torch)
+from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   uses_triton)
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe,
+                                   interpreter_enabled, kernel_module, no_double_backward, uses_triton)
+from liger_gen.runtime.tables import heuristic_only_enabled
 
 OP = "fused_add_rms_norm"
 
@@ -292,6 +294,104 @@ fused_add_rms_norm_2d = Differentiable(fused_add_rms_norm_fwd, _save, _backward,
 weight."""
 
 
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+class _Plan:
+    """One validated call shape of ``fused_add_rms_norm`` on the Triton path (contiguous x and residual): the
+    kernel module, the output layout and the recorded launches (``liger_gen.runtime.plans``), as RMSNorm's plan.
+    The kernels and their arguments are those of ``_fwd_impl`` and ``_bwd_impl``."""
+
+    __slots__ = ("shape", "rows", "n_cols", "x_dtype", "r_dtype", "s_dtype", "out_dtype", "device", "eps",
+                 "offset", "module", "num_sms", "n_programs", "fwd", "bwd")
+
+    def __init__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                 casting_mode: str):
+        self.shape, self.n_cols = x.shape, x.shape[-1]
+        self.rows = math.prod(x.shape[:-1])
+        self.x_dtype, self.r_dtype, self.device = x.dtype, residual.dtype, x.device
+        self.s_dtype = torch.promote_types(x.dtype, residual.dtype)
+        self.out_dtype = rms_norm_out_dtype(self.s_dtype, weight.dtype, casting_mode)
+        self.eps, self.offset = eps, offset
+        like_s = x if x.dtype == self.s_dtype else residual if residual.dtype == self.s_dtype \
+            else torch.empty(0, dtype=self.s_dtype, device=x.device)
+        self.module, _, limits = kernel_module(FusedAddRMSNormSpace, like_s, self.n_cols, self.rows,
+                                               casting_mode=casting_mode)
+        self.num_sms = limits.num_sms
+        self.n_programs = self.module.num_bwd_programs(self.rows, limits.num_sms)
+        self.fwd = plans.Launches(record=x.is_cuda)
+        self.bwd: dict[tuple, plans.Launches] = {}  # per layout of the upstream gradients
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.rows, self.n_cols)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
+        s = torch.empty(self.shape, dtype=self.s_dtype, device=self.device)
+        rstd = torch.empty((self.rows,), dtype=torch.float32, device=self.device)
+        self.fwd((x, residual, weight, y, s, rstd), self._launch_fwd, x, residual, weight, y, s, rstd)
+        return y, s, rstd
+
+    def _launch_fwd(self, x, residual, weight, y, s, rstd):
+        self.module.forward(self._rows(x), self._rows(residual), weight, self._rows(y), self._rows(s), rstd,
+                            self.eps, self.offset)
+
+    def backward(self, dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (dy.shape, dy.stride(), dy.dtype) + ((None,) if ds is None else (ds.shape, ds.stride(), ds.dtype))
+        launches = self.bwd.get(key)
+        if launches is None:
+            if len(self.bwd) >= 8:  # layouts seen by one forward shape are few; never grow without bound
+                self.bwd.clear()
+            launches = self.bwd[key] = plans.Launches(record=self.device.type == "cuda")
+        dx = torch.empty(self.shape, dtype=self.x_dtype, device=self.device)
+        dr = torch.empty(self.shape, dtype=self.r_dtype, device=self.device)
+        dw = torch.empty_like(weight)
+        dw_partial = torch.empty((self.n_programs, self.n_cols), dtype=torch.float32, device=self.device)
+        launches((dy, ds, s, weight, rstd, dx, dr, dw, dw_partial), self._launch_bwd, dy, ds, s, weight, rstd, dx,
+                 dr, dw, dw_partial)
+        return dx, dr, dw
+
+    def _launch_bwd(self, dy, ds, s, weight, rstd, dx, dr, dw, dw_partial):
+        dy2 = dy.reshape(self.rows, self.n_cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        ds2 = None if ds is None else ds.reshape(self.rows, self.n_cols)
+        if ds2 is not None and ds2.stride(-1) != 1:
+            ds2 = ds2.contiguous()
+        self.module.backward(dy2, ds2, self._rows(s), weight, rstd, self._rows(dx), self._rows(dr), dw, dw_partial,
+                             self.offset, self.num_sms)
+
+
+class _Planned(torch.autograd.Function):
+    """``fused_add_rms_norm`` through a plan: (y, s) of x + residual, differentiable in x, residual and weight
+    (the kernels and gradients of ``fused_add_rms_norm_2d``)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, plan):
+        y, s, rstd = plan.forward(x, residual, weight)
+        ctx.set_materialize_grads(False)
+        saved(ctx, s, weight, rstd)
+        ctx.plan = plan
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        no_double_backward(OP, "liger_gen.reference.fused_add_rms_norm_torch")
+        plan = ctx.plan
+        if dy is None:  # only the sum was used: its gradient passes through (a distinct buffer per input)
+            if ds is None:
+                return None, None, None, None
+            return ds.to(plan.x_dtype), ds.to(plan.r_dtype, copy=True), None, None
+        s, weight, rstd = ctx.saved_tensors
+        dx, dr, dw = plan.backward(dy, ds, s, weight, rstd)
+        return dx, dr, (dw if ctx.needs_input_grad[2] else None), None
+
+
+_PLANS = plans.new_cache()
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
@@ -330,6 +430,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         ValueError: residual's shape differs from x's (no broadcasting), weight is not (hidden,), the tensors are
             on different devices, hidden exceeds the kernel's limit (32768), or casting_mode is unknown.
     """
+    if type(eps) in plans.NUMBERS and type(offset) in plans.NUMBERS and type(casting_mode) is str \
+            and eps == eps and plans.eager(x, residual, weight):  # a call shape validated before skips the checks
+        key = (x.shape, x.stride(), x.dtype, x.device, residual.shape, residual.stride(), residual.dtype,
+               residual.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps, offset,
+               casting_mode, heuristic_only_enabled(), interpreter_enabled())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return _run_plan(plan, x, residual, weight)
+    else:
+        key = None
     op = OP
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -356,6 +466,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if hidden > FusedAddRMSNormSpace.MAX_N_COLS:
         raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
                          f"{FusedAddRMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")
+    if key is not None and x.numel() and x.is_contiguous() and residual.is_contiguous() and weight.stride(-1) == 1:
+        # the same call shape skips the checks above from now on
+        return _run_plan(plans.remember(_PLANS, key, _Plan(x, residual, weight, eps, offset, casting_mode)), x,
+                         residual, weight)
     rows = math.prod(x.shape[:-1])
     x2d, r2d = x.reshape(rows, hidden), residual.reshape(rows, hidden)
     if x2d.stride(-1) != 1:
@@ -366,3 +480,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         weight = weight.contiguous()
     y, s = fused_add_rms_norm_2d(x2d, r2d, weight, eps, offset, casting_mode)[:2]
     return y.view(x.shape), s.view(x.shape)
+
+
+def _run_plan(plan: _Plan, x: torch.Tensor, residual: torch.Tensor,
+              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        return _Planned.apply(x, residual, weight, plan)
+    return plan.forward(x, residual, weight)[:2]
