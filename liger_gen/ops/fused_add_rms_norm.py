@@ -340,11 +340,7 @@ class _Plan:
     def backward(self, dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (dy.shape, dy.stride(), dy.dtype) + ((None,) if ds is None else (ds.shape, ds.stride(), ds.dtype))
-        launches = self.bwd.get(key)
-        if launches is None:
-            if len(self.bwd) >= 8:  # layouts seen by one forward shape are few; never grow without bound
-                self.bwd.clear()
-            launches = self.bwd[key] = plans.Launches(record=self.device.type == "cuda")
+        launches = plans.launches_for(self.bwd, key, self.device.type == "cuda")
         dx = torch.empty(self.shape, dtype=self.x_dtype, device=self.device)
         dr = torch.empty(self.shape, dtype=self.r_dtype, device=self.device)
         dw = torch.empty_like(weight)

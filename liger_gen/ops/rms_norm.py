@@ -392,12 +392,7 @@ class _Plan:
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (dy.shape, dy.stride(), dy.dtype)
-        launches = self.bwd.get(key)
-        if launches is None:
-            if len(self.bwd) >= 8:  # layouts seen by one forward shape are few; never grow without bound
-                self.bwd.clear()
-            launches = self.bwd[key] = plans.Launches(record=self.device.type == "cuda")
+        launches = plans.launches_for(self.bwd, (dy.shape, dy.stride(), dy.dtype), self.device.type == "cuda")
         dx = torch.empty(self.shape, dtype=self.x_dtype, device=self.device)
         dw = torch.empty((self.n_cols,), dtype=weight.dtype, device=self.device)
         dw_partial = torch.empty((self.n_programs, self.n_cols), dtype=torch.float32, device=self.device)

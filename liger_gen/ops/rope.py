@@ -464,11 +464,7 @@ class _Plan:
         if dq_out.stride(-1) != 1 or dk_out.stride(-1) != 1:
             return _bwd_impl(dq_out, dk_out, cos, sin, position_ids, self.q_dtype)
         key = (dq_out.shape, dq_out.stride(), dq_out.dtype, dk_out.shape, dk_out.stride(), dk_out.dtype)
-        launches = self.bwd.get(key)
-        if launches is None:
-            if len(self.bwd) >= 8:  # layouts seen by one forward shape are few; never grow without bound
-                self.bwd.clear()
-            launches = self.bwd[key] = plans.Launches(record=dq_out.is_cuda)
+        launches = plans.launches_for(self.bwd, key, dq_out.is_cuda)
         dq = torch.empty_like(dq_out, dtype=self.q_dtype)
         dk = torch.empty_like(dk_out, dtype=self.q_dtype)
         launches((dq_out, dk_out, cos, sin, position_ids, dq, dk), self.module.backward, dq_out, dk_out, cos, sin,

@@ -73,6 +73,21 @@ def eager(*tensors: Any) -> bool:
     return not use_custom_op() and not torch._C._are_functorch_transforms_active() and forward_ad._current_level < 0
 
 
+#: launch layouts one plan keeps per backward (those seen by one forward shape are few; never grow without bound)
+MAX_LAYOUTS = 8
+
+
+def launches_for(cache: dict, key: tuple, record: bool) -> "Launches":
+    """The ``Launches`` of ``key`` in a plan's per-layout ``cache`` (made, with ``record``, on first use; the
+    cache starts over once it holds ``MAX_LAYOUTS``)."""
+    launches = cache.get(key)
+    if launches is None:
+        if len(cache) >= MAX_LAYOUTS:
+            cache.clear()
+        launches = cache[key] = Launches(record=record)
+    return launches
+
+
 class Launches:
     """The kernel launches of one launch function at one call shape: recorded at the first call, replayed
     after. ``launches(slots, launch_fn, *args)`` runs ``launch_fn(*args)``, or its recorded launches with the
