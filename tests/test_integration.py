@@ -133,6 +133,26 @@ def test_fused_residual_forward_falls_back_where_the_norm_is_not_liger_gens(devi
     assert model.liger_gen_report.fused_adds == 2
 
 
+def test_a_forward_hook_on_the_norm_sees_its_usual_input_and_output(device, monkeypatch):
+    """A hook on a post-attention norm (an activation probe, DeepSpeed ZeRO-3's) gets the sum as input and one
+    tensor as output, as without the fusion: that layer adds, then calls the norm."""
+    import liger_gen.functional
+
+    calls = []
+    fused = liger_gen.functional.fused_add_rms_norm
+    monkeypatch.setattr(liger_gen.functional, "fused_add_rms_norm",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    model = liger_gen.apply_to(_model("llama", device).train(), rope=False)
+    seen = []
+    model.model.layers[1].post_attention_layernorm.register_forward_hook(
+        lambda module, args, out: seen.append((args, out)))
+    ids = torch.randint(0, 211, (1, 10)).to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    (args, out), = seen
+    assert len(args) == 1 and isinstance(out, torch.Tensor) and out.shape == args[0].shape == (1, 10, 64)
+    assert len(calls) == 1  # layer 0 still fused
+
+
 def test_no_fusion_without_liger_gens_norms(device):
     model = liger_gen.apply_to(_model("qwen2", device), rms_norm=False, rope=False)
     assert model.liger_gen_report.fused_adds == 0 and "residual" not in model.liger_gen_report.summary()

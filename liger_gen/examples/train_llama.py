@@ -379,8 +379,7 @@ def print_report(results: dict[str, Any], console=None) -> None:
         f"[bold]{m['preset']}[/bold] Llama, {m['n_params'] / 1e6:.2f} M params, {m['dtype']} on "
         f"{results['environment']['device_name']}; batch {d['batch_size']} x seq {d['seq_len']}, {d['steps']} "
         f"steps, AdamW lr {cfg['lr']:g}; BPE vocab {d['tokenizer_vocab_size']}, {d['n_tokens']:,} tokens; "
-        f"liger_gen.apply_to swapped {results['patch']['liger_gen_rmsnorm']} RMSNorm and "
-        f"{results['patch'].get('liger_gen_swiglu_mlp', 0)} MLP modules, RoPE and the LM-head loss"
+        f"{results['patch'].get('summary') or 'liger_gen.apply_to: no report'}"
     )
 
     label = lambda n: _LABELS.get(n, n)  # noqa: E731
@@ -481,6 +480,7 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
         "same_parameter_objects": params_before.keys() == params_after.keys()
         and all(params_before[k] is params_after[k] for k in params_before),
         "same_state_dict_keys": set(model.state_dict()) == set(initial_state),
+        "summary": model.liger_gen_report.summary(),  # what apply_to replaced, as its log line says
     }
     try:
         runs["liger_gen"] = train(model, batches, lr, device, args.warmup_steps, args.seed, args.lr_warmup_steps)

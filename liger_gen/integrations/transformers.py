@@ -517,8 +517,14 @@ _FUSED_LAYER_FORWARDS: dict[type, tuple[Any, tuple[str, ...]] | None] = {}  # la
 
 
 def _add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x): one fused pass where ``norm`` is liger-gen's RMSNorm."""
-    if isinstance(norm, RMSNorm):
+    """(norm(residual + x), residual + x): one fused pass where ``norm`` is liger-gen's RMSNorm without forward
+    hooks; the add, then the norm's own call, where a hook (the module's or a global one: DeepSpeed ZeRO-3's,
+    an activation probe) expects the norm's usual input and output."""
+    from torch.nn.modules import module as nn_module
+
+    if isinstance(norm, RMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks
+                                          or nn_module._global_forward_hooks
+                                          or nn_module._global_forward_pre_hooks):
         return norm(x, residual=residual)
     s = residual + x
     return norm(s), s

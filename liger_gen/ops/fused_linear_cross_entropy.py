@@ -738,7 +738,9 @@ def _backward(ctx, grad_loss, *_unused):
         if ctx.used:
             raise RuntimeError("liger_gen fused_linear_cross_entropy: backward ran twice through one forward "
                                "(retain_graph=True); the gradients computed in the forward were already "
-                               "consumed. Call the op again for a second backward.")
+                               "consumed. Run the forward again for each backward (a model patched by "
+                               "liger_gen.apply_to computes its training loss with this op: patch it with "
+                               "fused_linear_cross_entropy=False to keep transformers' loss).")
         ctx.used = True
         dx, dw, db = _scale_grads(grad_loss, *ctx.saved_tensors, in_place=True)
     return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None,
