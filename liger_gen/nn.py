@@ -41,6 +41,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.offset = offset
         self.casting_mode = casting_mode
+        # set by liger_gen.apply_to on a decoder layer's post-attention norm whose residual add it fuses
+        self.fuse_residual = False
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm of ``hidden_states``; with ``residual``, ``(RMSNorm(residual + hidden_states), residual +

@@ -737,3 +737,56 @@ def test_glumlp_keeps_activations_a_forward_hook_holds(device):
     x = _randn((2, 8, 16), torch.float32, device, gen)
     mlp(x).sum().backward()
     assert torch.equal(kept[0], mlp.up_proj(x))
+
+
+def test_glumlp_keeps_activations_a_hook_inside_a_wrapped_projection_holds(device):
+    """A PEFT-style wrapper around a projection whose inner Linear has a hook that keeps its output: the
+    backward leaves that tensor as it is."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    gen = seeded("nested-hook")
+    mlp = _mlp(False, "silu", 16, 48, device, torch.float32, gen)
+    mlp.gate_proj = Wrapped(mlp.gate_proj)
+    kept = []
+    mlp.gate_proj.base_layer.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = _randn((2, 8, 16), torch.float32, device, gen)
+    mlp(x).sum().backward()
+    assert torch.equal(kept[0], mlp.gate_proj(x))
+
+
+def test_glumlp_overwrites_only_what_a_matmul_or_sum_made(device):
+    """A projection ending in an op that saves its own output (tanh) keeps the buffered backward: same
+    gradients as with in_place_backward off, and no in-place error; a pickled GLUMLP without the attribute
+    (made before it existed) runs as the default."""
+    import copy
+
+    class Squashed(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return torch.tanh(self.base(x))
+
+    gen = seeded("tanh")
+    mlp = _mlp(False, "silu", 16, 48, device, torch.float32, gen)
+    mlp.up_proj = Squashed(mlp.up_proj)
+    x = _randn((2, 8, 16), torch.float32, device, gen)
+    buffered = copy.deepcopy(mlp)
+    buffered.in_place_backward = False
+    mlp(x).square().sum().backward()
+    buffered(x).square().sum().backward()
+    for a, b in zip(mlp.parameters(), buffered.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    old = copy.deepcopy(buffered)
+    del old.__dict__["in_place_backward"]
+    old.zero_grad()
+    old(x).square().sum().backward()
+    assert torch.equal(old.down_proj.weight.grad, mlp.down_proj.weight.grad)

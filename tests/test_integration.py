@@ -14,6 +14,7 @@ from conftest import CPU_PATHS, rope_call
 def _restore_rope():
     yield
     integration.restore_rope()
+    integration.restore_layers()
 
 
 def _model(family: str, device, seed: int = 0, tie: bool = False):
@@ -96,8 +97,7 @@ def test_residual_add_runs_inside_the_next_norm(device, monkeypatch):
     _, ref = _loss_and_grads(copy.deepcopy(model).double(), ids, ids)
     unfused = liger_gen.apply_to(copy.deepcopy(model), fused_add_rms_norm=False)
     assert unfused.liger_gen_report.fused_adds == 0
-    assert not any(isinstance(m.__dict__.get("forward"), integration.FusedResidualForward)
-                   for m in unfused.modules())
+    assert not any(getattr(m, "fuse_residual", False) for m in unfused.modules())
     liger_gen.apply_to(model)
     assert model.liger_gen_report.fused_adds == 2 and "2 residual adds fused" in model.liger_gen_report.summary()
     assert "fused_add_rms_norm" in integration.patched_ops(model)
@@ -113,24 +113,26 @@ def test_residual_add_runs_inside_the_next_norm(device, monkeypatch):
     assert model.liger_gen_report.fused_adds == 2
     for other in (copy.deepcopy(model), __import__("pickle").loads(__import__("pickle").dumps(model))):
         calls.clear()
-        layer = other.model.layers[0]
-        assert layer.forward.module is layer
+        assert other.model.layers[0].post_attention_layernorm.fuse_residual
         other_out, _ = _loss_and_grads(other, ids, ids)
         assert len(calls) == 2 and torch.equal(other_out.loss, out.loss)
 
 
 def test_fused_residual_forward_falls_back_where_the_norm_is_not_liger_gens(device):
-    """A layer whose post-attention norm was put back to transformers' own after apply_to adds, then norms."""
+    """The rewritten layer code is process-wide: an unpatched model of the family, and a layer whose norm was put
+    back to transformers' own after apply_to, add and then norm exactly as transformers' statements do."""
     model = _model("llama", device).train()
+    other = _model("llama", device, seed=1).train()
     ids = torch.randint(0, 211, (1, 12)).to(device)
-    expected = model(input_ids=ids, labels=ids).loss.detach()
+    expected, expected_other = (m(input_ids=ids, labels=ids).loss.detach() for m in (model, other))
     original = [layer.post_attention_layernorm for layer in model.model.layers]
     liger_gen.apply_to(model, rope=False)
+    assert torch.equal(other(input_ids=ids, labels=ids).loss.detach(), expected_other)  # bit for bit
     for layer, norm in zip(model.model.layers, original):
         layer.post_attention_layernorm = norm
     assert rel_l2(model(input_ids=ids, labels=ids).loss.detach(), expected) < 1e-5
-    liger_gen.apply_to(model, rms_norm=False, rope=False)  # no norm swapped: nothing more to fuse
-    assert model.liger_gen_report.fused_adds == 2
+    liger_gen.apply_to(model, rms_norm=False, rope=False)  # no liger-gen norm marked: nothing fused
+    assert model.liger_gen_report.fused_adds == 0
 
 
 def test_a_forward_hook_on_the_norm_sees_its_usual_input_and_output(device, monkeypatch):
@@ -151,6 +153,63 @@ def test_a_forward_hook_on_the_norm_sees_its_usual_input_and_output(device, monk
     (args, out), = seen
     assert len(args) == 1 and isinstance(out, torch.Tensor) and out.shape == args[0].shape == (1, 10, 64)
     assert len(calls) == 1  # layer 0 still fused
+
+
+def test_fusion_keeps_what_wraps_a_layer_forward(device, monkeypatch):
+    """The rewrite changes the code of the layer's innermost forward only: a wrapper on a layer instance
+    (accelerate's dispatch hooks), someone's functools.wraps wrapper on the class and transformers' gradient
+    checkpointing keep running, with the add fused; restore_layers() puts transformers' code back."""
+    import functools
+
+    import liger_gen.functional
+    from transformers.models.llama import modeling_llama
+
+    fused_calls = []
+    fused = liger_gen.functional.fused_add_rms_norm
+    monkeypatch.setattr(liger_gen.functional, "fused_add_rms_norm",
+                        lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    cls = modeling_llama.LlamaDecoderLayer
+    plain_forward = cls.__dict__["forward"]
+    ran = []
+
+    @functools.wraps(plain_forward)
+    def logged(self, *args, **kwargs):
+        ran.append("class")
+        return plain_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", logged)
+    model = _model("llama", device).train()
+    layer = model.model.layers[0]
+    original = layer.forward
+    layer.forward = lambda *a, **k: ran.append("instance") or original(*a, **k)
+    liger_gen.apply_to(model, rope=False)
+    assert model.liger_gen_report.fused_adds == 2
+    ids = torch.randint(0, 211, (1, 6)).to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert ran == ["instance", "class", "class"] and len(fused_calls) == 2
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recomputed = []
+        monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", functools.partial(
+            lambda real, *a, **k: recomputed.append(1) or real(*a, **k), torch.utils.checkpoint.checkpoint))
+        fused_calls.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert len(fused_calls) >= 2  # the forward, then the checkpointed recompute (if transformers routes it)
+    integration.restore_layers()
+    fused_calls.clear()
+    model(input_ids=ids, labels=ids)
+    assert not fused_calls and model.model.layers[1].post_attention_layernorm.fuse_residual
+
+
+def test_data_parallel_replicas_run_their_own_modules(device):
+    """nn.DataParallel copies each module's __dict__ into its replicas: the fused-loss forward apply_to installs
+    is bound to the replica, not to the original (whose weights live on another device)."""
+    model = liger_gen.apply_to(_model("llama", device).train(), rope=False)
+    replica = model._replicate_for_data_parallel()
+    assert replica is not model and replica.forward.module is replica
+    assert replica._replicate_for_data_parallel().forward.module is not replica  # a replica's replica
+    layer_replica = model.model.layers[0]._replicate_for_data_parallel()
+    assert "forward" not in vars(layer_replica)  # the layers' fusion lives in their class's code
 
 
 def test_no_fusion_without_liger_gens_norms(device):
@@ -294,11 +353,14 @@ def test_a_patched_model_loaded_in_a_new_process_compiles_without_a_graph_break(
         "ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(3))\n"
         "got = torch.compile(m, backend='aot_eager', fullgraph=True)(input_ids=ids, labels=ids).loss\n"
         "expected = m(input_ids=ids, labels=ids).loss\n"
+        "from liger_gen.integrations.transformers import _count_fused_adds\n"
+        "print(_count_fused_adds(m))\n"  # the layers' rewritten code is made again when the model is loaded
         "print(abs(got.item() - expected.item()) / expected.item())\n")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt")], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+    lines = done.stdout.strip().splitlines()
+    assert int(lines[-2]) == 2 and float(lines[-1]) < 1e-6
 
 
 def test_use_cache_in_training_runs_the_original_forward(device):

@@ -102,6 +102,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import inspect
 import json
 import math
 import os
@@ -534,6 +535,9 @@ def _undo_liger_gen() -> None:
     if restore is None:
         from liger_gen.integrations.transformers import restore_rope as restore
     restore()
+    from liger_gen.integrations.transformers import restore_layers
+
+    restore_layers()  # the decoder layers' rewritten code (the residual add fused into the norm)
 
 
 def patch_report(model, family: str) -> dict[str, Any]:
@@ -562,7 +566,8 @@ def patch_report(model, family: str) -> dict[str, Any]:
     for m in model.modules():
         cls = type(m).__name__
         if cls.endswith("DecoderLayer"):
-            layers.add(f"{cls} ({origin(m.forward)})")
+            code = inspect.unwrap(type(m).forward).__code__
+            layers.add(f"{cls} ({origin(m.forward)}; code from {code.co_filename.rsplit('/', 1)[-1]})")
         if cls.endswith("RMSNorm"):
             norms.add(f"{cls} ({origin(m.forward)})")
         elif cls.endswith("MLP"):

@@ -9,11 +9,13 @@
   the listed classes is swapped: decoder norms, Gemma 2/3's sandwich norms, OLMo 2's post-norms, q/k norms
   (Qwen 3, Gemma 3, OLMo 2 over the whole projection). A norm whose weight is not 1-D (Cohere 2's per-head q/k
   norms) is left as it is.
-- **Residual adds** (``fused_add_rms_norm=True``): a decoder layer whose forward reads ``h = residual + x;
-  residual = h; h = self.<norm>(h)`` (the pre-norm block between attention and MLP) gets that forward with the
-  three statements made one call of the (liger-gen) norm with the residual, which runs
-  ``liger_gen.functional.fused_add_rms_norm``: the add and the norm in one pass, the same values. The rewrite is
-  of the layer class's own source (read once per class), so the rest of the forward is the release's own code.
+- **Residual adds** (``fused_add_rms_norm=True``): where a decoder layer's forward reads ``h = residual + x;
+  residual = h; h = self.<norm>(h)`` (the pre-norm block between attention and MLP), those three statements of
+  the layer class's own code become one call that, for a norm ``apply_to`` replaced and marked
+  (``fuse_residual``), runs ``liger_gen.functional.fused_add_rms_norm``: the add and the norm in one pass, the
+  same values. The rest of the forward, and every wrapper around it (gradient checkpointing, hooks, accelerate's
+  dispatch), is the release's own. The code change is process-wide, like the RoPE routing, and computes exactly
+  the original statements for unmarked norms; ``restore_layers()`` undoes it.
 - **Gated MLPs** → ``liger_gen.nn.GLUMLP`` holding the same projections: ``gate_proj``/``up_proj``/``down_proj``
   (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
   own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's
@@ -283,6 +285,10 @@ class BatchedExpertsForward:
     def __init__(self, module: nn.Module, activation: str):
         self.module, self.activation = module, activation
 
+    def rebound(self, module: nn.Module) -> "BatchedExpertsForward":
+        """The same forward bound to ``module`` (a replica of the patched experts)."""
+        return BatchedExpertsForward(module, self.activation)
+
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         from liger_gen.ops.glu import glu_gate_up_product
 
@@ -300,6 +306,10 @@ class FusedExpertsForward:
 
     def __init__(self, module: nn.Module, activation: str):
         self.module, self.activation = module, activation
+
+    def rebound(self, module: nn.Module) -> "FusedExpertsForward":
+        """The same forward bound to ``module`` (a replica of the patched experts)."""
+        return FusedExpertsForward(module, self.activation)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -496,6 +506,10 @@ class FusedLossForward:
     def __call__(self, *args, **kwargs):
         return _causal_lm_forward(self.module, self.family, *args, **kwargs)
 
+    def rebound(self, module: nn.Module) -> "FusedLossForward":
+        """The same forward bound to ``module`` (a replica of the patched model)."""
+        return FusedLossForward(module, self.family)
+
     @property
     def __signature__(self) -> inspect.Signature:
         signature = _signature(type(self.module).forward)
@@ -512,19 +526,21 @@ class FusedLossForward:
 
 # ------------------------------------------------------------------------------------------------ residual adds
 
-
-_FUSED_LAYER_FORWARDS: dict[type, tuple[Any, tuple[str, ...]] | None] = {}  # layer class → (forward, norm names)
+_HELPER = "__liger_gen_add_then_norm__"  # the global name the rewritten layer code calls
+_ORIGINAL_LAYER_CODE: dict[Any, Any] = {}  # a layer class's innermost forward function → its original code
+_LAYER_NORMS: dict[Any, tuple[str, ...] | None] = {}  # that function → the norms its rewrite fuses (None: none)
 
 
 def _add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x): one fused pass where ``norm`` is liger-gen's RMSNorm without forward
-    hooks; the add, then the norm's own call, where a hook (the module's or a global one: DeepSpeed ZeRO-3's,
-    an activation probe) expects the norm's usual input and output."""
+    """(norm(residual + x), residual + x), as a decoder layer computes them: one fused pass where ``norm`` is a
+    liger-gen RMSNorm that ``apply_to`` marked (``fuse_residual``) and no forward hook (the module's or a global
+    one: DeepSpeed ZeRO-3's, an activation probe) expects the norm's usual input and output; otherwise the add,
+    then the norm's own call, exactly transformers' statements."""
     from torch.nn.modules import module as nn_module
 
-    if isinstance(norm, RMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks
-                                          or nn_module._global_forward_hooks
-                                          or nn_module._global_forward_pre_hooks):
+    if getattr(norm, "fuse_residual", False) and isinstance(norm, RMSNorm) \
+            and not (norm._forward_hooks or norm._forward_pre_hooks or nn_module._global_forward_hooks
+                     or nn_module._global_forward_pre_hooks):
         return norm(x, residual=residual)
     s = residual + x
     return norm(s), s
@@ -554,22 +570,28 @@ def _match_add_then_norm(statements: list) -> tuple[str, str, Any, str] | None:
     return h, r, add.value.right, call.func.attr
 
 
-def _fused_layer_forward(cls: type) -> tuple[Any, tuple[str, ...]] | None:
-    """``cls.forward`` with each ``h = r + x; r = h; h = self.<norm>(h)`` at the top level of its body turned into
-    ``h, r = _add_then_norm(self.<norm>, x, r)``, and the names of those norms; None where its source has no such
-    statements or cannot be rewritten (no source, a closure). Everything else in the forward — its signature,
-    decorators, the attention and MLP calls, what it returns — is the release's own code, so one rewrite serves
-    every transformers release and family with this layout. Read once per class."""
-    if cls in _FUSED_LAYER_FORWARDS:
-        return _FUSED_LAYER_FORWARDS[cls]
+def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
+    """Rewrite the code of ``cls``'s forward so that each ``h = r + x; r = h; h = self.<norm>(h)`` at the top
+    level of its body becomes ``h, r = _add_then_norm(self.<norm>, x, r)``; return the names of those norms, or
+    None where its source has no such statements or cannot be rewritten (no source, a closure).
+
+    The code object of the innermost function is replaced (``function.__code__``), so everything around it stays
+    as it is: transformers' own wrappers (gradient checkpointing, deprecated keyword names), a user's wrapper on
+    the class, hooks and wrappers on layer instances (accelerate's), pickling, ``nn.DataParallel``'s replicas.
+    Like the RoPE routing this is process-wide, and it changes nothing for a layer whose norm ``apply_to`` did not
+    mark: ``_add_then_norm`` then runs the add and the norm as the original statements did.
+    ``restore_layers()`` puts the original code back. Done once per function."""
     import ast
     import linecache
     import textwrap
 
-    result = None
     inner = inspect.unwrap(cls.forward)
+    if inner in _LAYER_NORMS:
+        return _LAYER_NORMS[inner]
+    result = None
     try:
-        if getattr(inner, "__code__", None) is None or inner.__code__.co_freevars:
+        code = getattr(inner, "__code__", None)
+        if code is None or code.co_freevars:
             raise TypeError("not a plain function")  # a closure (e.g. super() without arguments)
         tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
         definition = tree.body[0]
@@ -583,78 +605,81 @@ def _fused_layer_forward(cls: type) -> tuple[Any, tuple[str, ...]] | None:
                 i += 1
                 continue
             h, r, x, norm = match
-            stmt = ast.parse(f"{h}, {r} = __liger_gen_add_then_norm__(self.{norm}, __x__, {r})").body[0]
+            stmt = ast.parse(f"{h}, {r} = {_HELPER}(self.{norm}, __x__, {r})").body[0]
             stmt.value.args[1] = x
             body.append(stmt)
             norms.append(norm)
             i += 3
         if norms:
-            definition.body = body
-            # the function is defined inside a maker whose argument is the helper, so the modeling module's
-            # globals (which the rewritten function reads, as the original does) gain no name
-            maker = ast.parse("def __liger_gen_make__(__liger_gen_add_then_norm__):\n    pass").body[0]
-            maker.body = [definition, ast.Return(ast.Name(definition.name, ast.Load()))]
-            source = ast.unparse(ast.fix_missing_locations(ast.Module([maker], type_ignores=[])))
-            filename = f"<liger-gen: {cls.__module__}.{inner.__qualname__} with the residual add fused into the norm>"
+            definition.body, definition.decorator_list = body, []  # the decorators stay on the class
+            source = ast.unparse(ast.fix_missing_locations(ast.Module([definition], type_ignores=[])))
+            filename = f"<liger-gen: {inner.__module__}.{inner.__qualname__} with the residual add fused into the norm>"
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
-            namespace: dict[str, Any] = {}
-            exec(compile(source, filename, "exec"), inner.__globals__, namespace)  # noqa: S102 - our rewrite
-            function = namespace["__liger_gen_make__"](_add_then_norm)
-            function.__qualname__, function.__module__ = inner.__qualname__, inner.__module__
-            result = (function, tuple(norms))
-    except (OSError, TypeError, SyntaxError, NameError, AttributeError, IndexError) as e:
+            new = next(c for c in compile(source, filename, "exec").co_consts
+                       if isinstance(c, type(code)) and c.co_name == definition.name)
+            if new.co_freevars:
+                raise TypeError("the rewrite would need a closure")
+            if hasattr(code, "co_qualname"):
+                new = new.replace(co_qualname=code.co_qualname)
+            inner.__globals__[_HELPER] = _add_then_norm
+            _ORIGINAL_LAYER_CODE[inner] = code
+            inner.__code__ = new
+            result = tuple(norms)
+    except (OSError, TypeError, SyntaxError, ValueError, AttributeError, IndexError, StopIteration) as e:
         logger.debug("liger_gen.apply_to: %s.forward not rewritten: %s", cls.__qualname__, e)
         result = None
-    _FUSED_LAYER_FORWARDS[cls] = result
+    _LAYER_NORMS[inner] = result
     return result
 
 
-class FusedResidualForward:
-    """The ``forward`` ``apply_to`` installs on a decoder layer: the layer class's own forward with the residual add
-    before each pre-norm fused into that norm (``liger_gen.functional.fused_add_rms_norm``), bound to the layer.
+def _layer_is_fused(cls: type) -> bool:
+    return inspect.unwrap(cls.forward) in _ORIGINAL_LAYER_CODE
 
-    A plain object rather than a bound method so that the patched model pickles (the rewritten function is
-    rebuilt from the layer class's source when loaded); it has the original forward's signature and name.
-    """
+
+def restore_layers() -> None:
+    """Put back the original code of every decoder layer forward ``apply_to`` rewrote (the marked norms then run
+    after transformers' own add again)."""
+    for function, code in _ORIGINAL_LAYER_CODE.items():
+        function.__code__ = code
+        function.__globals__.pop(_HELPER, None)
+    _ORIGINAL_LAYER_CODE.clear()
+    _LAYER_NORMS.clear()
+
+
+def _fusable_norms(module: nn.Module, modeling, norm_kind: str | None, swapped: set[int]) -> list[str]:
+    """The names of the norms of ``module`` whose residual add can be fused: ``module`` is a decoder layer of
+    ``modeling`` whose forward can be rewritten, and each such norm is (or is about to be) a liger-gen RMSNorm."""
+    cls = type(module)
+    if cls.__module__ != modeling.__name__ or not cls.__name__.endswith("DecoderLayer") or norm_kind == "layer":
+        return []
+    names = _fuse_layer_code(cls)
+    if not names:
+        return []
+    norms = [getattr(module, name, None) for name in names]
+    return list(names) if all(isinstance(n, RMSNorm) or id(n) in swapped for n in norms) else []
+
+
+class _Replicate:
+    """A patched module's ``_replicate_for_data_parallel``: ``nn.DataParallel`` copies a module's ``__dict__`` into
+    each replica, so the forward ``apply_to`` installed would still be bound to the original module (its weights,
+    its device); the replica gets its own, and so do its replicas."""
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.function = _fused_layer_forward(type(module))[0]
 
-    def __call__(self, *args, **kwargs):
-        return self.function(self.module, *args, **kwargs)
-
-    def __getstate__(self) -> dict:
-        return {"module": self.module}
-
-    def __setstate__(self, state: dict) -> None:
-        self.module = state["module"]
-        rewritten = _fused_layer_forward(type(self.module))
-        # a release whose layer no longer has the layout: the class's own forward (unfused, same values)
-        self.function = rewritten[0] if rewritten is not None else type(self.module).forward
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        signature = _signature(type(self.module).forward)
-        return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-    @property
-    def __name__(self) -> str:
-        return "forward"
+    def __call__(self) -> nn.Module:
+        replica = nn.Module._replicate_for_data_parallel(self.module)
+        bound = replica.__dict__.get("forward")
+        if callable(getattr(bound, "rebound", None)):
+            replica.__dict__["forward"] = bound.rebound(replica)
+        replica.__dict__["_replicate_for_data_parallel"] = _Replicate(replica)
+        return replica
 
 
-def _fusable_layer(module: nn.Module, modeling, norm_kind: str | None, swapped: set[int]) -> bool:
-    """Whether ``module`` is a decoder layer of ``modeling`` whose forward can take the fused residual add: its
-    rewrite exists and every norm it names is (or is about to be) a liger-gen RMSNorm."""
-    cls = type(module)
-    if cls.__module__ != modeling.__name__ or not cls.__name__.endswith("DecoderLayer") \
-            or isinstance(module.__dict__.get("forward"), FusedResidualForward) or norm_kind == "layer":
-        return False
-    rewritten = _fused_layer_forward(cls)
-    if rewritten is None:
-        return False
-    norms = [getattr(module, name, None) for name in rewritten[1]]
-    return all(isinstance(n, RMSNorm) or id(n) in swapped for n in norms)
+def _install_forward(module: nn.Module, forward) -> None:
+    """``module.forward = forward``, with replication for ``nn.DataParallel`` that rebinds it (``_Replicate``)."""
+    module.forward = forward
+    module._replicate_for_data_parallel = _Replicate(module)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE
@@ -871,6 +896,7 @@ class PatchReport:
     mlps: int = 0
     experts: int = 0
     fused_adds: int = 0
+    fused_layer_classes: list[str] | None = None
     rope: bool = False
     loss: bool = False
     left: list[str] | None = None
@@ -880,6 +906,13 @@ class PatchReport:
         # a model loaded in another process (torch.load) carries its modules but not the process-wide RoPE
         # routing: the report says what holds here; ``apply_to`` on the loaded model routes RoPE again
         self.__dict__.update(state)
+        # the rewritten layer code is process-wide and not part of the pickle: the loaded model's marked norms
+        # fuse again once their layer classes are rewritten here (the same rewrite apply_to makes)
+        for name in state.get("fused_layer_classes") or ():
+            module_name, _, qualname = name.partition(":")
+            cls = getattr(sys.modules.get(module_name), qualname, None)
+            if isinstance(cls, type):
+                _fuse_layer_code(cls)
         family = MODEL_FAMILIES.get(self.family)
         if self.rope and family is not None and not _rope_is_patched(family):
             self.rope = False
@@ -1020,33 +1053,46 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     if strict and left:
         raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
                          f"{'; '.join(_group(left))}; nothing was changed")
-    fused_layers = [m for m in model.modules() if fused_add_rms_norm and rms_norm
-                    and _fusable_layer(m, modeling, family.norm, swapped_norms)]
+    fused_layers = [(m, names) for m in model.modules() if fused_add_rms_norm and rms_norm
+                    for names in [_fusable_norms(m, modeling, family.norm, swapped_norms)] if names]
     for parent, name, new in swaps:
         setattr(parent, name, new)
     for module, gate in gates:
         if isinstance(gate, (BatchedExpertsForward, FusedExpertsForward)):
-            module.forward = gate
+            _install_forward(module, gate)
         else:
             module._apply_gate = gate
-    for layer in fused_layers:
-        layer.forward = FusedResidualForward(layer)
+    for layer, names in fused_layers:
+        for name in names:
+            getattr(layer, name).fuse_residual = True
     if rope and _rope_functions(family):
         _patch_rope(model, modeling, family)
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
-        model.forward = FusedLossForward(model, family)  # a base *Model has no LM head: nothing to fuse
+        _install_forward(model, FusedLossForward(model, family))  # a base *Model has no LM head: nothing to fuse
     # the report counts what the model holds now, so a second call reports the same model
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
     report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
     report.experts = sum(_is_patched_experts(m) for m in model.modules())
-    report.fused_adds = sum(len(_fused_layer_forward(type(m))[1]) for m in model.modules()
-                            if isinstance(m.__dict__.get("forward"), FusedResidualForward))
+    report.fused_adds = _count_fused_adds(model)
+    report.fused_layer_classes = sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in model.modules()
+                                         if _layer_is_fused(type(m))})
     report.rope = _rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.left = _group(left)
     model.liger_gen_report = report
     logger.info(report.summary() + ("; it was already patched" if already else ""))
     return model
+
+
+def _count_fused_adds(model: nn.Module) -> int:
+    """Marked norms of decoder layers whose forward is rewritten in this process: the adds that run fused."""
+    count = 0
+    for layer in model.modules():
+        if not _layer_is_fused(type(layer)):
+            continue
+        names = _LAYER_NORMS.get(inspect.unwrap(type(layer).forward)) or ()
+        count += sum(bool(getattr(getattr(layer, n, None), "fuse_residual", False)) for n in names)
+    return count
 
 
 def _glu_op(activation: str) -> str:
@@ -1071,8 +1117,6 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     for m in model.modules():
         if isinstance(m, RMSNorm):
             ops.add("rms_norm")
-        if isinstance(m.__dict__.get("forward"), FusedResidualForward):
-            ops.add("fused_add_rms_norm")
         elif isinstance(m, LayerNorm):
             ops.add("layer_norm")
         elif isinstance(m, GLUMLP):
@@ -1082,6 +1126,8 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
                 ops.add(_glu_op(hook.activation))
             if isinstance(hook, FusedExpertsForward):
                 ops.add("moe_permute")
+    if _count_fused_adds(model):
+        ops.add("fused_add_rms_norm")
     family = MODEL_FAMILIES.get(report.family)
     if rope if rope is not None else (family is not None and _rope_is_patched(family)):
         ops.add("rope")

@@ -666,13 +666,35 @@ def _can_overwrite(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     for t in tensors:
         if type(t) is not torch.Tensor or t.grad_fn is None or not t.is_floating_point() or t.dim() < 1 \
-                or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.device != first.device:
+                or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.device != first.device \
+                or not _made_by_an_op_that_keeps_no_output(t.grad_fn):
             return False
     if len(tensors) == 2 and (tensors[1].shape != first.shape or tensors[1].dtype != first.dtype):
         return False
     if len(tensors) == 1 and first.shape[-1] % 2:
         return False
     return uses_triton(first) and first.numel() > 0
+
+
+# autograd nodes of the ops a projection ends with that do not save their own output for their backward (a
+# matmul, a bias or LoRA sum, a scale), and the views between them and the GLU: their output may be overwritten
+# after they ran. Anything else (tanh, sigmoid, exp, an unknown custom Function) keeps the buffered backward.
+_NO_SAVED_OUTPUT = frozenset(("AddmmBackward0", "MmBackward0", "BmmBackward0", "AddBackward0", "SubBackward0",
+                              "MulBackward0", "DivBackward0", "LinearBackward0"))
+_VIEWS = frozenset(("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "SliceBackward0",
+                    "SplitBackward0", "SplitWithSizesBackward0", "AsStridedBackward0", "TransposeBackward0",
+                    "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0"))
+
+
+def _made_by_an_op_that_keeps_no_output(node) -> bool:
+    for _ in range(8):  # a few views deep at most
+        name = type(node).__name__
+        if name in _NO_SAVED_OUTPUT:
+            return True
+        if name not in _VIEWS or not node.next_functions or node.next_functions[0][0] is None:
+            return False
+        node = node.next_functions[0][0]
+    return False
 
 
 class _GLUOverwrite(torch.autograd.Function):
@@ -790,10 +812,10 @@ class GLUMLP(nn.Module):
         tensors the backward overwrites)."""
         from torch.nn.modules import module as nn_module
 
-        if not self.in_place_backward or nn_module._global_forward_hooks:
-            return False
+        if not getattr(self, "in_place_backward", True) or nn_module._global_forward_hooks:
+            return False  # (a GLUMLP pickled before the attribute existed has none: the default)
         names = ("gate_up_proj",) if "gate_up_proj" in self._modules else ("gate_proj", "up_proj")
-        return not any(self._modules[n]._forward_hooks for n in names)
+        return not any(m._forward_hooks for n in names for m in self._modules[n].modules())
 
     def extra_repr(self) -> str:
         extra = [f"activation={self.activation!r}"] + ([f"dropout={self.dropout}"] if self.dropout else [])
