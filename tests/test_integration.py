@@ -201,6 +201,29 @@ def test_fusion_keeps_what_wraps_a_layer_forward(device, monkeypatch):
     assert not fused_calls and model.model.layers[1].post_attention_layernorm.fuse_residual
 
 
+def test_layer_rewrite_edges(device):
+    """restore_layers() keeps the helper a running forward may still call, and a copy of a patched model made
+    after it does not rewrite the code again; a model holding a TorchScript module is patched; a post-norm
+    layer (OLMo 2: ``h = self.mlp(h)`` after the add) is not rewritten."""
+    import copy
+
+    from transformers.models.llama import modeling_llama
+
+    model = liger_gen.apply_to(_model("llama", device).train(), rope=False)
+    integration.restore_layers()
+    assert callable(getattr(modeling_llama, integration._HELPER))
+    copy.deepcopy(model)
+    assert not integration._layer_is_fused(modeling_llama.LlamaDecoderLayer)
+    assert liger_gen.apply_to(model, rope=False).liger_gen_report.fused_adds == 2  # apply_to rewrites again
+
+    scripted = _model("llama", device).train()
+    scripted.probe = torch.jit.script(torch.nn.Linear(2, 2))
+    assert liger_gen.apply_to(scripted, rope=False).liger_gen_report.fused_adds == 2
+
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    assert integration._fuse_layer_code(olmo2.Olmo2DecoderLayer) is None
+
+
 def test_data_parallel_replicas_run_their_own_modules(device):
     """nn.DataParallel copies each module's __dict__ into its replicas: the fused-loss forward apply_to installs
     is bound to the replica, not to the original (whose weights live on another device)."""

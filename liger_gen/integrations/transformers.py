@@ -63,6 +63,7 @@ import importlib
 import inspect
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -527,6 +528,8 @@ class FusedLossForward:
 # ------------------------------------------------------------------------------------------------ residual adds
 
 _HELPER = "__liger_gen_add_then_norm__"  # the global name the rewritten layer code calls
+_layers_lock = threading.Lock()
+_layers_restored = False  # restore_layers() ran (and no apply_to since): unpickling a model rewrites nothing
 _ORIGINAL_LAYER_CODE: dict[Any, Any] = {}  # a layer class's innermost forward function → its original code
 _LAYER_NORMS: dict[Any, tuple[str, ...] | None] = {}  # that function → the norms its rewrite fuses (None: none)
 
@@ -565,8 +568,8 @@ def _match_add_then_norm(statements: list) -> tuple[str, str, Any, str] | None:
     if not (isinstance(call, ast.Call) and not call.keywords and len(call.args) == 1
             and isinstance(call.args[0], ast.Name) and call.args[0].id == h
             and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-            and call.func.value.id == "self"):
-        return None
+            and call.func.value.id == "self" and "norm" in call.func.attr):
+        return None  # (a post-norm layer's ``h = self.mlp(h)`` after the add is not a pre-norm)
     return h, r, add.value.right, call.func.attr
 
 
@@ -581,6 +584,11 @@ def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
     Like the RoPE routing this is process-wide, and it changes nothing for a layer whose norm ``apply_to`` did not
     mark: ``_add_then_norm`` then runs the add and the norm as the original statements did.
     ``restore_layers()`` puts the original code back. Done once per function."""
+    with _layers_lock:  # one rewrite at a time: a second reader would parse the rewritten source
+        return _fuse_layer_code_locked(cls)
+
+
+def _fuse_layer_code_locked(cls: type) -> tuple[str, ...] | None:
     import ast
     import linecache
     import textwrap
@@ -625,7 +633,8 @@ def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
             _ORIGINAL_LAYER_CODE[inner] = code
             inner.__code__ = new
             result = tuple(norms)
-    except (OSError, TypeError, SyntaxError, ValueError, AttributeError, IndexError, StopIteration) as e:
+    except (OSError, TypeError, SyntaxError, ValueError, AttributeError, IndexError, StopIteration, SystemError,
+            RecursionError) as e:
         logger.debug("liger_gen.apply_to: %s.forward not rewritten: %s", cls.__qualname__, e)
         result = None
     _LAYER_NORMS[inner] = result
@@ -633,17 +642,24 @@ def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
 
 
 def _layer_is_fused(cls: type) -> bool:
-    return inspect.unwrap(cls.forward) in _ORIGINAL_LAYER_CODE
+    if not cls.__name__.endswith("DecoderLayer"):
+        return False
+    try:
+        return inspect.unwrap(cls.forward) in _ORIGINAL_LAYER_CODE
+    except Exception:  # noqa: BLE001 - a class whose forward cannot be read (TorchScript's) is not ours
+        return False
 
 
 def restore_layers() -> None:
     """Put back the original code of every decoder layer forward ``apply_to`` rewrote (the marked norms then run
     after transformers' own add again)."""
-    for function, code in _ORIGINAL_LAYER_CODE.items():
-        function.__code__ = code
-        function.__globals__.pop(_HELPER, None)
-    _ORIGINAL_LAYER_CODE.clear()
-    _LAYER_NORMS.clear()
+    global _layers_restored
+    with _layers_lock:
+        for function, code in _ORIGINAL_LAYER_CODE.items():
+            function.__code__ = code  # the helper stays in the module: a forward running now may still call it
+        _ORIGINAL_LAYER_CODE.clear()
+        _LAYER_NORMS.clear()
+        _layers_restored = True
 
 
 def _fusable_norms(module: nn.Module, modeling, norm_kind: str | None, swapped: set[int]) -> list[str]:
@@ -908,9 +924,12 @@ class PatchReport:
         self.__dict__.update(state)
         # the rewritten layer code is process-wide and not part of the pickle: the loaded model's marked norms
         # fuse again once their layer classes are rewritten here (the same rewrite apply_to makes)
-        for name in state.get("fused_layer_classes") or ():
+        for name in () if _layers_restored else state.get("fused_layer_classes") or ():
             module_name, _, qualname = name.partition(":")
-            cls = getattr(sys.modules.get(module_name), qualname, None)
+            try:
+                cls = getattr(importlib.import_module(module_name), qualname, None)
+            except ImportError:
+                cls = None
             if isinstance(cls, type):
                 _fuse_layer_code(cls)
         family = MODEL_FAMILIES.get(self.family)
@@ -1062,6 +1081,9 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             _install_forward(module, gate)
         else:
             module._apply_gate = gate
+    global _layers_restored
+    if fused_layers:
+        _layers_restored = False
     for layer, names in fused_layers:
         for name in names:
             getattr(layer, name).fuse_residual = True

@@ -679,8 +679,9 @@ def _can_overwrite(*tensors: torch.Tensor) -> bool:
 # autograd nodes of the ops a projection ends with that do not save their own output for their backward (a
 # matmul, a bias or LoRA sum, a scale), and the views between them and the GLU: their output may be overwritten
 # after they ran. Anything else (tanh, sigmoid, exp, an unknown custom Function) keeps the buffered backward.
-_NO_SAVED_OUTPUT = frozenset(("AddmmBackward0", "MmBackward0", "BmmBackward0", "AddBackward0", "SubBackward0",
-                              "MulBackward0", "DivBackward0", "LinearBackward0"))
+_NO_SAVED_OUTPUT = frozenset(("AddmmBackward0", "MmBackward0", "BmmBackward0", "AddBackward0", "AddBackward1",
+                              "SubBackward0", "SubBackward1", "MulBackward0", "MulBackward1", "DivBackward0",
+                              "DivBackward1", "LinearBackward0"))
 _VIEWS = frozenset(("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "SliceBackward0",
                     "SplitBackward0", "SplitWithSizesBackward0", "AsStridedBackward0", "TransposeBackward0",
                     "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0"))
