@@ -213,7 +213,7 @@ def test_layer_rewrite_edges(device):
     integration.restore_layers()
     assert callable(getattr(modeling_llama, integration._HELPER))
     copy.deepcopy(model)
-    assert not integration._layer_is_fused(modeling_llama.LlamaDecoderLayer)
+    assert not integration._fused_norm_names(modeling_llama.LlamaDecoderLayer)
     assert liger_gen.apply_to(model, rope=False).liger_gen_report.fused_adds == 2  # apply_to rewrites again
 
     scripted = _model("llama", device).train()

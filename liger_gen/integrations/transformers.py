@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module  # the global hook registries
 
 from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
 
@@ -539,8 +540,6 @@ def _add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> 
     liger-gen RMSNorm that ``apply_to`` marked (``fuse_residual``) and no forward hook (the module's or a global
     one: DeepSpeed ZeRO-3's, an activation probe) expects the norm's usual input and output; otherwise the add,
     then the norm's own call, exactly transformers' statements."""
-    from torch.nn.modules import module as nn_module
-
     if getattr(norm, "fuse_residual", False) and isinstance(norm, RMSNorm) \
             and not (norm._forward_hooks or norm._forward_pre_hooks or nn_module._global_forward_hooks
                      or nn_module._global_forward_pre_hooks):
@@ -589,6 +588,7 @@ def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
 
 
 def _fuse_layer_code_locked(cls: type) -> tuple[str, ...] | None:
+    global _layers_restored
     import ast
     import linecache
     import textwrap
@@ -632,6 +632,7 @@ def _fuse_layer_code_locked(cls: type) -> tuple[str, ...] | None:
             inner.__globals__[_HELPER] = _add_then_norm
             _ORIGINAL_LAYER_CODE[inner] = code
             inner.__code__ = new
+            _layers_restored = False
             result = tuple(norms)
     except (OSError, TypeError, SyntaxError, ValueError, AttributeError, IndexError, StopIteration, SystemError,
             RecursionError) as e:
@@ -641,13 +642,15 @@ def _fuse_layer_code_locked(cls: type) -> tuple[str, ...] | None:
     return result
 
 
-def _layer_is_fused(cls: type) -> bool:
+def _fused_norm_names(cls: type) -> tuple[str, ...]:
+    """The norms whose add the code of ``cls``'s forward fuses in this process; () where it is not rewritten."""
     if not cls.__name__.endswith("DecoderLayer"):
-        return False
+        return ()
     try:
-        return inspect.unwrap(cls.forward) in _ORIGINAL_LAYER_CODE
+        inner = inspect.unwrap(cls.forward)
     except Exception:  # noqa: BLE001 - a class whose forward cannot be read (TorchScript's) is not ours
-        return False
+        return ()
+    return (_LAYER_NORMS.get(inner) or ()) if inner in _ORIGINAL_LAYER_CODE else ()
 
 
 def restore_layers() -> None:
@@ -1081,9 +1084,6 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             _install_forward(module, gate)
         else:
             module._apply_gate = gate
-    global _layers_restored
-    if fused_layers:
-        _layers_restored = False
     for layer, names in fused_layers:
         for name in names:
             getattr(layer, name).fuse_residual = True
@@ -1097,7 +1097,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.experts = sum(_is_patched_experts(m) for m in model.modules())
     report.fused_adds = _count_fused_adds(model)
     report.fused_layer_classes = sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in model.modules()
-                                         if _layer_is_fused(type(m))})
+                                         if _fused_norm_names(type(m))})
     report.rope = _rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.left = _group(left)
@@ -1108,13 +1108,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
 
 def _count_fused_adds(model: nn.Module) -> int:
     """Marked norms of decoder layers whose forward is rewritten in this process: the adds that run fused."""
-    count = 0
-    for layer in model.modules():
-        if not _layer_is_fused(type(layer)):
-            continue
-        names = _LAYER_NORMS.get(inspect.unwrap(type(layer).forward)) or ()
-        count += sum(bool(getattr(getattr(layer, n, None), "fuse_residual", False)) for n in names)
-    return count
+    return sum(bool(getattr(getattr(layer, name, None), "fuse_residual", False))
+               for layer in model.modules() for name in _fused_norm_names(type(layer)))
 
 
 def _glu_op(activation: str) -> str:

@@ -272,17 +272,22 @@ def _save(ctx, inputs, output):
     ctx.dtypes = (x.dtype, residual.dtype)
 
 
+def _sum_only_grads(ds: torch.Tensor | None, x_dtype: torch.dtype,
+                    residual_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dresidual) when only the sum was used: its gradient passes straight through, a distinct buffer per
+    input (see the module docstring); weight gets no gradient, as in PyTorch."""
+    if ds is None:
+        return None, None
+    return ds.to(x_dtype), ds.to(residual_dtype, copy=True)
+
+
 def _backward(ctx, dy, ds, _drstd):
     # gradients are not materialised: an unused sum costs nothing (the kernel skips the ds stream) and an unused
     # y skips the kernel
     s, weight, rstd = ctx.saved_tensors
     x_dtype, residual_dtype = ctx.dtypes
     if dy is None:
-        # only the sum was used: its gradient passes straight through (a distinct buffer per input, see the
-        # module docstring); weight gets no gradient, as in PyTorch
-        if ds is None:
-            return None, None, None, None, None, None
-        return ds.to(x_dtype), ds.to(residual_dtype, copy=True), None, None, None, None
+        return _sum_only_grads(ds, x_dtype, residual_dtype) + (None, None, None, None)
     dx, dr, dw = fused_add_rms_norm_bwd.run(ctx, dy, ds, s, weight, rstd, ctx.offset, ctx.casting_mode,
                                             x_dtype, residual_dtype)
     return dx, dr, (dw if ctx.needs_input_grad[2] else None), None, None, None
@@ -376,10 +381,8 @@ class _Planned(torch.autograd.Function):
     def backward(ctx, dy, ds):
         no_double_backward(OP, "liger_gen.reference.fused_add_rms_norm_torch")
         plan = ctx.plan
-        if dy is None:  # only the sum was used: its gradient passes through (a distinct buffer per input)
-            if ds is None:
-                return None, None, None, None
-            return ds.to(plan.x_dtype), ds.to(plan.r_dtype, copy=True), None, None
+        if dy is None:
+            return _sum_only_grads(ds, plan.x_dtype, plan.r_dtype) + (None, None)
         s, weight, rstd = ctx.saved_tensors
         dx, dr, dw = plan.backward(dy, ds, s, weight, rstd)
         return dx, dr, (dw if ctx.needs_input_grad[2] else None), None

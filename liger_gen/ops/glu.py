@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as nn_module  # the global hook registries
 
 from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
@@ -635,7 +636,8 @@ def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str, overwrite
     """``act(gate) * up`` for an activation of ``GLU_ACTIVATIONS``: swiglu or geglu. ``overwrite``: the caller owns
     gate and up (nothing else reads them after this call), so the backward may write the gradients over them
     (``_GLUOverwrite``); taken only where that is safe to check, else the usual op runs."""
-    if overwrite and _can_overwrite(gate, up):
+    op = "swiglu" if activation == "silu" else "geglu"
+    if overwrite and _owned(gate, up) and check_glu_inputs(op, gate, up) and gate.numel():
         n_cols = gate.shape[-1]
         return _GLUOverwrite.apply(as_rows(gate, n_cols), as_rows(up, n_cols), activation).view(gate.shape)
     if activation == "silu":
@@ -646,7 +648,8 @@ def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str, overwrite
 def glu_gate_up_product(gate_up: torch.Tensor, activation: str, overwrite: bool = False) -> torch.Tensor:
     """``act(gate) * up`` of a packed ``gate_up`` (gate first) for an activation of ``GLU_ACTIVATIONS``;
     ``overwrite`` as in ``glu_product``."""
-    if overwrite and _can_overwrite(gate_up):
+    op = "swiglu_gate_up" if activation == "silu" else "geglu_gate_up"
+    if overwrite and _owned(gate_up) and check_gate_up_input(op, gate_up) and gate_up.numel():
         width = gate_up.shape[-1]
         packed = as_rows(gate_up, width)
         gate, up = _split(packed)
@@ -656,24 +659,15 @@ def glu_gate_up_product(gate_up: torch.Tensor, activation: str, overwrite: bool 
     return geglu_gate_up(gate_up, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def _can_overwrite(*tensors: torch.Tensor) -> bool:
-    """Whether the backward of the GLU may write its gradients over ``tensors``: eager autograd (a traced graph
-    uses the custom op, which may not mutate its inputs), plain tensors that are not leaves (a leaf's gradient
-    would share its data) and that some other op made, with gradients wanted, on the kernel path, with the
-    dtypes and shapes the op takes."""
+def _owned(*tensors) -> bool:
+    """Whether the backward of the GLU may write its gradients over ``tensors`` (the op's own checks come after):
+    eager autograd with gradients wanted (a traced graph uses the custom op, which may not mutate its inputs),
+    plain tensors that are not leaves (a leaf's gradient would share its data), made by an op that keeps no
+    reference to its output for its own backward."""
     if use_custom_op() or not torch.is_grad_enabled():
         return False
-    first = tensors[0]
-    for t in tensors:
-        if type(t) is not torch.Tensor or t.grad_fn is None or not t.is_floating_point() or t.dim() < 1 \
-                or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.device != first.device \
-                or not _made_by_an_op_that_keeps_no_output(t.grad_fn):
-            return False
-    if len(tensors) == 2 and (tensors[1].shape != first.shape or tensors[1].dtype != first.dtype):
-        return False
-    if len(tensors) == 1 and first.shape[-1] % 2:
-        return False
-    return uses_triton(first) and first.numel() > 0
+    return all(type(t) is torch.Tensor and t.grad_fn is not None and _made_by_an_op_that_keeps_no_output(t.grad_fn)
+               for t in tensors)
 
 
 # autograd nodes of the ops a projection ends with that do not save their own output for their backward (a
@@ -811,8 +805,6 @@ class GLUMLP(nn.Module):
         """Whether the backward may write over the projections' outputs: ``in_place_backward`` is on and nothing but
         this forward sees them (no forward hooks on the projections, module-level or global: a hook could keep the
         tensors the backward overwrites)."""
-        from torch.nn.modules import module as nn_module
-
         if not getattr(self, "in_place_backward", True) or nn_module._global_forward_hooks:
             return False  # (a GLUMLP pickled before the attribute existed has none: the default)
         names = ("gate_up_proj",) if "gate_up_proj" in self._modules else ("gate_proj", "up_proj")
