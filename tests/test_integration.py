@@ -458,3 +458,158 @@ def test_use_cache_false_reaches_the_base_model():
     out = model(input_ids=ids, labels=ids, use_cache=False)
     assert out.logits is None and getattr(out, "past_key_values", None) is None
     assert len(model(input_ids=ids, labels=ids, use_cache=False, return_dict=False)) == len(plain)
+
+
+_BACKWARD_HOOKS = {
+    "full": lambda norm, hook: norm.register_full_backward_hook(lambda m, gi, go: hook(gi, go)),
+    "full_pre": lambda norm, hook: norm.register_full_backward_pre_hook(lambda m, go: hook(None, go)),
+    "global_full": lambda norm, hook: torch.nn.modules.module.register_module_full_backward_hook(
+        lambda m, gi, go: hook(gi, go) if m is norm else None),
+    "global_full_pre": lambda norm, hook: torch.nn.modules.module.register_module_full_backward_pre_hook(
+        lambda m, go: hook(None, go) if m is norm else None),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_BACKWARD_HOOKS))
+def test_a_backward_hook_on_a_fused_norm_sees_and_gives_the_unpatched_gradients(kind, device):
+    """A backward hook on a post-attention norm (gradient monitoring, clipping, attribution), of any kind and
+    registered after apply_to, sees one grad_output shaped like the norm's output, and the model's gradients are
+    the unpatched model's: that layer adds, then calls the norm, for as long as the hook is there."""
+    ids = torch.randint(0, 211, (2, 10)).to(device)
+    results = []
+    for patched in (False, True):
+        model = _model("llama", device).train()
+        if patched:
+            liger_gen.apply_to(model, rope=False)
+            assert model.liger_gen_report.fused_adds == 2
+        norm = model.model.layers[1].post_attention_layernorm
+        seen = []
+        handle = _BACKWARD_HOOKS[kind](norm, lambda gi, go: seen.append(
+            ([None if g is None else g.detach().clone() for g in gi] if gi is not None else None,
+             [g.detach().clone() for g in go])))
+        try:
+            _, grads = _loss_and_grads(model, ids, ids)
+        finally:
+            handle.remove()
+        results.append((seen, grads))
+    (plain_seen, plain_grads), (seen, grads) = results
+    assert len(seen) == len(plain_seen) == 1
+    (grad_in, grad_out), (plain_in, plain_out) = seen[0], plain_seen[0]
+    assert len(grad_out) == len(plain_out) == 1 and grad_out[0].shape == plain_out[0].shape
+    assert rel_l2(grad_out[0], plain_out[0]) < REL_TOL[torch.float32]
+    if plain_in is not None:
+        assert len(grad_in) == len(plain_in) == 1 and rel_l2(grad_in[0], plain_in[0]) < REL_TOL[torch.float32]
+    assert grads.keys() == plain_grads.keys()
+    for name, g in grads.items():
+        assert rel_l2(g, plain_grads[name]) < REL_TOL[torch.float32], name
+
+
+def test_a_backward_hook_turns_the_fusion_off_only_while_it_is_there(device, monkeypatch):
+    import liger_gen.functional
+
+    calls = []
+    fused = liger_gen.functional.fused_add_rms_norm
+    monkeypatch.setattr(liger_gen.functional, "fused_add_rms_norm",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    model = liger_gen.apply_to(_model("llama", device).train(), rope=False)
+    ids = torch.randint(0, 211, (1, 8)).to(device)
+    handle = model.model.layers[0].post_attention_layernorm.register_full_backward_hook(lambda *a: None)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == 1  # layer 1 only
+    handle.remove()
+    calls.clear()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) == 2
+
+
+_LAYER_SOURCE = '''
+import torch
+
+
+class ToyDecoderLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(8, 8)
+        self.post_attention_layernorm = torch.nn.LayerNorm(8)
+        self.mlp = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.attn(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+'''
+
+
+def _toy_layer_module(tmp_path, monkeypatch, name):
+    import importlib
+    import sys
+
+    (tmp_path / f"{name}.py").write_text(_LAYER_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_layer_rewrite_reads_the_source_of_the_code_that_runs(tmp_path, monkeypatch):
+    """The rewrite parses the class's source file: where it matches the running code the add is fused, the same
+    values; where the file was edited after import, the running code stays (not the edited body) and the class
+    is refused with the reason."""
+    import os
+
+    toy = _toy_layer_module(tmp_path, monkeypatch, "liger_gen_toy_layer_a")
+    layer = toy.ToyDecoderLayer()
+    x = torch.randn(3, 8)
+    expected = layer(x).detach()
+    assert integration._fuse_layer_code(toy.ToyDecoderLayer) == ("post_attention_layernorm",)
+    assert torch.allclose(layer(x), expected, rtol=0, atol=1e-6)
+    integration.restore_layers()
+
+    edited = tmp_path / "liger_gen_toy_layer_a.py"
+    edited.write_text(_LAYER_SOURCE.replace("hidden_states = self.mlp(hidden_states)",
+                                            "hidden_states = self.mlp(hidden_states) * 2"))
+    os.utime(edited, (0, 0))  # another mtime, as after an upgrade
+    code = toy.ToyDecoderLayer.forward.__code__
+    assert integration._fuse_layer_code(toy.ToyDecoderLayer) is None
+    assert toy.ToyDecoderLayer.forward.__code__ is code
+    assert torch.equal(layer(x).detach(), expected)  # not the edited body
+    assert "has changed since" in integration.layer_code_refusal(toy.ToyDecoderLayer)
+    edited.write_text(_LAYER_SOURCE)  # the file the class came from again: fused
+    integration.restore_layers()
+    assert integration.layer_code_refusal(toy.ToyDecoderLayer) is None
+    assert integration._fuse_layer_code(toy.ToyDecoderLayer) == ("post_attention_layernorm",)
+
+
+def test_apply_to_reports_a_layer_whose_source_file_changed(device, monkeypatch):
+    """apply_to on a model whose decoder layer's file no longer holds the running code: the layers stay
+    unfused and the report lists them with the reason; strict=True raises and changes nothing."""
+    import inspect
+
+    from transformers.models.llama import modeling_llama
+
+    real = inspect.getsourcelines
+    inner = inspect.unwrap(modeling_llama.LlamaDecoderLayer.forward)
+
+    def edited(obj):
+        lines, first = real(obj)
+        if obj is inner:  # as if the file had been edited under the running process
+            lines = [line.replace("hidden_states = self.mlp(hidden_states)",
+                                  "hidden_states = self.mlp(hidden_states) * 2") for line in lines]
+        return lines, first
+
+    monkeypatch.setattr(inspect, "getsourcelines", edited)
+    model = _model("llama", device).train()
+    ids = torch.randint(0, 211, (1, 8)).to(device)
+    expected = model(input_ids=ids, labels=ids).loss.detach()
+    with pytest.raises(ValueError, match="has changed since"):
+        liger_gen.apply_to(model, rope=False, strict=True)
+    assert not hasattr(model, "liger_gen_report")
+    liger_gen.apply_to(model, rope=False)
+    report = model.liger_gen_report
+    assert report.fused_adds == 0 and any("LlamaDecoderLayer ×2" in item and "has changed since" in item
+                                          for item in report.left), report.summary()
+    assert rel_l2(model(input_ids=ids, labels=ids).loss.detach(), expected) < REL_TOL[torch.float32]

@@ -15,7 +15,10 @@
   (``fuse_residual``), runs ``liger_gen.functional.fused_add_rms_norm``: the add and the norm in one pass, the
   same values. The rest of the forward, and every wrapper around it (gradient checkpointing, hooks, accelerate's
   dispatch), is the release's own. The code change is process-wide, like the RoPE routing, and computes exactly
-  the original statements for unmarked norms; ``restore_layers()`` undoes it.
+  the original statements for unmarked norms and for norms that hooks watch (forward or backward, module or
+  global; looked up on every call). The rewrite is made only where the class's source file, parsed, compiles to
+  the code that runs: a file changed since import leaves that layer unfused and listed in the report.
+  ``restore_layers()`` undoes it.
 - **Gated MLPs** → ``liger_gen.nn.GLUMLP`` holding the same projections: ``gate_proj``/``up_proj``/``down_proj``
   (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
   own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's
@@ -57,11 +60,13 @@
 
 from __future__ import annotations
 
+import __future__
 import dataclasses
 import functools
 import importlib
 import inspect
 import logging
+import operator
 import sys
 import threading
 from dataclasses import dataclass
@@ -533,16 +538,27 @@ _layers_lock = threading.Lock()
 _layers_restored = False  # restore_layers() ran (and no apply_to since): unpickling a model rewrites nothing
 _ORIGINAL_LAYER_CODE: dict[Any, Any] = {}  # a layer class's innermost forward function → its original code
 _LAYER_NORMS: dict[Any, tuple[str, ...] | None] = {}  # that function → the norms its rewrite fuses (None: none)
+_FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, f).compiler_flag
+                                                for f in __future__.all_feature_names))
+_LAYER_PLANS: dict[Any, Any] = {}  # that function → its rewrite, or why it is refused (see _layer_plan)
+
+
+def _norm_hooked(norm: nn.Module) -> bool:
+    """Whether a hook would see ``norm``'s call: its own forward or backward hooks (of any kind: full, pre,
+    the older non-full ones) or global ones (DeepSpeed ZeRO-3's, activation probes, gradient monitors). A hook
+    expects the norm's usual single input and output, and a backward hook the gradient of the norm's own input,
+    which only the unfused add-then-norm gives."""
+    return bool(norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks
+                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
 
 def _add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(residual + x), residual + x), as a decoder layer computes them: one fused pass where ``norm`` is a
-    liger-gen RMSNorm that ``apply_to`` marked (``fuse_residual``) and no forward hook (the module's or a global
-    one: DeepSpeed ZeRO-3's, an activation probe) expects the norm's usual input and output; otherwise the add,
-    then the norm's own call, exactly transformers' statements."""
-    if getattr(norm, "fuse_residual", False) and isinstance(norm, RMSNorm) \
-            and not (norm._forward_hooks or norm._forward_pre_hooks or nn_module._global_forward_hooks
-                     or nn_module._global_forward_pre_hooks):
+    liger-gen RMSNorm that ``apply_to`` marked (``fuse_residual``) and no hook watches it (``_norm_hooked``);
+    otherwise the add, then the norm's own call, exactly transformers' statements. Hooks are looked up on every
+    call, so hooks registered after ``apply_to`` are seen too."""
+    if getattr(norm, "fuse_residual", False) and isinstance(norm, RMSNorm) and not _norm_hooked(norm):
         return norm(x, residual=residual)
     s = residual + x
     return norm(s), s
@@ -575,7 +591,8 @@ def _match_add_then_norm(statements: list) -> tuple[str, str, Any, str] | None:
 def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
     """Rewrite the code of ``cls``'s forward so that each ``h = r + x; r = h; h = self.<norm>(h)`` at the top
     level of its body becomes ``h, r = _add_then_norm(self.<norm>, x, r)``; return the names of those norms, or
-    None where its source has no such statements or cannot be rewritten (no source, a closure).
+    None where its source has no such statements or cannot be rewritten (no source, a closure, a source file that
+    no longer holds the code that runs: ``layer_code_refusal`` says why).
 
     The code object of the innermost function is replaced (``function.__code__``), so everything around it stays
     as it is: transformers' own wrappers (gradient checkpointing, deprecated keyword names), a user's wrapper on
@@ -584,27 +601,86 @@ def _fuse_layer_code(cls: type) -> tuple[str, ...] | None:
     mark: ``_add_then_norm`` then runs the add and the norm as the original statements did.
     ``restore_layers()`` puts the original code back. Done once per function."""
     with _layers_lock:  # one rewrite at a time: a second reader would parse the rewritten source
-        return _fuse_layer_code_locked(cls)
+        inner, plan = _layer_plan(cls)
+        if inner is None or inner in _LAYER_NORMS:
+            return _LAYER_NORMS.get(inner)
+        result = None
+        if isinstance(plan, tuple):
+            new, norms = plan
+            inner.__globals__[_HELPER] = _add_then_norm
+            _ORIGINAL_LAYER_CODE[inner] = inner.__code__
+            inner.__code__ = new
+            global _layers_restored
+            _layers_restored = False
+            result = norms
+        _LAYER_NORMS[inner] = result
+        return result
 
 
-def _fuse_layer_code_locked(cls: type) -> tuple[str, ...] | None:
-    global _layers_restored
+def layer_code_refusal(cls: type) -> str | None:
+    """Why the residual adds of ``cls``'s forward are not fused although its layout would allow it: its source
+    file has changed since the class was imported (an upgraded or edited transformers in a running process), so
+    the parsed definition no longer compiles to the code that runs and rewriting it would install the edited
+    body. None otherwise (fused, not that layout, or no source to read)."""
+    with _layers_lock:
+        inner, plan = _layer_plan(cls)
+    return plan if isinstance(plan, str) else None
+
+
+def _compile_definition(definition, owner: str | None, filename: str, future_flags: int):
+    """The code object of the function ``definition`` (an ``ast.FunctionDef`` with its line numbers and columns)
+    compiled as a method of a class named ``owner`` (private names are mangled as in that class), or at module
+    level when ``owner`` is None, under the ``__future__`` features ``future_flags`` (its module's, not ours)."""
+    import ast
+
+    fields = {"type_params": []} if "type_params" in ast.ClassDef._fields else {}  # Python 3.12 and later
+    first = min([definition.lineno] + [d.lineno for d in definition.decorator_list])
+    body = [ast.ClassDef(name=owner, bases=[], keywords=[], body=[definition], decorator_list=[], **fields,
+                         lineno=first, col_offset=0, end_lineno=definition.end_lineno,
+                         end_col_offset=definition.end_col_offset)] if owner else [definition]
+    module = compile(ast.fix_missing_locations(ast.Module(body, type_ignores=[])), filename, "exec",
+                     flags=future_flags, dont_inherit=True)
+    code_type = type(module)
+    scope = next(c for c in module.co_consts if isinstance(c, code_type)) if owner else module
+    return next(c for c in scope.co_consts if isinstance(c, code_type) and c.co_name == definition.name)
+
+
+def _layer_plan(cls: type):
+    """(innermost forward, plan) for ``cls``: plan is (new code, norm names) when the forward can be rewritten,
+    a string saying why not when its source file no longer matches the running code, or None (nothing to fuse,
+    or not readable). Caller holds ``_layers_lock``; plans are kept per function until ``restore_layers``."""
     import ast
     import linecache
-    import textwrap
 
-    inner = inspect.unwrap(cls.forward)
-    if inner in _LAYER_NORMS:
-        return _LAYER_NORMS[inner]
-    result = None
     try:
-        code = getattr(inner, "__code__", None)
+        inner = inspect.unwrap(cls.forward)
+    except Exception:  # noqa: BLE001 - a class whose forward cannot be read (TorchScript's) is not ours
+        return None, None
+    if inner in _LAYER_PLANS:
+        return inner, _LAYER_PLANS[inner]
+    code = _ORIGINAL_LAYER_CODE.get(inner, getattr(inner, "__code__", None))
+    plan = None
+    try:
         if code is None or code.co_freevars:
             raise TypeError("not a plain function")  # a closure (e.g. super() without arguments)
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
-        definition = tree.body[0]
+        qualname = getattr(inner, "__qualname__", "").split(".")
+        if "<locals>" in qualname:
+            raise TypeError("a function defined inside another")
+        owner = qualname[-2] if len(qualname) > 1 else None
+        lines, first = inspect.getsourcelines(inner)
+        # parsed where it stands (the class's indentation, the file's line numbers), so that the unmodified
+        # definition compiles to the very code object that runs when the file is the one the class came from
+        tree = ast.parse("if 1:\n" + "".join(lines))
+        ast.increment_lineno(tree, first - 2)
+        definition = tree.body[0].body[0]
         if not isinstance(definition, ast.FunctionDef) or definition.name != inner.__name__:
             raise TypeError("source is not the function's definition")
+        futures = code.co_flags & _FUTURE_FLAGS
+        if _compile_definition(definition, owner, code.co_filename, futures) != code:
+            plan = (f"residual add not fused: {code.co_filename} has changed since "
+                    f"{inner.__module__} was imported (restart the process to fuse it)")
+            logger.warning("liger_gen.apply_to: %s.%s: %s", inner.__module__, inner.__qualname__, plan)
+            raise LookupError(plan)
         body, norms, i = [], [], 0
         while i < len(definition.body):
             match = _match_add_then_norm(definition.body[i:i + 3])
@@ -620,26 +696,23 @@ def _fuse_layer_code_locked(cls: type) -> tuple[str, ...] | None:
             i += 3
         if norms:
             definition.body, definition.decorator_list = body, []  # the decorators stay on the class
-            source = ast.unparse(ast.fix_missing_locations(ast.Module([definition], type_ignores=[])))
+            definition = ast.parse(ast.unparse(ast.fix_missing_locations(definition))).body[0]  # fresh lines
             filename = f"<liger-gen: {inner.__module__}.{inner.__qualname__} with the residual add fused into the norm>"
+            source = ast.unparse(definition)
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
-            new = next(c for c in compile(source, filename, "exec").co_consts
-                       if isinstance(c, type(code)) and c.co_name == definition.name)
+            new = _compile_definition(definition, owner, filename, futures)
             if new.co_freevars:
                 raise TypeError("the rewrite would need a closure")
             if hasattr(code, "co_qualname"):
                 new = new.replace(co_qualname=code.co_qualname)
-            inner.__globals__[_HELPER] = _add_then_norm
-            _ORIGINAL_LAYER_CODE[inner] = code
-            inner.__code__ = new
-            _layers_restored = False
-            result = tuple(norms)
+            plan = (new, tuple(norms))
+    except LookupError:
+        pass
     except (OSError, TypeError, SyntaxError, ValueError, AttributeError, IndexError, StopIteration, SystemError,
             RecursionError) as e:
         logger.debug("liger_gen.apply_to: %s.forward not rewritten: %s", cls.__qualname__, e)
-        result = None
-    _LAYER_NORMS[inner] = result
-    return result
+    _LAYER_PLANS[inner] = plan
+    return inner, plan
 
 
 def _fused_norm_names(cls: type) -> tuple[str, ...]:
@@ -662,6 +735,7 @@ def restore_layers() -> None:
             function.__code__ = code  # the helper stays in the module: a forward running now may still call it
         _ORIGINAL_LAYER_CODE.clear()
         _LAYER_NORMS.clear()
+        _LAYER_PLANS.clear()
         _layers_restored = True
 
 
@@ -1072,6 +1146,10 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                      f"tested: {', '.join(TESTED_TRANSFORMERS)})"))
     if rope and not _rope_functions(family):
         left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
+    if fused_add_rms_norm and rms_norm and family.norm != "layer":
+        refused = {cls: layer_code_refusal(cls) for cls in {type(m) for m in model.modules()}
+                   if cls.__module__ == modeling.__name__ and cls.__name__.endswith("DecoderLayer")}
+        left += [(type(m).__name__, refused[type(m)]) for m in model.modules() if refused.get(type(m))]
     if strict and left:
         raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
                          f"{'; '.join(_group(left))}; nothing was changed")
