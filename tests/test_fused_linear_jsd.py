@@ -69,6 +69,63 @@ def test_equals_trls_generalized_jsd_loss(beta):
     assert math.isclose(float(got), float(want), rel_tol=1e-5)
 
 
+def _trl_gkd_loss(xs, ws, xt, wt, labels, beta, temperature):
+    """TRL's own ``generalized_jsd_loss(reduction="batchmean")`` on the full float64 logits of (..., H) inputs:
+    (loss, d loss / d xs, d loss / d ws) by autograd."""
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    x64 = xs.detach().double().requires_grad_()
+    w64 = ws.detach().double().requires_grad_()
+    zt = xt.double() @ wt.double().t()
+    loss = gkd.GKDTrainer.generalized_jsd_loss(x64 @ w64.t(), zt, labels, beta=beta, temperature=temperature,
+                                               reduction="batchmean")
+    return (loss.detach(), *torch.autograd.grad(loss, (x64, w64)))
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+@pytest.mark.parametrize("lead", [(3, 5), (2, 2, 4), (15,)], ids=["BxS", "AxBxS", "N"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("with_target", [False, True], ids=["no_target", "target"])
+def test_batchmean_is_trls_generalized_jsd_loss(interpret, lead, beta, with_target, monkeypatch):
+    """reduction="batchmean" is TRL's normalisation: without labels TRL divides the sum by the logits' first dim
+    (the sequences of (B, S, V) logits, not their B·S tokens), with labels by the labelled tokens. Loss and the
+    student's gradients against TRL's own function on float64 logits: exact on the plain float64 path, to
+    float32 rounding on both kernel paths."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    rows = math.prod(lead)
+    xs, ws, xt, wt, target = _inputs(rows, 16, 24, 50, torch.float64, ("batchmean", lead, beta, with_target))
+    x3, xt3, t3 = xs.view(*lead, -1), xt.view(*lead, -1), target.view(lead)
+    labels = t3 if with_target else None
+    want, want_dx, want_dw = _trl_gkd_loss(x3, ws, xt3, wt, labels, beta, 1.3)
+    cases = [(torch.float64, 1e-12, 1e-10)] if interpret == "0" else []
+    cases.append((torch.float32, 1e-5, REL_TOL[torch.float32]))
+    for dtype, loss_tol, grad_tol in cases:
+        x = x3.to(dtype).requires_grad_()
+        w = ws.to(dtype).requires_grad_()
+        got = F.fused_linear_jsd(x, w, xt3.to(dtype), wt.to(dtype), labels, beta=beta, temperature=1.3,
+                                 reduction="batchmean")
+        gx, gw = torch.autograd.grad(got, (x, w))
+        assert math.isclose(float(got), float(want), rel_tol=loss_tol), dtype
+        assert rel_l2(gx, want_dx) < grad_tol and rel_l2(gw, want_dw) < grad_tol, dtype
+    token_mean = F.fused_linear_jsd(x3.float(), ws.float(), xt3.float(), wt.float(), labels, beta=beta,
+                                    temperature=1.3)
+    # the default stays the mean over (valid) tokens: TRL's only without a target or with (N, H) rows
+    factor = 1 if with_target or len(lead) == 1 else rows / lead[0]
+    assert math.isclose(float(token_mean) * factor, float(want), rel_tol=1e-5)
+
+
+def test_kl_div_takes_the_reduction_and_bad_ones_are_refused():
+    xs, ws, xt, wt, _ = _inputs(2 * 6, 16, 16, 40, torch.float32, ("kl batchmean",), ignored=False)
+    x3, xt3 = xs.view(2, 6, -1), xt.view(2, 6, -1)
+    for reverse, beta in ((False, 0.0), (True, 1.0)):
+        got = F.fused_linear_kl_div(x3, ws, xt3, wt, reverse=reverse, reduction="batchmean")
+        assert float(got) == float(F.fused_linear_jsd(x3, ws, xt3, wt, beta=beta, reduction="batchmean"))
+        assert math.isclose(float(got), 6 * float(F.fused_linear_kl_div(x3, ws, xt3, wt, reverse=reverse)),
+                            rel_tol=1e-6)
+    for bad in ("mean", "sum", None, 1):
+        with pytest.raises((ValueError, TypeError), match=r"reduction must be one of \('token_mean', 'batchmean'\)"):
+            F.fused_linear_jsd(x3, ws, xt3, wt, reduction=bad)
+
+
 @pytest.mark.parametrize("interpret", CPU_PATHS)
 def test_chunks_give_the_one_chunk_result(interpret, monkeypatch):
     """Forcing 16-row chunks (three of them, the last partial) changes nothing but the summation order."""

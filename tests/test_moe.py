@@ -199,3 +199,143 @@ def test_tuning_rows_are_capped_so_the_float64_reference_fits_one_gpu():
         capped = SPEC.tuning_rows(shape, rows)
         assert all(r * TUNING_TOP_K * shape.hidden_size <= MAX_TUNING_ELEMENTS for r in capped)
         assert max(capped) * 2 * TUNING_TOP_K * shape.hidden_size > MAX_TUNING_ELEMENTS or max(capped) == 65536
+
+
+# ------------------------------------------------------------------------------------------------ pos and token
+# The kernels' backwards rely on pos being a permutation of the sorted rows and on token being its inverse: the
+# unpermute backward writes dys[pos[t, j]] once per pair (a repeated row would keep one write, not the sum), and
+# the permute backward sums dxs[pos[t, j]] over j as token t's gradient. Both ops refuse inputs that break this.
+
+
+def _inverse_pair(tokens, k, gen):
+    """A random valid (token, pos): pos any permutation of the T·k rows (not grouped by expert), token its inverse."""
+    pos = torch.randperm(tokens * k, generator=gen).view(tokens, k)
+    token = torch.empty(tokens * k, dtype=torch.int64)
+    token[pos.reshape(-1)] = torch.arange(tokens).repeat_interleave(k)
+    return token, pos
+
+
+def _pair(source, tokens, k, gen):
+    if source == "routing":
+        index, _ = _routing(tokens, 2 * k + 1, k, gen)
+        token, pos, _ = moe_routing(index, 2 * k + 1)
+        return token, pos
+    return _inverse_pair(tokens, k, gen)
+
+
+def _two_cells(tokens, k, gen):
+    """Two distinct (t, j) cells of a (tokens, k) pos, in different tokens."""
+    a, b = torch.randperm(tokens, generator=gen)[:2].tolist()
+    ja, jb = torch.randint(k, (2,), generator=gen).tolist()
+    return (a, ja), (b, jb)
+
+
+@pytest.mark.parametrize("source", ["routing", "any_inverse"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_permutations_match_float64_for_any_valid_pos(source, dtype, interpret, monkeypatch):
+    """moe_routing's (token, pos) and any other permutation pos with its inverse token are accepted, and both
+    ops' outputs and gradients (x; ys and the weights) match float64 autograd of the plain indexing."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("valid pos", source, dtype, interpret)
+    tokens, k, hidden = 11, 3, 20
+    token, pos = _pair(source, tokens, k, gen)
+    for index_dtype in (torch.int64, torch.int32):
+        t, p = token.to(index_dtype), pos.to(index_dtype)
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+        ys = torch.randn(tokens * k, hidden, generator=gen).to(dtype).requires_grad_()
+        w = torch.rand(tokens, k, generator=gen).to(dtype).requires_grad_()
+        xs, out = moe_permute(x, t, p), moe_unpermute(ys, p, w)
+        dxs, dout = torch.randn(xs.shape, generator=gen).to(dtype), torch.randn(out.shape, generator=gen).to(dtype)
+        grads = torch.autograd.grad((xs, out), (x, ys, w), (dxs, dout))
+        leaves = [v.detach().double().requires_grad_() for v in (x, ys, w)]
+        ref_xs = leaves[0][token]
+        ref_out = (leaves[1][pos] * leaves[2][..., None]).sum(1)
+        ref_grads = torch.autograd.grad((ref_xs, ref_out), leaves, (dxs.double(), dout.double()))
+        assert rel_l2(xs, ref_xs) < REL_TOL[dtype] and rel_l2(out, ref_out) < REL_TOL[dtype]
+        for name, g, r in zip(("dx", "dys", "dw"), grads, ref_grads):
+            assert g.dtype == dtype and rel_l2(g, r) < REL_TOL[dtype], (name, index_dtype)
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_unpermute_refuses_a_repeated_row(interpret, monkeypatch):
+    """A pos that names one row of ys twice (and so another never) is refused on both paths, naming pos, its
+    shape and dtype and the first repeated row; the kernel path would otherwise return a wrong dys."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("repeated row", interpret)
+    tokens, k, hidden = 9, 2, 16
+    for index_dtype in (torch.int64, torch.int32):
+        _, pos = _pair("routing", tokens, k, gen)
+        (a, ja), (b, jb) = _two_cells(tokens, k, gen)
+        row, lost = int(pos[a, ja]), int(pos[b, jb])
+        pos[b, jb] = row
+        ys = torch.randn(tokens * k, hidden, generator=gen, requires_grad=True)
+        w = torch.rand(tokens, k, generator=gen)
+        shape = rf"shape \({tokens}, {k}\), dtype {index_dtype}"
+        with pytest.raises(ValueError, match=rf"moe_unpermute: pos must hold each row of ys once.*{shape}.*"
+                                             rf"row {row} appears 2 times.*never appear.*row {lost}\)"):
+            moe_unpermute(ys, pos.to(index_dtype), w)
+        with pytest.raises(ValueError, match=rf"row {row} appears 2 times"):
+            moe_unpermute(ys, pos.to(index_dtype))  # unweighted as well
+        with torch.no_grad():  # no backward to guard: the forward is right for any pos in range
+            out = moe_unpermute(ys, pos.to(index_dtype), w)
+        assert rel_l2(out, (ys.detach().double()[pos] * w.double()[..., None]).sum(1)) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_permute_refuses_pos_that_is_not_the_inverse_of_token(interpret, monkeypatch):
+    """Two ways pos can break the inverse that the permute backward sums over, both refused on both paths:
+    a permutation that sends a pair to another token's row, and a token's own row named twice."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("not inverse", interpret)
+    tokens, k, hidden = 10, 3, 16
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    for index_dtype in (torch.int64, torch.int32):
+        token, pos = _pair("any_inverse", tokens, k, gen)
+        (a, ja), (b, jb) = _two_cells(tokens, k, gen)
+        swapped = pos.clone()
+        swapped[a, ja], swapped[b, jb] = pos[b, jb], pos[a, ja]  # still a permutation, no longer token's inverse
+        first = min((a, ja), (b, jb))
+        row = int(swapped[first])
+        with pytest.raises(ValueError, match=rf"moe_permute: pos must be the inverse of token.*shape \({tokens}, "
+                                             rf"{k}\), dtype {index_dtype}.*pos\[{first[0]}, {first[1]}\] = {row} "
+                                             rf"but token\[{row}\] = {int(token[row])}"):
+            moe_permute(x, token.to(index_dtype), swapped.to(index_dtype))
+        repeated = pos.clone()
+        repeated[a, (ja + 1) % k] = pos[a, ja]  # token[repeated] is still t everywhere; one row of a is lost
+        with pytest.raises(ValueError, match=rf"moe_permute: pos must hold each row of xs once.*"
+                                             rf"row {int(pos[a, ja])} appears 2 times"):
+            moe_permute(x, token.to(index_dtype), repeated.to(index_dtype))
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_pos_checks_compile_without_a_graph_break(interpret, monkeypatch):
+    """Under torch.compile(fullgraph=True) the checks are traced device-side assertions (as on CUDA, where they
+    cost no host synchronisation): valid input gives eager mode's result, a repeated row or a pos that is not
+    token's inverse stops the call."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = _gen("compiled checks", interpret)
+    tokens, k, hidden = 7, 2, 16
+    token, pos = _pair("routing", tokens, k, gen)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)  # the checks guard the backwards
+    ys = torch.randn(tokens * k, hidden, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, k, generator=gen)
+
+    def f(x, ys, token, pos, w):
+        return moe_permute(x, token, pos), moe_unpermute(ys, pos, w)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    try:
+        for got, want in zip(compiled(x, ys, token, pos, w), f(x, ys, token, pos, w)):
+            torch.testing.assert_close(got, want)
+        (a, ja), (b, jb) = _two_cells(tokens, k, gen)
+        repeated = pos.clone()
+        repeated[b, jb] = pos[a, ja]
+        with pytest.raises(RuntimeError, match="pos must hold each row"):
+            compiled(x, ys, token, repeated, w)
+        swapped = pos.clone()
+        swapped[a, ja], swapped[b, jb] = pos[b, jb], pos[a, ja]
+        with pytest.raises(RuntimeError, match="pos must be the inverse of token"):
+            compiled(x, ys, token, swapped, w)
+    finally:
+        torch._dynamo.reset()

@@ -10,12 +10,13 @@ temperature T: Q = softmax(x_s W_sᵀ / T), P = softmax(x_t W_tᵀ / T) per row,
     loss = Σ_rows divergence / n_valid    (rows whose target is ignore_index are left out)
 
 the same as ``liger_gen.functional.jsd`` of the two log-softmaxes and TRL's ``GKDTrainer.generalized_jsd_loss``
-(``reduction="batchmean"`` per token). The rows go in chunks: two GEMMs give the chunk's student and teacher
-logits (fp32 accumulation, stored in x's dtype or fp32 as the plan says), one Triton launch reduces them to the
-rows' divergence and writes the student logits' gradient over them, and two more GEMMs give the chunk's dx_s
-and dW_s — in the forward, so nothing is recomputed; the backward only scales them by the upstream gradient.
-The teacher gets no gradient. Kernels: ``templates/fused_linear_jsd.py.jinja``; the chunk plan is tuned with
-them under the fused linear cross-entropy's extra-memory budget (256 MiB).
+(``reduction="batchmean"``) with labels; without them TRL divides by the logits' first dim, which
+``reduction="batchmean"`` reproduces (a constant factor on the loss and its gradients). The rows go in chunks:
+two GEMMs give the chunk's student and teacher logits (fp32 accumulation, stored in x's dtype or fp32 as the plan
+says), one Triton launch reduces them to the rows' divergence and writes the student logits' gradient over them,
+and two more GEMMs give the chunk's dx_s and dW_s — in the forward, so nothing is recomputed; the backward only
+scales them by the upstream gradient. The teacher gets no gradient. Kernels: ``templates/fused_linear_jsd.py.jinja``;
+the chunk plan is tuned with them under the fused linear cross-entropy's extra-memory budget (256 MiB).
 """
 
 from __future__ import annotations
@@ -364,6 +365,11 @@ _fused_linear_jsd_2d = Differentiable(fused_linear_jsd_fwd, _save, _backward,
 # ------------------------------------------------------------------------------------------------ public ops
 
 
+#: ``fused_linear_jsd``'s normalisations of the summed divergence: over the (valid) tokens, or TRL's
+#: ``generalized_jsd_loss(reduction="batchmean")`` (over the first dim of the logits when no labels are given)
+REDUCTIONS = ("token_mean", "batchmean")
+
+
 def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, temperature, ignore_index):
     for name, t in (("student_x", student_x), ("student_lm_head_weight", student_w), ("teacher_x", teacher_x),
                     ("teacher_lm_head_weight", teacher_w)):
@@ -421,9 +427,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(0) == 1 or x2d.stride(1) == 1 else x2d.contiguous()
 
 
+def _check_reduction(op: str, reduction) -> str:
+    if not isinstance(reduction, str):
+        raise TypeError(f"{op}: reduction must be one of {REDUCTIONS}, got {type(reduction).__name__} "
+                        f"{reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {type(reduction).__name__} "
+                         f"{reduction!r}")
+    return reduction
+
+
+def _batchmean_factor(student_x: torch.Tensor, target: torch.Tensor | None, reduction: str) -> float:
+    """What turns the token mean into ``reduction``'s: max(tokens, 1) / max(B, 1) for "batchmean" without a
+    target (B = student_x.shape[0], 1 for a single (H,) token), else 1. From shapes only: no host sync."""
+    if reduction == "token_mean" or target is not None:
+        return 1.0
+    tokens = math.prod(student_x.shape[:-1])
+    batch = student_x.shape[0] if student_x.dim() >= 2 else 1
+    return max(tokens, 1) / max(batch, 1)
+
+
 def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tensor, teacher_x: torch.Tensor,
                      teacher_lm_head_weight: torch.Tensor, target: torch.Tensor | None = None, beta: float = 0.5,
-                     temperature: float = 1.0, ignore_index: int = -100) -> torch.Tensor:
+                     temperature: float = 1.0, ignore_index: int = -100, *,
+                     reduction: str = "token_mean") -> torch.Tensor:
     """Generalised Jensen-Shannon divergence between the teacher's and the student's next-token distributions,
     from hidden states and LM heads, without the full logits (distillation; GKD, Agarwal et al. 2024).
 
@@ -431,9 +458,19 @@ def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tens
     per token, and ``M = beta·P + (1 − beta)·Q``: ``JSD_beta = beta·KL(P ‖ M) + (1 − beta)·KL(Q ‖ M)``;
     ``beta = 0`` is the forward KL ``KL(P ‖ Q)`` and ``beta = 1`` the reverse KL ``KL(Q ‖ P)`` (the limits of
     JSD_beta/beta and JSD_beta/(1 − beta), as TRL's ``generalized_jsd_loss`` and Liger-Kernel's JSD define the
-    endpoints). The loss is the sum over tokens whose ``target`` is not ``ignore_index`` (all tokens without a
-    target) divided by their number (at least 1): TRL's ``reduction="batchmean"`` per token. The logits are not
-    scaled back by temperature².
+    endpoints). The logits are not scaled back by temperature². The loss normalises S = Σ JSD_beta over the
+    tokens whose ``target`` is not ``ignore_index`` (over all tokens without a target):
+
+        reduction="token_mean" (default):   loss = S / max(n, 1)    n = the tokens in S
+        reduction="batchmean" (TRL's):      loss = S / max(n, 1)    with a target
+                                            loss = S / max(B, 1)    without one: B = student_x.shape[0], the
+                                                                    sequences of (B, T, H) input (1 for (H,))
+
+    "batchmean" is TRL's ``GKDTrainer.generalized_jsd_loss(reduction="batchmean")``: ``sum / logits.size(0)``
+    without labels, ``sum / (labels != -100).sum()`` with them. The two differ only without a target on input of
+    3 or more dims, by the constant factor n / B (T for (B, T, H)), in the loss and in its gradients. (TRL's
+    ``GKDTrainer.compute_loss`` passes labels, and ``num_items_in_batch`` when the Trainer gives it: then S is
+    divided by that count, which is ``loss · n / num_items_in_batch`` of the default.)
 
     Exact gradients for the student (x and head), computed in the forward chunk by chunk; the teacher gets none.
     Extra memory is bounded by ``FusedLinearJSDSpace.MAX_EXTRA_BYTES`` (256 MiB) for any number of tokens,
@@ -447,6 +484,7 @@ def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tens
         target: optional, student_x's leading shape, int64/int32: tokens equal to ``ignore_index`` are left out
             (the other values are not read as classes).
         beta: in [0, 1]. temperature: > 0, finite.
+        reduction: "token_mean" or "batchmean" (keyword only), as above.
 
     Returns the loss, 0-d float32 (float64 for float64 inputs, on the plain CPU path only), differentiable in
     student_x and student_lm_head_weight (double backward is not supported).
@@ -454,12 +492,23 @@ def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tens
     Raises:
         TypeError: a non-tensor, non-floating or mismatched dtypes, a target that is not int64/int32, float64 on
             the kernel path. ValueError: shapes (teacher_x's leading shape, a head that is not (vocab, hidden), a
-            teacher of another vocabulary), beta outside [0, 1], temperature ≤ 0 or infinite, tensors on
-            different devices, a DeepSpeed ZeRO-3 partition as a head.
+            teacher of another vocabulary), beta outside [0, 1], temperature ≤ 0 or infinite, a reduction not in
+            ("token_mean", "batchmean") (TypeError if not a string), tensors on different devices, a DeepSpeed
+            ZeRO-3 partition as a head.
     """
     op = "fused_linear_jsd"
     beta, temperature, ignore_index = _check(op, student_x, student_lm_head_weight, teacher_x,
                                              teacher_lm_head_weight, target, beta, temperature, ignore_index)
+    factor = _batchmean_factor(student_x, target, _check_reduction(op, reduction))
+    loss = _token_mean(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target, beta,
+                       temperature, ignore_index)
+    # a constant on the 0-d loss: autograd scales the chunk gradients by it in their one scaling pass
+    return loss if factor == 1.0 else loss * factor
+
+
+def _token_mean(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target, beta, temperature,
+                ignore_index) -> torch.Tensor:
+    """``fused_linear_jsd`` with reduction="token_mean", without its checks."""
     flat_target = None if target is None else target.reshape(-1).contiguous()
     if student_x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused reference
         return fused_linear_jsd_torch(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight,
@@ -476,13 +525,14 @@ def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tens
 
 def fused_linear_kl_div(student_x: torch.Tensor, student_lm_head_weight: torch.Tensor, teacher_x: torch.Tensor,
                         teacher_lm_head_weight: torch.Tensor, target: torch.Tensor | None = None,
-                        reverse: bool = False, temperature: float = 1.0, ignore_index: int = -100) -> torch.Tensor:
+                        reverse: bool = False, temperature: float = 1.0, ignore_index: int = -100, *,
+                        reduction: str = "token_mean") -> torch.Tensor:
     """KL divergence between the teacher's and the student's next-token distributions from hidden states and LM
     heads, without the full logits: ``KL(P ‖ Q) = Σ_v P·(log P − log Q)`` (forward KL, the classic distillation
     loss of Hinton et al. 2015, ``F.kl_div(student_logp, teacher_logp, log_target=True)``), or with
     ``reverse=True`` ``KL(Q ‖ P)`` (reverse KL, MiniLLM, Gu et al. 2024). ``fused_linear_jsd`` with beta 0 or 1:
-    the same arguments, result, gradients and errors."""
+    the same arguments (``reduction`` too), result, gradients and errors."""
     if not isinstance(reverse, bool):
         raise TypeError(f"fused_linear_kl_div: reverse must be a bool, got {type(reverse).__name__} {reverse!r}")
     return fused_linear_jsd(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target,
-                            1.0 if reverse else 0.0, temperature, ignore_index)
+                            1.0 if reverse else 0.0, temperature, ignore_index, reduction=reduction)

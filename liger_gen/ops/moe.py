@@ -310,8 +310,8 @@ def _unpermute_bwd_impl(dout: torch.Tensor, ys: torch.Tensor, pos: torch.Tensor,
             _module(ys, pos.shape[0]).unpermute_backward(dout, ys, pos, weights, dys, dw)
         else:
             p = pos.long()
-            dys[p.reshape(-1)] = (weights.float()[..., None] * dout.float()[:, None, :]).reshape(-1, ys.shape[1]).to(
-                ys.dtype)
+            dys.index_put_((p.reshape(-1),), (weights.float()[..., None] * dout.float()[:, None, :]).reshape(
+                -1, ys.shape[1]).to(ys.dtype), accumulate=True)  # a row named twice sums, as autograd would
             dw.copy_((dout.float()[:, None, :] * ys[p].float()).sum(-1))
     return dys, dw
 
@@ -383,6 +383,60 @@ def _check_range(op: str, name: str, t: torch.Tensor, bound: int) -> None:
         torch._assert_async(((t >= 0) & (t < bound)).all(), f"{op}: {name} holds indices outside [0, {bound})")
 
 
+def _check_pairs(op: str, rows: str, pos: torch.Tensor, token: torch.Tensor | None = None) -> None:
+    """What the kernels' backwards rely on (``moe_routing`` returns it): ``pos`` (T, k) names each of the T·k
+    sorted rows exactly once, since the unpermute backward writes ``dys[pos[t, j]]`` once per pair rather than
+    summing; and, with ``token`` (T·k,) given, ``token[pos[t, j]] == t`` for every (t, j), since the permute
+    backward sums token t's gradient over the rows ``pos[t]``. Together: pos is a permutation of [0, T·k) and
+    token its inverse. Indices are in range already (``_check_index``).
+
+    CPU: ValueError naming the first repeated row, or the first (t, j) where the inverse fails. CUDA, and while
+    torch.compile traces: ``torch._assert_async`` (no host synchronisation; the program stops at the next one,
+    as an out-of-range index in PyTorch's own ops does)."""
+    n = pos.numel()
+    if n == 0:
+        return
+    flat = pos.reshape(-1).long()
+    tokens, k = pos.shape
+    if torch.compiler.is_compiling() or pos.device.type != "cpu":
+        # n indices that reach all n rows are a permutation; clamped so that the check itself reads in bounds
+        # (an index out of range then leaves a row unreached and fails the check)
+        p = flat.clamp(0, n - 1)
+        reached = torch.zeros(n, dtype=torch.bool, device=pos.device).index_fill_(0, p, True)
+        torch._assert_async(reached.all(), f"{op}: pos must hold each row of {rows} once (a permutation of its "
+                                           f"rows)")
+        if token is not None:
+            owner = torch.arange(tokens, device=pos.device)[:, None].expand(tokens, k)
+            torch._assert_async((token.long()[p].view(tokens, k) == owner).all(),
+                                f"{op}: pos must be the inverse of token (token[pos[t, j]] == t)")
+        return
+    counts = torch.bincount(flat, minlength=n)
+    if bool((counts != 1).any()):
+        order = flat.argsort(stable=True)
+        ordered = flat[order]
+        again = order[1:][ordered[1:] == ordered[:-1]].min()  # the first cell that repeats an earlier one
+        row = int(flat[again])
+        first = int((flat == row).nonzero()[0, 0])
+        missing = (counts == 0).nonzero()[:, 0]
+        raise ValueError(
+            f"{op}: pos must hold each row of {rows} once (a permutation of [0, {n}) such as moe_routing returns: "
+            f"the backward writes each row's gradient once, it does not sum a repeated row); got "
+            f"{describe('pos', pos)} in which row {row} appears {int(counts[row])} times (pos[{first // k}, "
+            f"{first % k}] and pos[{int(again) // k}, {int(again) % k}]) and {missing.numel()} row(s) never "
+            f"appear (the first: row {int(missing[0])})")
+    if token is None:
+        return
+    owner = token.long()[pos.long()]
+    bad = (owner != torch.arange(tokens)[:, None]).nonzero()
+    if bad.numel():
+        t, j = (int(v) for v in bad[0])
+        row = int(pos[t, j])
+        raise ValueError(
+            f"{op}: pos must be the inverse of token (token[pos[t, j]] == t for every t, j, as moe_routing returns "
+            f"them: the backward sums token t's gradient over the rows pos[t]); got {describe('pos', pos)} and "
+            f"{describe('token', token)} where pos[{t}, {j}] = {row} but token[{row}] = {int(token[row])}")
+
+
 def _check_rows(op: str, name: str, t) -> None:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
         raise TypeError(f"{op}: {name} must be a 2-D floating tensor (rows, hidden); got "
@@ -400,14 +454,19 @@ def moe_permute(x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor) -> torc
         x: (T, H) float32, bfloat16 or float16, any row stride.
         token: (T·k,) int64/int32, the token of each sorted row (``moe_routing``).
         pos: (T, k) int64/int32, the sorted row of each (token, choice): the inverse of ``token``, which the
-            backward uses to sum each token's k gradient rows in a fixed order (no atomics).
+            backward uses to sum each token's k gradient rows in a fixed order (no atomics). It must be a
+            permutation of [0, T·k) with ``token[pos[t, j]] == t`` for every (t, j), as ``moe_routing`` returns
+            them; checked when x requires grad (the forward does not read pos).
 
     Returns:
-        (T·k, H) in x's dtype. Differentiable in x: dx[t] = Σ_j dxs[pos[t, j]].
+        (T·k, H) in x's dtype. Differentiable in x: dx[t] = Σ_j dxs[pos[t, j]] (= Σ_{i: token_i = t} dxs[i]).
 
     Raises:
         TypeError: x not a 2-D floating tensor, token or pos not integer tensors. ValueError: shapes that do
-        not match, indices out of range (checked on the CPU), tensors on different devices.
+        not match, indices out of range, a pos that names a row twice or is not token's inverse (naming the
+        first such row or (t, j)), tensors on different devices. Values are checked on the CPU at once; on CUDA
+        by device-side assertions, with no host synchronisation: the program stops at the next synchronisation
+        (as with an out-of-range index in PyTorch's own ops) with "device-side assert triggered".
     """
     op = "moe_permute"
     _check_rows(op, "x", x)
@@ -419,6 +478,8 @@ def moe_permute(x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor) -> torc
         raise ValueError(f"{op}: pos must be (T, k) with T = x's rows {x.shape[0]}; got {describe('pos', pos)}")
     _check_index(op, "token", token, (pos.numel(),), x.shape[0])
     check_same_device(op, x=x, token=token, pos=pos)
+    if x.requires_grad and torch.is_grad_enabled():  # the forward reads token only; its backward reads pos
+        _check_pairs(op, "xs", pos, token)
     return _permute(x, token, pos)
 
 
@@ -434,7 +495,10 @@ def moe_unpermute(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | N
 
     Args:
         ys: (T·k, H) float32, bfloat16 or float16, the experts' outputs in sorted-row order.
-        pos: (T, k) int64/int32, the sorted row of each (token, choice) (``moe_routing``).
+        pos: (T, k) int64/int32, the sorted row of each (token, choice) (``moe_routing``): a permutation of
+            [0, T·k), since the backward writes dys[pos[t, j]] = weights[t, j] · dout[t] once per pair rather
+            than summing a repeated row; checked when ys requires grad (the forward and dw are right for any
+            pos in range).
         weights: (T, k) floating routing weights, or None for a plain sum. Not required to sum to 1.
 
     Returns:
@@ -442,7 +506,7 @@ def moe_unpermute(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | N
         gradient in their dtype: dw[t, j] = <dout[t], ys[pos[t, j]]>).
 
     Raises:
-        TypeError / ValueError as ``moe_permute`` for ys, pos and weights.
+        TypeError / ValueError as ``moe_permute`` for ys, pos (out of range, or a row named twice) and weights.
     """
     op = "moe_unpermute"
     _check_rows(op, "ys", ys)
@@ -456,6 +520,8 @@ def moe_unpermute(ys: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | N
                              + (describe("weights", weights) if isinstance(weights, torch.Tensor)
                                 else type(weights).__name__))
     check_same_device(op, ys=ys, pos=pos, weights=weights)
+    if ys.requires_grad and torch.is_grad_enabled():  # the forward and dw are right for any pos; dys is not
+        _check_pairs(op, "ys", pos)
     return _unpermute(ys, pos, weights)
 
 
