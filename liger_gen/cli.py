@@ -20,9 +20,19 @@ OPS = available_ops()
 DEFAULT_ROWS = "4096,16384,65536"
 
 
+def _csv_items(value: str, what: str, param_hint: str | None = None) -> list[str]:
+    """The stripped items of a comma-separated option value (none for an empty value). An empty item ('a,,b',
+    'a,') is a usage error: a typo more often than a wish to drop it. ``param_hint`` names the option when this
+    is called outside the option's callback."""
+    items = [v.strip() for v in value.split(",")]
+    if any(items) and not all(items):
+        raise click.BadParameter(f"empty item in {value!r}: expected comma-separated {what}", param_hint=param_hint)
+    return [v for v in items if v]
+
+
 def _csv_ints(ctx, param, value: str) -> list[int]:
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in _csv_items(value, "positive integers")]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not out or any(v < 1 for v in out):
@@ -31,11 +41,47 @@ def _csv_ints(ctx, param, value: str) -> list[int]:
 
 
 def _csv_ops(ctx, param, value: str) -> list[str]:
-    ops = [v.strip() for v in value.split(",") if v.strip()]
+    ops = _csv_items(value, "op names")
     unknown = [o for o in ops if o not in OPS]
     if unknown or not ops:
         raise click.BadParameter(f"unknown op(s) {unknown or value!r}; available: {', '.join(OPS)}")
     return ops
+
+
+def _csv_dtypes(ctx, param, value: str) -> str:
+    """The --dtype text, unchanged once it has no empty item (the command reads the names)."""
+    _csv_items(value, "dtype names")
+    return value
+
+
+def _csv_devices(ctx, param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        devices = [int(v) for v in _csv_items(value, "GPU indices")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated GPU indices, got {value!r}") from None
+    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+        raise click.BadParameter(f"expected distinct GPU indices >= 0, got {value!r}")
+    return devices
+
+
+def _writable_out(path: str | Path) -> Path:
+    """``path`` as an output folder (``liger_gen.files.writable_folder``: made if missing, a file written in it and
+    removed), or a usage error naming --out. Every command with --out checks it so, before its work: a run never
+    ends by failing to write what it measured."""
+    from liger_gen.files import writable_folder
+
+    try:
+        return writable_folder(path)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--out'") from None
+
+
+def _out_folder(ctx, param, value: Path | None) -> Path | None:
+    """The callback of every --out: the folder checked by ``_writable_out`` (None stays None: the command checks
+    its default folder itself)."""
+    return None if value is None else _writable_out(value)
 
 
 def _gpu_name(ctx, param, value: str | None) -> str | None:
@@ -88,11 +134,12 @@ def main() -> None:
 @click.option("--ops", default=",".join(OPS), show_default=True, callback=_csv_ops, help="Comma-separated ops.")
 @click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=_csv_ints,
               help="Token counts (rows) to tune; the runtime picks the nearest in log distance.")
-@click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
+@click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=_csv_dtypes,
               help="Comma-separated dtypes: bfloat16, float16, float32.")
 @click.option("--trials", default=24, show_default=True, type=click.IntRange(1, 10_000),
               help="Optuna trials per kernel (forward and backward each) and shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              callback=_out_folder,
               help="Table root; writes OUT/<gpu>/<op>.json. Default: the package's tuned/ folder in a source "
                    "checkout, else ~/.local/share/liger-gen/tuned ($XDG_DATA_HOME/liger-gen/tuned), which the "
                    "runtime also reads.")
@@ -110,7 +157,7 @@ def main() -> None:
                    "reaches its share stops (recorded in the table), re-timing still runs. 0: no cap.")
 @click.option("--workers", default=None, type=click.IntRange(1),
               help="Tune on this many GPUs (0..N-1) in parallel, one worker process each, sharing --storage.")
-@click.option("--devices", default=None,
+@click.option("--devices", default=None, callback=_csv_devices,
               help="Comma-separated GPU indices to tune on in parallel (e.g. 0,1,2,3); overrides --workers.")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Points the search proposes at once (part of the search: the same seed and batch give the same "
@@ -159,15 +206,6 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
 
     require("optuna", "liger-gen tune")  # a training-only install: the group turns this into the pip command
 
-    if devices is not None:
-        text = devices
-        try:
-            devices = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise click.BadParameter(f"expected comma-separated GPU indices, got {text!r}",
-                                     param_hint="--devices") from None
-        if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
-            raise click.BadParameter(f"expected distinct GPU indices >= 0, got {text!r}", param_hint="--devices")
     if run_id is not None:
         import re
 
@@ -231,7 +269,7 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
         torch.cuda.set_device(devices[0])  # one GPU: this process tunes on it; several: the lead's takeovers do
     from liger_gen.tuning.tuner import JournalError, SharedRunError, StorageError
 
-    out_root = out_dir or default_tune_root()
+    out_root = out_dir or _writable_out(default_tune_root())
     if compile_workers is None:
         compile_workers = default_compile_workers(len(devices) if devices else 1)
     try:
@@ -314,6 +352,7 @@ def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int]
 @click.option("--heuristic/--no-heuristic", default=True, show_default=True,
               help="Also compile the heuristic configs (used where a table is refused at run time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              callback=_out_folder,
               help="Tables root to write OUT/<gpu>/compiled/triton-<version>-<backend>-sm<arch>/ under. "
                    "Default: where `liger-gen tune` writes.")
 @click.option("--replace", is_flag=True,
@@ -344,6 +383,7 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
     from liger_gen import prebuild
     from liger_gen.runtime.compiled import store_summary
 
+    out_root = out_dir or _writable_out(default_tune_root())
     device = torch.device("cuda", torch.cuda.current_device())
     if rows:
         def steps():
@@ -357,7 +397,6 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
                 raise click.BadParameter(str(exc), param_hint="--model") from None
         what = {"model": model_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype_name,
                 "layers": layers}
-    out_root = out_dir or default_tune_root()
     path = prebuild.build(steps, out_root, gpu, heuristic=heuristic, built_for=what, merge=not replace)
     summary = store_summary(path)
     click.echo(f"wrote {summary['kernels']} compiled kernels ({summary['files']} files, "
@@ -392,7 +431,7 @@ def show(gpu, show_trials, ops) -> None:
               help="Model preset or a path to a Hugging Face config.json: the shapes to check.")
 @click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=_csv_ints,
               help="Token counts to check (capped per op as the tuner caps them).")
-@click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
+@click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=_csv_dtypes,
               help="Comma-separated activation dtypes.")
 @click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
               help="Comma-separated ops the model runs. Default: for a config.json of a supported family, the ops "
@@ -459,6 +498,7 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run (Triton's interpreter with TRITON_INTERPRET=1; kernel ms is host time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              callback=_out_folder,
               help="Folder for bench_<model>_<gpu>.json and .png, and for --render's .md and .png (default: the "
                    "current folder).")
 @click.option("--render", "render_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -473,22 +513,32 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
           seed) -> None:
     """Time every op at a model's shapes: liger-gen vs its heuristic, torch eager/compile, Liger-Kernel, CCE."""
     from liger_gen.bench import report
+    from liger_gen.files import ResultsNotWritten, write_atomic
 
     if render_path is not None:
         try:
-            data = report.derive(report.load_json(render_path))
+            loaded = report.load_json(render_path)  # read capped, never blocking; ReportError names the file
+        except report.ReportError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--render'") from None
+        try:
+            data = report.derive(loaded)
             markdown = report.render_markdown(data)
         except report.ReportError as exc:
             raise click.ClickException(str(exc)) from None
-        except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:  # parses, wrong field types
+        except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
+            # it parses, but a field has the wrong type (or holds lists nested past Python's stack)
             raise click.ClickException(f"{render_path} is not a liger-gen bench result this version can read "
                                        f"(a field has an unexpected type: {type(exc).__name__}: {exc})") from None
-        folder = out_dir or Path(".")
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{render_path.stem}.md").write_text(markdown, encoding="utf-8")
+        folder = out_dir or _writable_out(Path("."))
         click.echo(markdown, nl=False)
+        md = folder / f"{render_path.stem}.md"
+        try:
+            write_atomic(md, markdown)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {md}: {exc.strerror or exc} (the markdown is printed "
+                                       f"above)") from None
         png = _bench_plot(report, data, folder / f"{render_path.stem}.png")
-        click.echo(f"wrote {folder / (render_path.stem + '.md')}" + (f" and {png}" if png else ""), err=True)
+        click.echo(f"wrote {md}" + (f" and {png}" if png else ""), err=True)
         return
 
     import torch
@@ -501,7 +551,7 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
         torch_dtype = dtype_from_name(dtype)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    names = list(PROVIDERS) if providers is None else [p.strip() for p in providers.split(",") if p.strip()]
+    names = list(PROVIDERS) if providers is None else _csv_items(providers, "provider names", "'--providers'")
     unknown = [p for p in names if p not in PROVIDERS]
     if unknown or not names:
         raise click.BadParameter(f"unknown provider(s) {unknown or providers!r}; known: {', '.join(PROVIDERS)}",
@@ -519,11 +569,15 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
                    + ("liger-gen runs its Triton kernels in Triton's interpreter." if interpreter_enabled() else
                       "TRITON_INTERPRET=1 is not set, so liger-gen runs its plain-PyTorch path, not its kernels "
                       "(set it before starting Python to run the kernels in the interpreter)."), err=True)
+    folder = out_dir or _writable_out(Path("."))
     data = run_bench(model, ops=ops, providers=names, rows=rows, dtype=torch_dtype, device=device,
                      settings=Settings(iters=iters, wall_iters=wall_iters, warmup=warmup), seed=seed)
-    folder = out_dir or Path(".")
     stem = report.default_stem(data)
-    click.echo(f"wrote {report.write_json(data, folder / f'{stem}.json')}", err=True)
+    try:
+        click.echo(f"wrote {report.write_json(data, folder / f'{stem}.json')}", err=True)
+    except ResultsNotWritten as exc:  # the JSON is in a temporary file (or printed): show the table, then fail
+        report.print_table(data)
+        raise click.ClickException(str(exc)) from None
     png = _bench_plot(report, data, folder / f"{stem}.png")
     if png:
         click.echo(f"wrote {png}", err=True)
@@ -551,6 +605,8 @@ def bench_step(first_step, repeats, **options) -> None:
     """
     import torch
 
+    from liger_gen.files import ResultsNotWritten
+
     if first_step:
         from liger_gen.bench.step import run_first_step
 
@@ -560,6 +616,8 @@ def bench_step(first_step, repeats, **options) -> None:
             result = run_first_step(repeats=repeats, **{k: v for k, v in options.items() if k in keep})
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
+        except ResultsNotWritten as exc:  # measured, printed, kept in a temporary file the message names
+            raise click.ClickException(str(exc)) from None
         if any(r.get("status") == "error" for m in result["models"].values() for p in m.values()
                for r in p["runs"]):
             sys.exit(1)
@@ -578,6 +636,8 @@ def bench_step(first_step, repeats, **options) -> None:
         result = run_step_benchmark(**options)
     except ValueError as exc:  # a bad option value (unknown model/provider/device, bad number, too little text)
         raise click.BadParameter(str(exc)) from None
+    except ResultsNotWritten as exc:  # measured, printed, kept in a temporary file the message names
+        raise click.ClickException(str(exc)) from None
     if any(p.get("status") == "error" or (p.get("loss_check") or {}).get("pass") is False
            for m in result.get("models", {}).values() for p in m.get("providers", {}).values()):
         sys.exit(1)
@@ -602,6 +662,7 @@ def bench_step(first_step, repeats, **options) -> None:
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run in fp32 (host time, no memory figures).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              callback=_out_folder,
               help="Folder for bench_losses.json (default: the current folder).")
 def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, device, out_dir) -> None:
     """Post-training losses from hidden states (DPO, ORPO, CPO, SimPO, KTO, GRPO, JSD distillation) at an LM head:
@@ -610,22 +671,24 @@ def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, de
     import torch
 
     from liger_gen.bench.losses import format_table, run_losses
+    from liger_gen.files import ResultsNotWritten
 
+    names = list(dict.fromkeys(_csv_items(losses, "loss names", "'--losses'")))
+    provider_names = list(dict.fromkeys(_csv_items(providers, "provider names", "'--providers'")))
+    if not names or not provider_names:
+        raise click.BadParameter("name at least one loss and one provider", param_hint="--losses / --providers")
     if device == "cuda" and not torch.cuda.is_available():
         raise click.ClickException("no CUDA GPU is visible; `liger-gen bench-losses --device cpu --hidden 64 --vocab "
                                    "512 --batch 2 --seq 32 --providers torch-eager,liger-gen` is a functional run "
                                    "on the CPU")
-    names = list(dict.fromkeys(k.strip() for k in losses.split(",") if k.strip()))
-    provider_names = list(dict.fromkeys(p.strip() for p in providers.split(",") if p.strip()))
-    if not names or not provider_names:
-        raise click.BadParameter("name at least one loss and one provider", param_hint="--losses / --providers")
-    folder = out_dir or Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = out_dir or _writable_out(Path("."))
     try:
         result = run_losses(names, provider_names, hidden, vocab, batch, seq, iters, warmup, device,
                             folder / "bench_losses.json")
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    except ResultsNotWritten as exc:  # measured and kept in a temporary file the message names
+        raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {folder / 'bench_losses.json'}", err=True)
     click.echo(format_table(result))
 
@@ -638,7 +701,7 @@ def _bench_plot(report, data: dict, path: Path) -> Path | None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             png = report.plot(data, path)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
         click.echo(f"no PNG: {exc}", err=True)
         return None
     for w in caught:  # report.plot's own warnings (no matplotlib) as plain lines, not a Python warning's two

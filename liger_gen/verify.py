@@ -2,16 +2,17 @@
 
 For every op, activation dtype, feature dims of the model and token count the tuner tunes at, it walks the same
 sources as the runtime (``$LIGER_GEN_TUNED_DIR``, the user tables folder, the packaged tables) and reports the
-table entry that would be used, or that the heuristic would run and why. It checks the compiled kernel stores
-of the GPU beside the tables as the runtime would (manifest, trust, every file's hash, Triton version, the GPU
-architecture where that GPU is visible) and says which ops' kernels each holds. Every table file in those sources for
-the GPU is checked as the runtime checks it (format, op, GPU, template hashes, Triton version under
-``LIGER_GEN_STRICT_TABLES``), and the config of every entry the model's shapes would use against the op's
-constraints: the visible GPU's limits
-when it is the named one, otherwise the defaults, which is said. The exit status is 1 when a table file is
-or a compiled kernel store is
-unusable, or when a shape the model needs would run the heuristic (unless ``allow_heuristic``), so an image
-build can fail early.
+table entry that would be used, or that the heuristic would run and why. A tables folder that cannot be looked
+at (a name over the system's limit, a folder that may not be entered) is a notice, as the runtime reads no table
+there (``tables.inspect_folder``). It checks the compiled kernel stores of the GPU beside the tables as the
+runtime would (``compiled.store_folders`` and ``compiled.open_store``: real path, trust, the manifest's schema;
+then every file's hash, Triton version, the GPU architecture where that GPU is visible) and says which ops'
+kernels each holds. Every table file in those sources for the GPU is checked as the runtime checks it (format,
+op, GPU, template hashes, Triton version under ``LIGER_GEN_STRICT_TABLES``), and the config of every entry the
+model's shapes would use against the op's constraints: the visible GPU's limits when it is the named one,
+otherwise the defaults, which is said. The exit status is 1 when a table file, an entry or a compiled kernel
+store is unusable, or when a shape the model needs would run the heuristic (unless ``allow_heuristic``), so an
+image build can fail early.
 """
 
 from __future__ import annotations
@@ -87,13 +88,22 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
     if unchecked:
         report.unchecked.append(unchecked)
     specs = {spec.name: spec for spec in all_specs()}
+    unreadable = set()  # folders the runtime cannot look at: it reads no tables there (a notice, as there)
     env = os.environ.get(tables.ENV_TUNED_DIR)
-    if env and not Path(env).is_dir():
-        report.notices.append(f"${tables.ENV_TUNED_DIR}={env} is not a folder: the runtime finds no tables there")
+    if env:
+        st, why = tables.inspect_folder(Path(env))
+        if st is None:
+            if why:
+                unreadable.add(Path(env))
+            report.notices.append(f"${tables.ENV_TUNED_DIR}={env} {why or 'does not exist'}: the runtime finds no "
+                                  f"tables there")
     user = tables.user_tables_root()
-    if user.exists() and all(Path(root) != user for _, root in tables.table_roots()):
-        report.file_problems.append(f"the user tables folder {user} is not used: it must belong to you and not be "
-                                    f"writable by group or others")
+    if not env or Path(env) != user:
+        status, why = tables.user_root_status(user)  # the runtime's rule (``table_roots``)
+        if status == "not private":
+            report.file_problems.append(f"the user tables folder {user} is not used: {why}")
+        elif status == "unreadable":
+            report.notices.append(f"the user tables folder {user} {why}: the runtime reads no tables there")
     roots, seen_roots = [], set()
     for source, root in tables.table_roots():  # the same folder twice (a symlink) is read once
         resolved = Path(root).resolve()
@@ -101,9 +111,10 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             seen_roots.add(resolved)
             roots.append((source, root))
     report.roots = [(source, str(root)) for source, root in roots]
+    readable = [(source, root) for source, root in roots if Path(root) not in unreadable]
     loaded: dict[tuple[str, str], dict | None] = {}
     same_remark: dict[tuple[str, str], list[str]] = {}
-    for source, root in roots:  # every table file of this GPU, whether or not the model needs its op
+    for source, root in readable:  # every table file of this GPU, whether or not the model needs its op
         folder = Path(root) / gpu
         try:
             paths = tables.table_files(folder)
@@ -128,8 +139,8 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
         report.no_tables = tables.no_tables_message(gpu, specs, roots)
     from liger_gen.codegen.spaces import template_names
 
-    check_compiled(report, gpu, roots, {name: template_names(spec.space) for name, spec in specs.items()
-                                        if ops is None or name in ops})
+    check_compiled(report, gpu, readable, {name: template_names(spec.space) for name, spec in specs.items()
+                                           if ops is None or name in ops})
     for name, spec in specs.items():
         if ops is not None and name not in ops:
             continue
@@ -257,17 +268,10 @@ def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tupl
                                 f"visible; their files, hashes and Triton version were checked)")
     found = 0
     for source, root in roots:
-        folder = Path(root) / gpu / compiled.FOLDER
-        for path in sorted(folder.glob(f"triton-*/{compiled.MANIFEST}")) if folder.is_dir() else []:
-            store_dir = path.parent
+        for store_dir in compiled.store_folders(root, gpu):  # on their real path, as the runtime reads them
             found += 1
             try:
-                if source != "packaged":
-                    reason = compiled.untrusted_reason(store_dir)  # with compiled/ and <gpu>/ above it
-                    if reason:
-                        raise ValueError(f"{reason}: a compiled kernel folder must belong to you and not be "
-                                         f"writable by group or others")
-                manifest = compiled.read_manifest(path)
+                manifest = compiled.open_store(store_dir, source)  # trust (a user store) and the manifest's schema
             except ValueError as exc:
                 report.file_problems.append(f"compiled kernels {store_dir}: {exc}")
                 continue

@@ -861,7 +861,7 @@ def test_read_manifest_refuses_what_is_not_a_manifest(tmp_path, monkeypatch):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         compiled.read_manifest(path)
-    good = {"schema": compiled.SCHEMA, "kernels": {}, "files": {}, "target": TARGET}
+    good = {"schema": compiled.SCHEMA, "triton": TRITON, "kernels": {}, "files": {}, "target": TARGET}
     for bad, match in ([[1, 2], "not a compiled kernel manifest"], [{**good, "schema": "other/1"}, "schema"],
                        [{**good, "kernels": []}, "'kernels' must be an object"],
                        [{**good, "files": None}, "'files' must be an object"],
@@ -1520,3 +1520,197 @@ def test_a_recording_keeps_no_tensor_alive_after_its_block():
     finally:
         if enabled:
             gc.enable()
+
+
+# ------------------------------------------------------------------------------------------ manifest schema
+
+#: (field path in the manifest, a value of the wrong type): what a hand-edited or foreign manifest may hold
+MISTYPED = [
+    (("host",), "x"), (("host",), None), (("host",), ["ext_suffix"]), (("host", "ext_suffix"), 5),
+    (("built_for",), 5), (("built_for",), None), (("built_for",), {"model": "x"}), (("built_for",), [5]),
+    (("triton",), 5), (("triton",), None), (("env",), "x"), (("env",), {"TRITON_X": 1}),
+    (("target", "backend"), 5), (("target", "arch"), [90]), (("target", "arch"), True),
+    (("target", "warp_size"), "32"), (("gpu",), 5), (("created",), []), (("skipped",), 5),
+    (("skipped",), [{}]), (("liger_gen",), 1), (("files", f"{DIR}/add_kernel.cubin", "sha256"), 5),
+    (("kernels", KEY, "hash"), 5), (("kernels", KEY, "signature"), 5), (("kernels", KEY, "signature"), [["X"]]),
+    (("kernels", KEY, "signature"), [["X", 1]]), (("kernels", KEY, "constants"), {"a": 1}),
+    (("kernels", KEY, "constants"), [[0, 1]]), (("kernels", KEY, "constants"), [[["a"], 1]]),
+    (("kernels", KEY, "attrs"), 5), (("kernels", KEY, "attrs"), [[[0], {"a": 1}]]),
+    (("kernels", KEY, "dir"), None), (("kernels", KEY), [1]),
+]
+
+
+def _mistype(folder, where, value):
+    """Set the manifest field at path ``where`` of the store at ``folder`` to ``value``."""
+    manifest = json.loads((folder / compiled.MANIFEST).read_text())
+    node = manifest
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = value
+    (folder / compiled.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _case_id(case):
+    return f"{'.'.join(k if len(k) < 20 else 'K' for k in case[0])}={json.dumps(case[1])}"
+
+
+@pytest.mark.parametrize("where,value", MISTYPED, ids=[_case_id(c) for c in MISTYPED])
+def test_read_manifest_checks_the_type_of_every_field(tmp_path, where, value):
+    folder = _make_store(tmp_path)
+    compiled.read_manifest(folder / compiled.MANIFEST)  # the store as written is a manifest
+    _mistype(folder, where, value)
+    with pytest.raises(ValueError) as exc:
+        compiled.read_manifest(folder / compiled.MANIFEST)
+    named = where[0] if where[0] not in ("kernels", "files") else where[-1] if len(where) == 3 and \
+        where[0] == "kernels" else where[1]  # the field, or the kernel or file entry
+    assert str(folder / compiled.MANIFEST) in str(exc.value) and f"'{named}'" in str(exc.value), exc.value
+
+
+@pytest.mark.parametrize("where,value", [(("host",), "x"), (("built_for",), 5), (("kernels", KEY, "signature"), 5)])
+def test_a_mistyped_manifest_is_refused_by_the_runtime_with_a_warning(tmp_path, monkeypatch, knob_manager, where,
+                                                                       value):
+    """The runtime loader refuses the store with one warning; a good store in another folder is still used."""
+    from liger_gen.runtime import devices, tables
+
+    monkeypatch.delenv(compiled.ENV_DISABLE, raising=False)
+    triton_version = __import__("triton").__version__
+    bad = _make_store(tmp_path / "bad", triton=triton_version, env=compiled.cache_env())
+    _mistype(bad, where, value)
+    monkeypatch.setattr(devices, "current_gpu", lambda d: (GPU, "NVIDIA H200"))
+    monkeypatch.setattr(compiled, "device_target", lambda d: dict(TARGET))
+    monkeypatch.setattr(tables, "table_roots", lambda: [("user", tmp_path / "bad")])
+    with _Warnings() as w:
+        assert compiled.state(11) is None
+    assert len(w.ours) == 1 and str(bad) in str(w.ours[0].message) and f"'{where[-1]}'" in str(w.ours[0].message)
+    good = _make_store(tmp_path / "good", triton=triton_version, env=compiled.cache_env())
+    usable, refused = compiled.find_stores(GPU, triton_version, TARGET, compiled.cache_env(),
+                                           roots=[("user", tmp_path / "bad"), ("user", tmp_path / "good")])
+    assert [s.path for s in usable] == [good] and len(refused) == 1 and refused[0].startswith(f"{bad}: ")
+
+
+def _verify_store(root):
+    from click.testing import CliRunner
+
+    from liger_gen.cli import main
+    from liger_gen.runtime import tables
+
+    return CliRunner().invoke(main, ["verify", "--gpu", GPU, "--model", "llama3-8b", "--ops", "rms_norm",
+                                     "--allow-heuristic"], env={"COLUMNS": "200", tables.ENV_TUNED_DIR: str(root)})
+
+
+@pytest.mark.parametrize("where,value", [(("host",), "x"), (("host",), None), (("host",), []), (("built_for",), 5),
+                                         (("built_for",), None), (("triton",), 5), (("kernels", KEY, "attrs"), 5)])
+def test_verify_reports_a_mistyped_manifest_as_an_unusable_store(tmp_path, where, value):
+    """Exit 1 with one line naming the store and the field, as for every other store defect; no traceback."""
+    folder = _make_store(tmp_path, triton=__import__("triton").__version__)
+    assert _verify_store(tmp_path).exit_code == 0
+    _mistype(folder, where, value)
+    result = _verify_store(tmp_path)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1, result.output
+    problems = " ".join(result.output.split()).split("unusable: ")[1:]  # rich wraps long lines
+    assert len(problems) == 1 and problems[0].startswith(f"compiled kernels {folder}: ")
+    assert f"'{where[-1]}' must be" in problems[0]
+
+
+# ------------------------------------------------------------------------------------------ trust: the real path
+
+
+def test_a_tables_folder_that_is_a_symbolic_link_is_resolved_once_and_its_real_folders_checked(tmp_path):
+    """An image's /opt/tuned -> /opt/tuned-v3: the store under the real folder is used (its path is the real one,
+    so what was checked is what is read); links inside the tables folder are still refused, and a real folder
+    that fails the rules is refused through the link too."""
+    real = tmp_path / "tuned-v3"
+    folder = _make_store(real)
+    link = tmp_path / "tuned"
+    link.symlink_to(real, target_is_directory=True)
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", link)])
+    assert refused == [] and [s.path for s in usable] == [folder]
+    mid = tmp_path / "images"  # a link further up the path
+    mid.symlink_to(tmp_path, target_is_directory=True)
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", mid / "tuned")])
+    assert refused == [] and [s.path for s in usable] == [folder]
+    mode = tmp_path.stat().st_mode
+    os.chmod(tmp_path, 0o777)  # the real folders' parent: others could swap tuned-v3
+    try:
+        usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", link)])
+    finally:
+        os.chmod(tmp_path, mode)
+    assert usable == [] and f"{tmp_path} is writable by group or others" in refused[0]
+    gpu_link = tmp_path / "other" / GPU
+    gpu_link.parent.mkdir()
+    gpu_link.symlink_to(real / GPU, target_is_directory=True)
+    usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", tmp_path / "other")])
+    assert usable == [] and "symbolic link" in refused[0]
+
+
+def test_verify_uses_a_store_under_a_linked_tables_folder(tmp_path):
+    real = tmp_path / "tuned-v3"
+    folder = _make_store(real, triton=__import__("triton").__version__)
+    link = tmp_path / "tuned"
+    link.symlink_to(real, target_is_directory=True)
+    result = _verify_store(link)
+    assert result.exit_code == 0, result.output
+    assert f"compiled kernels: {folder} (user)" in " ".join(result.output.split())
+
+
+# ------------------------------------------------------------------------------------------ trust: every ancestor
+
+needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                                reason="gives folders to another uid (os.chown)")
+
+
+@pytest.mark.parametrize("level", [4, 5])
+def test_a_writable_folder_anywhere_above_a_user_store_makes_it_untrusted(tmp_path, level):
+    """Level 1 is compiled/, 2 <gpu>/, 3 the tables folder, 4 and up the folders above it, to the filesystem
+    root: whoever may write any of them can swap the store after it was checked."""
+    root = tmp_path / "a" / "b" / "tuned"
+    folder = _make_store(root)
+    above = folder.parents[level - 1]
+    assert above in (root.parent, root.parent.parent)
+    os.chmod(above, 0o775)
+    try:
+        reason = compiled.untrusted_reason(folder)
+        usable, refused = compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", root)])
+    finally:
+        os.chmod(above, 0o755)
+    assert reason == f"{above} is writable by group or others (mode 0o40775)"
+    assert usable == [] and f"{above} is writable by group or others" in refused[0]
+    assert compiled.untrusted_reason(folder) is None
+
+
+@needs_root
+def test_a_sticky_world_writable_folder_above_a_store_is_fine_when_it_and_its_child_are_trusted(tmp_path):
+    """As /tmp (mode 1777, root's): nobody but the owner of an entry, the folder's owner or root may rename or
+    remove the entry, so a trusted child cannot be swapped. A sticky folder owned by another user is refused
+    (its owner may), and so is a child of it owned by another user."""
+    shared = tmp_path / "shared"
+    root = shared / "mine" / "tuned"
+    folder = _make_store(root)
+    os.chmod(shared, 0o1777)
+    assert compiled.untrusted_reason(folder) is None
+    os.chmod(root, 0o1777)  # the tables folder itself, as LIGER_GEN_TUNED_DIR=/tmp
+    assert compiled.untrusted_reason(folder) is None
+    assert compiled.find_stores(GPU, TRITON, TARGET, {}, roots=[("user", root)])[0][0].path == folder
+    os.chmod(root, 0o755)
+    os.chown(shared / "mine", 12345, -1)
+    assert compiled.untrusted_reason(folder) == f"{shared / 'mine'} is owned by uid 12345, not by you (uid 0)"
+    os.chown(shared / "mine", 0, -1)
+    os.chown(shared, 12345, -1)
+    assert f"{shared} is owned by uid 12345" in compiled.untrusted_reason(folder)
+    os.chown(shared, 0, -1)
+    os.chmod(folder, 0o1777)  # the store itself: nothing in it may be writable by others, sticky or not
+    assert f"{folder} is writable by group or others" in compiled.untrusted_reason(folder)
+
+
+@needs_root
+def test_folders_above_a_store_may_be_yours_or_roots_but_no_one_elses(tmp_path, monkeypatch):
+    root = tmp_path / "a" / "b" / "tuned"
+    folder = _make_store(root)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)  # a user in an image whose folders root made
+    assert compiled.untrusted_reason(folder) is None
+    os.chown(tmp_path / "a", 1000, -1)  # yours
+    assert compiled.untrusted_reason(folder) is None
+    os.chown(tmp_path / "a", 12345, -1)  # level 5: someone else's
+    assert compiled.untrusted_reason(folder) == f"{tmp_path / 'a'} is owned by uid 12345, not by you (uid 1000)"
+    os.chown(tmp_path / "a", 0, -1)

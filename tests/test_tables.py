@@ -508,3 +508,46 @@ def test_verify_reports_a_neighbouring_entry_standing_in(tmp_path, monkeypatch):
     tables.clear_caches()
     none = CliRunner().invoke(main, args, env=env)
     assert none.exit_code == 1 and "stands in" not in " ".join(none.output.split())
+
+
+@pytest.mark.parametrize("case", ["tuned_dir_name_too_long", "data_home_name_too_long", "home_name_too_long",
+                                  "home_not_enterable"])
+def test_verify_gives_a_notice_for_a_tables_folder_that_cannot_be_looked_at(tmp_path, monkeypatch, case):
+    """A folder looked up for tables that cannot be stat'ed (a path component over 255 bytes: ENAMETOOLONG; a
+    $HOME the user may not enter: EACCES, simulated as root cannot be denied) is a notice, as for the runtime,
+    which reads no tables there and warns; never a traceback."""
+    from click.testing import CliRunner
+
+    from liger_gen.cli import main
+
+    long = tmp_path / ("x" * 300)
+    env = {"COLUMNS": "200", tables.ENV_TUNED_DIR: None, "XDG_DATA_HOME": None, "HOME": str(tmp_path / "home")}
+    if case == "tuned_dir_name_too_long":
+        env[tables.ENV_TUNED_DIR], named = str(long), str(long)
+    elif case == "data_home_name_too_long":
+        env["XDG_DATA_HOME"], named = str(long), str(long / "liger-gen" / "tuned")
+    elif case == "home_name_too_long":
+        env["HOME"], named = str(long), str(long / ".local" / "share" / "liger-gen" / "tuned")
+    else:
+        home = tmp_path / "home"
+        named = str(home / ".local" / "share" / "liger-gen" / "tuned")
+        real_stat = os.stat
+
+        def stat(path, *args, **kwargs):  # what a non-root user gets under a home of mode 0700 not theirs
+            if str(path).startswith(f"{home}/"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+    with monkeypatch.context() as m:  # the runtime over the same folders: no exception
+        for key, value in env.items():
+            m.delenv(key, raising=False) if value is None else m.setenv(key, value)
+        assert tables.table_roots()[-1][0] == "packaged"
+    result = CliRunner().invoke(main, ["verify", "--gpu", "h200", "--model", "llama3-8b", "--ops", "rms_norm"],
+                                env=env)
+    assert not isinstance(result.exception, Exception), repr(result.exception)  # exit 0, or SystemExit
+    assert result.exit_code == 0, result.output  # the packaged tables serve rms_norm
+    text = " ".join(result.output.split())
+    why = "PermissionError" if case == "home_not_enterable" else "File name too long"
+    notice = next(line for line in text.split("notice: ") if named[:40] in line)
+    assert why in notice and "cannot be read" in notice and "unusable:" not in text

@@ -26,11 +26,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import liger_gen
+from liger_gen.files import write_atomic, write_results
 from liger_gen.ops import post_training as P
 from liger_gen.reference import fused_linear_jsd_torch
 
@@ -244,7 +244,9 @@ def run_losses(losses=LOSSES, providers_=PROVIDERS, hidden: int = 4096, vocab: i
     """Time every provider of every loss (median of ``iters`` after ``warmup`` calls) and compare its loss and
     gradients with torch eager; on CUDA also the peak extra memory of one call (``max_memory_allocated`` minus
     what was allocated before it: dW and dx included). The result dict ({"meta", "rows"}) is written to
-    ``json_path`` after every loss. ValueError for an unknown loss or provider."""
+    ``json_path`` after every loss, so a run stopped part way keeps what it measured; if the last write fails,
+    ``liger_gen.files.ResultsNotWritten`` names the temporary file that holds the results instead. ValueError for
+    an unknown loss or provider."""
     bad = [k for k in losses if k not in LOSSES] + [p for p in providers_ if p not in PROVIDERS]
     if bad:
         raise ValueError(f"unknown loss or provider {bad}; losses: {', '.join(LOSSES)}; providers: "
@@ -254,7 +256,8 @@ def run_losses(losses=LOSSES, providers_=PROVIDERS, hidden: int = 4096, vocab: i
                 "batch": batch, "seq": seq, "iters": iters, "warmup": warmup}
     args = type("Shape", (), {"batch": batch, "seq": seq, "hidden": hidden, "vocab": vocab})
     rows = []
-    for kind in losses:
+    warned = False
+    for i, kind in enumerate(losses):
         t = make_inputs(kind, args, dev)
         if dev.type == "cpu":  # the CPU's bf16 GEMMs are slow and imprecise: a functional run in fp32
             t = {k: v.float() if v.is_floating_point() else v for k, v in t.items()}
@@ -283,10 +286,18 @@ def run_losses(losses=LOSSES, providers_=PROVIDERS, hidden: int = 4096, vocab: i
         del t
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        result = {"meta": _meta(settings, dev), "rows": rows}
-        if json_path is not None:  # after every loss: a run stopped part way keeps what it measured
-            Path(json_path).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return {"meta": _meta(settings, dev), "rows": rows}
+        if json_path is not None and i < len(losses) - 1:  # after every loss: a run stopped part way keeps them
+            try:
+                write_atomic(json_path, json.dumps({"meta": _meta(settings, dev), "rows": rows}, indent=1))
+            except OSError as exc:  # the run goes on; the last write keeps the results wherever it can
+                if not warned:
+                    print(f"[bench-losses] cannot write {json_path} ({exc.strerror or exc}); measuring on",
+                          file=sys.stderr, flush=True)
+                    warned = True
+    result = {"meta": _meta(settings, dev), "rows": rows}
+    if json_path is not None:
+        write_results(json_path, json.dumps(result, indent=1))
+    return result
 
 
 def format_table(result: dict) -> str:

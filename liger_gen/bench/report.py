@@ -30,9 +30,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from liger_gen.files import write_atomic
+from liger_gen.files import read_capped_text, write_results
 
 SCHEMA_VERSION = 1
+MAX_RESULT_BYTES = 16 * 2**20  # a result file is ~100 kB (the committed H200 runs of every op: 90 to 120 kB)
 SPEEDUP_PEERS = ("torch-compile", "liger-kernel")
 REQUIRED = {
     "": ("schema", "benchmark", "meta", "config", "ops", "results"),
@@ -198,17 +199,28 @@ def validate(data: Any) -> dict:
 
 
 def write_json(data: dict, path: str | Path) -> Path:
-    """Write ``data`` (validated) as indented JSON; NaN is written as JSON's ``NaN`` (Python reads it back)."""
-    return write_atomic(path, json.dumps(validate(data), indent=2, default=str) + "\n")
+    """Write ``data`` (validated) as indented JSON; NaN is written as JSON's ``NaN`` (Python reads it back).
+    ``liger_gen.files.ResultsNotWritten`` if ``path`` cannot be written: the JSON is then in a temporary file the
+    message names (or printed, if none can be made)."""
+    return write_results(path, json.dumps(validate(data), indent=2, default=str) + "\n")
 
 
 def load_json(path: str | Path) -> dict:
-    """Read and validate a result file; ReportError names the file and what is wrong with it."""
+    """Read and validate a result file: a regular file of at most MAX_RESULT_BYTES (never blocking on a FIFO);
+    ReportError names the file and what is wrong with it."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        text = read_capped_text(path, MAX_RESULT_BYTES, "bench result")
+    except OSError as exc:
+        raise ReportError(f"cannot read bench result {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # not a regular file, too large, not UTF-8: the message names the file
+        raise ReportError(str(exc)) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ReportError(f"cannot read bench result {path}: {exc}") from exc
+    except RecursionError:  # arrays or objects nested past Python's stack
+        raise ReportError(f"cannot read bench result {path}: nested deeper than this reader can parse") from None
     try:
         return validate(data)
     except ReportError as exc:

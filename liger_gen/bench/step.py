@@ -119,12 +119,16 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from liger_gen.files import write_atomic
+from liger_gen.files import ResultsNotWritten, read_capped_bytes, write_atomic, write_results, writable_folder
 from liger_gen.models import ARCHITECTURES, Architecture
 
 SCHEMA = "liger-gen/bench-step/1"
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
+#: The most bytes of training text read (--text). The default text is 1.1 MB and the steps read windows of it at
+#: random offsets, so more text adds variety, not work; every byte becomes an int64 token, so 64 MiB of text is
+#: 512 MiB of host memory.
+MAX_TEXT_BYTES = 64 * 2**20
 
 PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen", "torch-compile", "liger-gen-unfused-add")
 #: the providers that run ``liger_gen.apply_to``, with its keyword arguments
@@ -234,16 +238,22 @@ def config_summary(config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def byte_tokens(path: str | Path = DEFAULT_TEXT) -> torch.Tensor:
-    """The file's bytes as an int64 token stream (ids 0..255). Raises ValueError (naming ``text``) if unreadable
-    or empty."""
+def read_text_bytes(path: str | Path = DEFAULT_TEXT) -> bytes:
+    """The bytes of the training text at ``path`` (any encoding: the tokens are its bytes). ValueError naming the
+    path if it cannot be read, is not a regular file (a FIFO, a device such as /dev/zero), is larger than
+    MAX_TEXT_BYTES or is empty."""
     try:
-        data = Path(path).read_bytes()
+        data = read_capped_bytes(path, MAX_TEXT_BYTES, "training text")
     except OSError as exc:
-        raise ValueError(f"text: cannot read {path}: {exc}") from exc
+        raise ValueError(f"cannot read training text {path}: {exc.strerror or exc}") from exc
     if not data:
-        raise ValueError(f"text: {path} is empty")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+        raise ValueError(f"training text {path} is empty")
+    return data
+
+
+def byte_tokens(path: str | Path = DEFAULT_TEXT) -> torch.Tensor:
+    """The file's bytes as an int64 token stream (ids 0..255); ValueError as :func:`read_text_bytes`."""
+    return torch.frombuffer(bytearray(read_text_bytes(path)), dtype=torch.uint8).to(torch.int64)
 
 
 def make_batches(tokens: torch.Tensor, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -255,8 +265,8 @@ def make_batches(tokens: torch.Tensor, steps: int, batch_size: int, seq_len: int
     n = tokens.numel()
     if n < seq_len:
         raise ValueError(
-            f"token stream has {n} tokens, fewer than --seq-len {seq_len}; use more text (--max-chars) "
-            "or a shorter --seq-len"
+            f"the token stream has {n} tokens (one per byte of the training text), fewer than --seq-len "
+            f"{seq_len}; name a longer --text file or a shorter --seq-len"
         )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, n - seq_len + 1, (steps, batch_size), generator=gen)
@@ -755,9 +765,10 @@ def _profile_steps(model, optimizer, batches, first: int, n: int, losses: list, 
 
 def _csv(value: str | Sequence[str], what: str) -> list[str]:
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
-    items = [v for v in items if v]
-    if not items:
+    if not any(items):
         raise ValueError(f"{what}: expected at least one name")
+    if not all(items):  # 'a,,b' or 'a,': a typo more often than a wish to drop the item
+        raise ValueError(f"{what}: empty item in {value!r}")
     if len(set(items)) != len(items):
         raise ValueError(f"{what}: repeated name in {items}")
     return items
@@ -819,7 +830,8 @@ def run_step_benchmark(
         device: torch device (default: cuda if available, else cpu).
         text: the training text, read as bytes.
         loss_rel_tol: loss-curve tolerance (default :func:`loss_rel_tolerance` of ``dtype``).
-        out_dir: if given, the dict is written to ``out_dir/step.json``.
+        out_dir: if given, the dict is written to ``out_dir/step.json`` (ResultsNotWritten, after the report is
+            printed, if it cannot be: the JSON is then in a temporary file the message names).
         console: a ``rich.console.Console`` for the report (None: a new one; False: print nothing).
         command: recorded in the metadata (default: ``sys.argv`` joined).
 
@@ -886,11 +898,19 @@ def run_step_benchmark(
 
 
 def _finish(result: dict[str, Any], out_dir, file_name: str, printer: Callable, console) -> dict[str, Any]:
-    """Write ``result`` to ``out_dir/file_name`` (if given), print it with ``printer`` (unless console is False)."""
+    """Write ``result`` to ``out_dir/file_name`` (if given), print it with ``printer`` (unless console is False).
+    If the file cannot be written, the JSON goes to a temporary file (``liger_gen.files.write_results``) and
+    ResultsNotWritten is raised after the report is printed: a long run never loses what it measured."""
+    unwritten = None
     if out_dir is not None:
-        write_json(result, Path(out_dir) / file_name)
+        try:
+            write_results(Path(out_dir) / file_name, _json_text(result))
+        except ResultsNotWritten as exc:
+            unwritten = exc
     if console is not False:
         printer(result, console)
+    if unwritten is not None:
+        raise unwritten
     return result
 
 
@@ -940,9 +960,13 @@ def _json_safe(obj):
     return obj
 
 
+def _json_text(result: dict[str, Any]) -> str:
+    return json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
 def write_json(result: dict[str, Any], path: str | Path) -> Path:
     """Write ``result`` as strict JSON (non-finite floats become null), creating the folder; returns the path."""
-    return write_atomic(path, json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n")
+    return write_atomic(path, _json_text(result))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1035,6 +1059,21 @@ def step_command_options(function: Callable) -> Callable:
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
 
+    def text(ctx, param, value):  # read here too, so a bad file stops the command before anything else runs
+        try:
+            read_text_bytes(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        return value
+
+    def out(ctx, param, value):  # checked before the run, so the run cannot end by failing to write its results
+        if value is None:
+            return None
+        try:
+            return str(writable_folder(value))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
     options = [
         click.option("--models", default=",".join(DEFAULT_MODELS), show_default=True, callback=csv,
                      help=f"Comma-separated models: {', '.join(STEP_MODELS)}."),
@@ -1057,10 +1096,12 @@ def step_command_options(function: Callable) -> Callable:
         click.option("--attn-implementation", default="sdpa", show_default=True,
                      help="transformers attention implementation."),
         click.option("--text", default=str(DEFAULT_TEXT), type=click.Path(dir_okay=False, exists=True),
-                     help="Training text, read as bytes (default: tiny Shakespeare)."),
+                     callback=text,
+                     help=f"Training text, a regular file of at most {MAX_TEXT_BYTES // 2**20} MiB read as bytes "
+                          f"(default: tiny Shakespeare)."),
         click.option("--loss-rel-tol", default=None, type=float,
                      help="Loss-curve tolerance, relative per step (default: the dtype's eps; bf16 2**-7)."),
-        click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+        click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), callback=out,
                      help="Write OUT/step.json."),
     ]
     for option in reversed(options):
@@ -1080,15 +1121,14 @@ def _main() -> None:
             result = run_step_benchmark(**options, command=command)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
+        except ResultsNotWritten as exc:
+            raise click.ClickException(str(exc)) from None
         failed = [(m, p) for m, e in result["models"].items() for p, r in e["providers"].items()
                   if r["status"] == "error" or (r.get("loss_check") and not r["loss_check"]["pass"])]
         sys.exit(1 if failed else 0)
 
     cli()
 
-
-if __name__ == "__main__":
-    _main()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1235,3 +1275,7 @@ def print_first_step(result: dict[str, Any], console=None) -> None:
                           _f(s["vs_transformers_s"], "+.2f"), _f(mid["imports_s"], ".2f"), _f(mid["build_s"], ".2f"),
                           _f(mid["step_s"], ".2f"))
     console.print(table)
+
+
+if __name__ == "__main__":
+    _main()

@@ -20,12 +20,25 @@ the cache manager that was configured before (Triton's ``FileCacheManager`` by d
 and everything else that compiles Triton kernels in the process work as before.
 
 Trust: compiled kernels are code. A store inside the installed package is trusted like the package. A store
-under a user folder must, with every folder and file in it and the ``compiled/``, ``<gpu>/`` and tables folders
-above it, belong to the current user or to root (an image's files) and not be writable by group or others; it may
-hold only folders and regular files, no symbolic links. Every file's SHA-256 is checked against the manifest before Triton is given it. A store built
-for another Triton version, GPU architecture or set of Triton's cache-invalidating environment variables is not
-used; an entry whose file is missing, truncated or altered is not used. Each of these gives one
-``CompiledKernelWarning`` per store and the kernel is compiled as without the cache.
+under a user folder (``$LIGER_GEN_TUNED_DIR``, the user tables folder) is used only where nobody but you and root
+can change it or any folder on its path, checked on its real path (``untrusted_reason``, ``open_store``):
+
+- The tables folder is resolved once (``real_root``): symbolic links in its path (an image's /opt/tuned ->
+  /opt/tuned-v3) are followed, and the store is then checked and read under the real folders. Below the tables
+  folder, ``<gpu>/``, ``compiled/``, the store and everything in it must be real folders and regular files.
+- The store, and every folder and file in it, belongs to you or to root (an image's files) and is not writable
+  by group or others.
+- Every folder above the store up to the filesystem root (``compiled/``, ``<gpu>/``, the tables folder and all
+  above them) belongs to you or to root, and is not writable by group or others unless it has the sticky bit
+  (as /tmp, mode 1777): in a sticky folder only an entry's owner, the folder's owner and root may rename or
+  remove the entry, and the entry on the store's path is itself checked, so no one else can swap it. This is
+  ssh's StrictModes rule for the folders above ``~/.ssh``, taken to the filesystem root, with that exception.
+
+A manifest must have every field of the expected type (``manifest_problem``); every file's SHA-256 is checked
+against the manifest before Triton is given it. A store that breaks a rule, or was built for another Triton
+version, GPU architecture or set of Triton's cache-invalidating environment variables, is not used; an entry
+whose file is missing, truncated or altered is not used. Each of these gives one ``CompiledKernelWarning`` per
+store and the kernel is compiled as without the cache.
 """
 
 from __future__ import annotations
@@ -176,7 +189,8 @@ class Store:
 
 
 def read_manifest(path: Path) -> dict:
-    """The parsed manifest at ``path``; ValueError (with the reason) if it is not a readable manifest."""
+    """The parsed manifest at ``path``; ValueError (with the path and the reason) if it is not a readable manifest
+    of this schema (``manifest_problem``): what reads a manifest from here on may index it without guarding."""
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
@@ -188,18 +202,96 @@ def read_manifest(path: Path) -> dict:
         raise ValueError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a compiled kernel manifest (schema {SCHEMA})")
-    for key in ("kernels", "files", "target"):
-        if not isinstance(data.get(key), dict):
-            raise ValueError(f"{path}: '{key}' must be an object")
+    problem = manifest_problem(data)
+    if problem:
+        raise ValueError(f"{path}: {problem} (rebuild the store with `liger-gen build`, or remove it)")
+    return data
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _str_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
+
+
+def _pairs(v: Any, first, second) -> bool:
+    return isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and first(p[0]) and second(p[1]) for p in v)
+
+
+def _arg_path(v: Any) -> bool:  # Triton's key of a constant or attribute: the argument's index path
+    return isinstance(v, list) and all(type(i) is int for i in v)
+
+
+def _json_leaf(v: Any) -> bool:  # what ``_json_value`` writes: scalars and lists, never objects
+    return not isinstance(v, dict)
+
+
+def _target(v: Any) -> bool:
+    return (isinstance(v, dict) and isinstance(v.get("backend"), str) and type(v.get("arch")) in (int, str)
+            and type(v.get("warp_size", 0)) is int)
+
+
+# the manifest's schema, one (field, required, check, what it must be) per field; write_store writes every field
+_FIELDS = (
+    ("triton", True, _is_str, "a string (the Triton version)"),
+    ("target", True, _target, 'an object with a string "backend", an int or string "arch" and an int "warp_size"'),
+    ("kernels", True, lambda v: isinstance(v, dict), "an object"),
+    ("files", True, lambda v: isinstance(v, dict), "an object"),
+    ("env", False, _str_map, "an object of strings"),
+    ("host", False, _str_map, "an object of strings"),
+    ("gpu", False, _is_str, "a string"),
+    ("created", False, _is_str, "a string"),
+    ("liger_gen", False, lambda v: v is None or isinstance(v, str), "a string or null"),
+    ("built_for", False, lambda v: isinstance(v, list) and all(isinstance(b, dict) for b in v), "a list of objects"),
+    ("skipped", False, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+)
+_KERNEL_FIELDS = (
+    ("dir", True, _is_str, "a string (its Triton cache folder)"),
+    ("files", True, lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of file names"),
+    ("hash", True, _is_str, "a string"),
+    ("signature", True, lambda v: _pairs(v, _is_str, _is_str), "a list of [name, type] pairs"),
+    ("constants", True, lambda v: _pairs(v, _arg_path, _json_leaf), "a list of [[index, ...], value] pairs"),
+    ("attrs", False, lambda v: _pairs(v, _arg_path, _json_leaf), "a list of [[index, ...], value] pairs"),
+)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _got(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _field_problem(record: dict, fields, where: str) -> str | None:
+    for key, required, ok, what in fields:
+        if key in record:
+            if not ok(record[key]):
+                return f"{where}'{key}' must be {what}, not {_got(record[key])}"
+        elif required:
+            return f"{where}'{key}' must be {what}, and is missing"
+    return None
+
+
+def manifest_problem(data: dict) -> str | None:
+    """Why the parsed manifest ``data`` (an object of this ``SCHEMA``) is not well formed, or None: the one check
+    of the type of every field, of every file entry and of every kernel record."""
+    problem = _field_problem(data, _FIELDS, "")
+    if problem:
+        return problem
     for rel, info in data["files"].items():
         if not valid_rel(rel) or not isinstance(info, dict) or type(info.get("size")) is not int \
-                or info["size"] < 0 or not isinstance(info.get("sha256"), str):
-            raise ValueError(f"{path}: file entry {rel!r} must be '<KEY>/<name>' with an int size and a sha256")
+                or info["size"] < 0 or not isinstance(info.get("sha256"), str) or not _SHA256.fullmatch(info["sha256"]):
+            return f"file entry {rel!r} must be '<KEY>/<name>' with an int size and a sha256 (64 hex digits)"
     for name, rec in data["kernels"].items():
-        if not isinstance(rec, dict) or not isinstance(rec.get("dir"), str) or not isinstance(rec.get("files"), list) \
-                or not all(isinstance(f, str) and f"{rec['dir']}/{f}" in data["files"] for f in rec["files"]):
-            raise ValueError(f"{path}: kernel {name!r} must name a folder and files the manifest lists")
-    return data
+        if not isinstance(rec, dict):
+            return f"kernel {name!r} must be an object, not {_got(rec)}"
+        problem = _field_problem(rec, _KERNEL_FIELDS, f"kernel {name!r}: ")
+        if problem:
+            return problem
+        if not all(f"{rec['dir']}/{f}" in data["files"] for f in rec["files"]):
+            return f"kernel {name!r} must name a folder and files the manifest lists"
+    return None
 
 
 _REL = re.compile(r"[A-Za-z0-9_.+-]+/[A-Za-z0-9_.+-]+")
@@ -210,13 +302,21 @@ def valid_rel(rel: Any) -> bool:
     return isinstance(rel, str) and _REL.fullmatch(rel) is not None and ".." not in rel.split("/")
 
 
-def untrusted_reason(folder: Path, parents: int = 3) -> str | None:
-    """Why a user store folder cannot be trusted, or None: it, a folder or file in it, or one of its ``parents``
-    nearest parent folders (``compiled/``, ``<gpu>/`` and the tables root, so nothing above it can be swapped
-    after the check) belongs to another user (root excepted: an image's files) or is writable by group or
-    others; or something in it is a symbolic link or not a regular file."""
-    folder = Path(folder)
-    for path in [*list(folder.parents)[:parents], folder, *sorted(folder.rglob("*"))]:
+#: What a user store must be, after the reason one is not (the module docstring has the rules and why).
+TRUST_RULE = ("a compiled kernel store, everything in it and every folder above it must belong to you or to root "
+              "and not be writable by group or others (a folder above it may be if it has the sticky bit, as "
+              "/tmp): chown or chmod go-w that folder, or move the store")
+
+
+def untrusted_reason(folder: Path, ancestors: bool = True) -> str | None:
+    """Why the user store at ``folder`` cannot be trusted, or None (the rules are in the module docstring): it, or
+    a folder or file in it, belongs to another user (root excepted: an image's files), is writable by group or
+    others, or is a symbolic link or not a regular file or folder; or (``ancestors``) a folder above it, up to
+    the filesystem root, is a symbolic link, belongs to another user (root excepted), or is writable by group or
+    others without the sticky bit. ``folder`` is read as given: resolve the tables folder first (``real_root``)."""
+    folder = Path(folder).absolute()
+    above = list(folder.parents) if ancestors else []
+    for path in [*above, folder, *sorted(folder.rglob("*"))]:
         try:
             st = path.lstat()
         except OSError as exc:
@@ -225,10 +325,40 @@ def untrusted_reason(folder: Path, parents: int = 3) -> str | None:
             return f"{path} is a symbolic link"
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
             return f"{path} is not a regular file or folder"
-        reason = not_private(st, allow_root=True)
+        reason = not_private(st, allow_root=True, allow_sticky=path in above)
         if reason:
             return f"{path} is {reason}"
     return None
+
+
+def real_root(root: str | os.PathLike) -> Path:
+    """The tables folder ``root`` with every symbolic link in its path resolved, once: the folders whose trust is
+    checked are then those the store is read from (an image's /opt/tuned -> /opt/tuned-v3 is /opt/tuned-v3)."""
+    try:
+        return Path(root).resolve()
+    except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13): checked as it is
+        return Path(root).absolute()
+
+
+def store_folders(root: str | os.PathLike, gpu: str) -> list[Path]:
+    """The store folders (``triton-*`` holding a manifest) of ``gpu`` under the tables folder ``root``, sorted,
+    on their real path (``real_root``); none when there is no such folder or it cannot be listed."""
+    folder = real_root(root) / gpu / FOLDER
+    try:
+        return sorted(p for p in folder.iterdir() if p.name.startswith("triton-") and (p / MANIFEST).is_file())
+    except OSError:  # no such folder (or unreadable): no store here
+        return []
+
+
+def open_store(path: Path, label: str) -> dict:
+    """The manifest of the store folder ``path`` (from ``store_folders``) when a store of this label may be read
+    from it: a user store must pass the trust rules (``untrusted_reason``), and the manifest must be valid
+    (``read_manifest``). ValueError with the reason otherwise. The one gate of the runtime and ``verify``."""
+    if label != "packaged":
+        reason = untrusted_reason(path)
+        if reason:
+            raise ValueError(f"{reason}: {TRUST_RULE}")
+    return read_manifest(path / MANIFEST)
 
 
 def mismatch(manifest: dict, triton_version: str, target: dict, env: dict) -> str | None:
@@ -251,20 +381,9 @@ def find_stores(gpu: str, triton_version: str, target: dict, env: dict,
 
     usable, refused = [], []
     for label, root in (tables.table_roots() if roots is None else roots):
-        folder = Path(root) / gpu / FOLDER
-        try:
-            candidates = sorted(p for p in folder.iterdir()
-                                if p.name.startswith("triton-") and (p / MANIFEST).is_file())
-        except OSError:  # no such folder (or unreadable): no store here
-            continue
-        for path in candidates:
+        for path in store_folders(root, gpu):
             try:
-                if label != "packaged":
-                    reason = untrusted_reason(path)
-                    if reason:
-                        raise ValueError(f"{reason} (a compiled kernel folder must belong to you and not be "
-                                         f"writable by group or others)")
-                manifest = read_manifest(path / MANIFEST)
+                manifest = open_store(path, label)
                 reason = mismatch(manifest, triton_version, target, env)
                 if reason:
                     raise ValueError(reason)
@@ -537,7 +656,7 @@ def _mergeable(final: Path, triton_version: str, target: dict) -> dict:
         old = read_manifest(final / MANIFEST)
     except ValueError:
         return {}
-    if mismatch(old, triton_version, target, cache_env()) or untrusted_reason(final, parents=0):
+    if mismatch(old, triton_version, target, cache_env()) or untrusted_reason(final, ancestors=False):
         return {}
     store = Store(final, "user", old)
     return old if all(store._hash_matches(rel) for rel in old["files"]) else {}

@@ -148,20 +148,44 @@ def default_tune_root() -> Path:
     return user_tables_root()
 
 
-def _private_dir(path: Path) -> bool:
-    """A folder that exists, belongs to this user and that others cannot write (as the kernel cache)."""
+def inspect_folder(path: Path) -> tuple[os.stat_result | None, str | None]:
+    """(its ``os.stat``, None) when ``path`` is a folder; (None, None) when nothing is there (no such path, or a
+    path through a regular file); (None, why) when something else is there or the path cannot be looked at (a
+    name over the system's limit, a folder above it that may not be entered). The one check of a tables folder
+    for the runtime (``table_roots``) and ``liger-gen verify``: a folder that cannot be looked at holds no table
+    the runtime could read, so it is a notice, never an error."""
     try:
-        st = path.stat()
-    except OSError:
-        return False
+        st = Path(path).stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except (OSError, ValueError) as exc:  # ENAMETOOLONG, EACCES, ELOOP, an I/O error; ValueError: a NUL byte
+        return None, f"cannot be read ({type(exc).__name__}: {getattr(exc, 'strerror', None) or exc})"
     if not stat.S_ISDIR(st.st_mode):
-        return False
+        return None, f"is not a folder (mode {stat.filemode(st.st_mode)})"
+    return st, None
+
+
+def user_root_status(path: Path) -> tuple[str, str | None]:
+    """(status, why) of the user tables folder at ``path``, the runtime's rule for it (``table_roots``): "used"
+    (a folder of yours that others cannot write), "absent", "unreadable" (something is there that is not a
+    folder or cannot be looked at: ``inspect_folder``'s why) or "not private" (another user's, or writable by
+    group or others: why)."""
+    st, why = inspect_folder(path)
+    if st is None:
+        return ("unreadable", why) if why else ("absent", None)
     reason = not_private(st)
     if reason:
-        _warn_once(f"liger-gen: ignoring the tables folder {path}: it is {reason}; it must belong to you and not "
-                   f"be writable by group or others")
-        return False
-    return True
+        return "not private", f"it is {reason}; it must belong to you and not be writable by group or others"
+    return "used", None
+
+
+def _private_dir(path: Path) -> bool:
+    """Whether the user tables folder at ``path`` is looked up (``user_root_status``); warns once about one that
+    is not private."""
+    status, why = user_root_status(path)
+    if status == "not private":
+        _warn_once(f"liger-gen: ignoring the tables folder {path}: {why}")
+    return status == "used"
 
 
 def table_roots() -> list[tuple[str, Path]]:
