@@ -38,7 +38,7 @@ from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEn
                                          with_predictions)
 from liger_gen.runtime.binding import Differentiable, Kernel, refuse_dtensors, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
-                                   kernel_module, use_custom_op, uses_triton)
+                                   kernel_module, transforms_active, use_custom_op, uses_triton)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -766,9 +766,9 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, optio
         need_dx = grad and x.requires_grad
         need_dw = grad and lm_head_weight.requires_grad
         need_db = grad and bias is not None and bias.requires_grad
-        if not (need_dx or need_dw or need_db) and not use_custom_op():
+        if not (need_dx or need_dw or need_db) and not use_custom_op() and not transforms_active():
             # no_grad, inference_mode or nothing to differentiate: the loss alone (no dx/dW GEMMs, no autograd
-            # node)
+            # node; under torch.func.vmap the op's per-element rule runs it)
             try:
                 out = _fwd_impl(x, lm_head_weight, target, bias, weight, options, False, False, False,
                                 need_pred=need_pred, token_scaling=token_scaling)
@@ -908,7 +908,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
         The loss is differentiable in x,
         lm_head_weight and bias; for reduction mean/sum the gradients are computed in the forward and scaled by
         the upstream gradient in the backward (so one backward per forward), for "none" the backward recomputes
-        the logits chunk by chunk. Double backward is not supported.
+        the logits chunk by chunk. Double backward is not supported. Under ``torch.func.grad``, ``vjp``,
+        ``jacrev`` and ``vmap`` the gradients come from the same chunk loop as new tensors (as under
+        torch.compile); forward-mode transforms (``jvp``, ``jacfwd``) and second derivatives raise RuntimeError.
 
     CUDA tensors run the tuned chunk size and per-chunk Triton kernel for the current GPU (cuBLAS GEMMs); CPU
     tensors run the same chunk loop in plain PyTorch, or with the Triton kernel in Triton's interpreter when

@@ -30,7 +30,7 @@ from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, use_custom_op, uses_triton)
+                                   no_double_backward, transforms_active, use_custom_op, uses_triton)
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # the template's spellings
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -661,10 +661,11 @@ def glu_gate_up_product(gate_up: torch.Tensor, activation: str, overwrite: bool 
 
 def _owned(*tensors) -> bool:
     """Whether the backward of the GLU may write its gradients over ``tensors`` (the op's own checks come after):
-    eager autograd with gradients wanted (a traced graph uses the custom op, which may not mutate its inputs),
-    plain tensors that are not leaves (a leaf's gradient would share its data), made by an op that keeps no
-    reference to its output for its own backward."""
-    if use_custom_op() or not torch.is_grad_enabled():
+    eager autograd with gradients wanted (a traced graph uses the custom op, which may not mutate its inputs; a
+    torch.func transform holds wrapped tensors, whose graph is not the one checked here), plain tensors that are
+    not leaves (a leaf's gradient would share its data), made by an op that keeps no reference to its output for
+    its own backward."""
+    if use_custom_op() or not torch.is_grad_enabled() or transforms_active():
         return False
     return all(type(t) is torch.Tensor and t.grad_fn is not None and _made_by_an_op_that_keeps_no_output(t.grad_fn)
                for t in tensors)

@@ -328,7 +328,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
 
     CUDA tensors run the tuned Triton kernel for the current GPU; CPU tensors run ``F.layer_norm``, or the same
     Triton kernel in Triton's interpreter when ``TRITON_INTERPRET=1``. float64 is accepted on the plain-PyTorch
-    path only. Second derivatives are not supported (RuntimeError in backward with ``create_graph=True``).
+    path only. Second derivatives are not supported (RuntimeError in backward with ``create_graph=True``, or
+    under nested ``torch.func`` transforms); ``torch.func.grad``, ``vjp``, ``jacrev`` and ``vmap`` run the kernels,
+    forward-mode transforms (``jvp``, ``jacfwd``) raise RuntimeError.
     Not checked: finiteness of the inputs (NaN/Inf propagate as in PyTorch; checking would need a host sync).
 
     Raises:

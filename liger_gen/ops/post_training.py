@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from liger_gen.ops.fused_linear_cross_entropy import _scale_in_place
 from liger_gen.ops.selective_log_softmax import LogProbOptions, _Chunks, check_inputs, selective_log_softmax
 from liger_gen.runtime import plans
-from liger_gen.runtime.ops import check_float_arg, check_targets, describe, no_double_backward, use_custom_op
+from liger_gen.runtime.ops import check_float_arg, check_targets, describe, host_checkable, no_double_backward
 
 #: logits bytes one chunk of whole sequences may hold on the fused path (the rest of the batch is not held)
 SEQUENCE_CHUNK_BYTES = 1 << 30
@@ -552,8 +552,9 @@ def _nll_target(op, target, nll_target, ignore_index, vocab: int):
                          f"{describe('nll_target', nll_target)}")
     check_targets(op, nll_target.reshape(-1), vocab, ignore_index)
     both = (target[:pairs] != ignore_index) & (nll_target != ignore_index)
-    if not target.is_cuda and not use_custom_op() and bool((both & (nll_target != target[:pairs])).any()):
-        # (on CUDA not checked: a host sync)
+    if not target.is_cuda and host_checkable(target, nll_target) and \
+            bool((both & (nll_target != target[:pairs])).any()):
+        # (on CUDA not checked: a host sync; nor under torch.func.vmap of the targets, a data-dependent branch)
         raise ValueError(f"{op}: nll_target must hold target's token wherever both are not ignore_index (one "
                          f"log-probability per position); they differ in {describe('nll_target', nll_target)}")
     chosen = torch.where(target[:pairs] != ignore_index, target[:pairs], nll_target.to(target.dtype))

@@ -714,7 +714,8 @@ def selective_log_softmax(x: torch.Tensor, lm_head_weight: torch.Tensor, target:
     Returns:
         log_probs, float32 of x's leading shape (float64 for float64 inputs on the plain CPU path); with
         ``return_entropy``, the tuple (log_probs, entropy). Both are differentiable in x, lm_head_weight and bias
-        (double backward is not supported).
+        (double backward and forward-mode AD are not supported; ``torch.func.grad``, ``vjp``, ``jacrev`` and
+        ``vmap`` run the kernels).
 
     CUDA tensors run the tuned chunk plan and Triton kernels for the current GPU; CPU tensors run the same
     chunk loop in plain PyTorch, or with the Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1``.

@@ -14,6 +14,17 @@ custom op — and ``Differentiable`` binds it twice:
 traced by torch.compile, which must see the op, not a launch on fake tensors), through the function when it is
 the eager Function's (no dispatcher). The node says which it is (``ctx.eager``); whether torch.compile is tracing
 a backward is not something every torch version reports.
+
+Under torch.func transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, ``functional_call`` inside them) neither
+binding can run: functorch accepts only an ``autograd.Function`` with a separate ``setup_context`` (the eager
+Function's forward takes ``ctx``, for host time; the custom op's autograd is such a Function internally), and
+the kernels cannot read functorch's wrapped tensors. So ``Differentiable`` has a third binding, taken only while
+a transform is active (``torch._C._are_functorch_transforms_active()``, one C call on the eager path): a
+Function with ``setup_context`` (the same ``save``), whose forward functorch runs on the unwrapped tensors
+(the kernels), whose backward calls its kernels through the custom ops (``ctx.eager`` is False), which the
+dispatcher unwraps, and whose ``vmap`` rule runs the op once per batch element (``Kernel``\\s register the same
+rule, for backward kernels that jacrev vmaps). Forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) and a
+second derivative (``grad`` of ``grad``) raise a RuntimeError naming the op and its plain reference.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from liger_gen.runtime.ops import no_double_backward, use_custom_op
+from liger_gen.runtime.ops import describe, no_double_backward, transforms_active, use_custom_op
 
 
 class Kernel:
@@ -37,6 +48,9 @@ class Kernel:
         self.impl = impl
         self.op = torch.library.custom_op(self.name, impl, mutates_args=tuple(mutates_args))
         self.op.register_fake(fake)
+        if not mutates_args and hasattr(self.op, "register_vmap"):  # (2.11 and 2.13 have it)
+            # under torch.func.vmap (a backward kernel that jacrev vmaps, a direct call): once per element
+            self.op.register_vmap(lambda info, in_dims, *args: per_element(name, self.op, info, in_dims, args))
 
     def run(self, ctx, *args: Any) -> Any:
         """Call from a ``Differentiable``'s backward: ``impl`` under the eager Function, the op otherwise."""
@@ -56,7 +70,8 @@ class Differentiable:
     ``outputs``: how many leading outputs the callers use; the rest (saved statistics such as rstd or lse) are
     not returned by the eager Function, which saves autograd their bookkeeping, and their gradients are None.
     Calling the object returns a tuple whose first ``outputs`` items are those outputs: through the custom op
-    (the whole output tuple) while a graph is recorded, through the Function otherwise.
+    (the whole output tuple) while a graph is recorded, through ``transformable`` (the whole output tuple) under
+    torch.func transforms, through the eager Function otherwise.
     """
 
     def __init__(self, forward: Kernel, save: Callable, backward: Callable, *, reference: str,
@@ -98,15 +113,106 @@ class Differentiable:
         self._op = forward.op
         self._apply = self.function.apply
         self._name = op_name
+        self.transformable = _transformable(op_name, forward, save, backward, reference)
+        self._transformed = self.transformable.apply
 
     def __call__(self, *args: Any) -> Any:
         try:
             if use_custom_op():
                 return self._op(*args)
+            if transforms_active():
+                return self._transformed(*args)
             return self._apply(*args)
         except Exception as exc:  # costs nothing until something fails: then say so if a DTensor was the cause
             refuse_dtensors(self._name, args, exc)
             raise
+
+
+def per_element(op: str, fn: Callable, info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:
+    """A torch.func.vmap rule: ``fn`` once per batch element (the kernels take plain tensors only), the outputs
+    stacked along dim 0. ``select`` gives each element the strides its logical tensor had, which the op's
+    checks saw. ``op`` names the op in the error for an empty batch (no element to run, so no output shapes)."""
+    if info.batch_size == 0:
+        batched = [f"{tuple(a.shape)} (batch dim {d})" for a, d in zip(args, in_dims) if d is not None]
+        raise ValueError(f"liger_gen {op}: torch.func.vmap over an empty batch is not supported (the kernels run "
+                         f"once per batch element); got inputs of shapes {', '.join(batched)}. Skip the call for "
+                         f"an empty batch.")
+    results = [fn(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
+               for i in range(info.batch_size)]
+    if isinstance(results[0], torch.Tensor):
+        return torch.stack(results), 0
+    outputs = tuple(torch.stack(parts) for parts in zip(*results))
+    return outputs, (0,) * len(outputs)
+
+
+def _transformable(op_name: str, forward: Kernel, save: Callable, backward: Callable,
+                   reference: str) -> type[torch.autograd.Function]:
+    """The Function ``Differentiable`` calls under torch.func transforms (see the module docstring): the forward
+    kernels on plain tensors, ``save`` as ``setup_context``, ``backward`` through the custom ops, a per-element
+    ``vmap`` rule, and liger_gen errors for forward-mode AD and second derivatives."""
+    impl = forward.impl
+    arg_names = [a.name for a in forward.op._opoverload._schema.arguments]
+
+    def first_tensor(tensors) -> str:
+        """The first tensor argument, described (what the errors name)."""
+        for name, t in zip(arg_names, tensors):
+            if isinstance(t, torch.Tensor):
+                return describe(name, t)
+        return "no tensor"
+
+    def fwd(*args):
+        return impl(*args)
+
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        ctx.eager = False  # the backward calls its kernels as custom ops, which unwrap functorch's tensors
+        ctx.level = torch._C._functorch.maybe_current_level()  # the grad transform this node belongs to
+        ctx.first_input = next(((n, t.shape, t.dtype, t.device) for n, t in zip(arg_names, inputs)
+                                if isinstance(t, torch.Tensor)), None)  # for the error below, formatted there
+        save(ctx, inputs, output)
+
+    def bwd(ctx, *grads):
+        outer = _other_derivative_transform(ctx.level)
+        if outer is not None:
+            name, shape, dtype, device = ctx.first_input
+            raise RuntimeError(
+                f"liger_gen {op_name}: a second derivative is not supported: an outer torch.func {outer} "
+                f"transform differentiates the backward of the op (e.g. grad of grad, jacrev of grad), and the "
+                f"kernels have no derivative of their backward (input {name} of shape {tuple(shape)}, dtype "
+                f"{dtype}, device {device}). Use {reference} where second derivatives are needed, or take the "
+                f"outer derivative of something that does not differentiate this op.")
+        with torch.no_grad():  # the transform's graph stops here (functorch runs backwards with create_graph)
+            return backward(ctx, *grads)
+
+    def jvp(ctx, *tangents):
+        raise RuntimeError(
+            f"liger_gen {op_name}: forward-mode AD (torch.func.jvp, jacfwd, hessian, linearize) is not supported: "
+            f"the kernels have no forward derivative (input {first_tensor(tangents)}). Use reverse mode "
+            f"(torch.func.grad, vjp, jacrev), or {reference} where forward-mode derivatives are needed.")
+
+    def vmap(info, in_dims, *args):
+        return per_element(op_name, function.apply, info, in_dims, args)
+
+    function = type(f"Transformable_{op_name}", (torch.autograd.Function,), {
+        "forward": staticmethod(fwd), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(bwd), "jvp": staticmethod(jvp), "vmap": staticmethod(vmap),
+        "__doc__": f"{forward.name} under torch.func transforms (same save/backward as its other bindings).",
+    })
+    return function
+
+
+def _other_derivative_transform(level: int | None) -> str | None:
+    """The name of an active torch.func transform that takes derivatives (grad, jvp) other than the one at
+    ``level``, if any: during a backward, one that would differentiate the backward itself."""
+    for interpreter in torch._C._functorch.get_interpreter_stack() or ():
+        key = interpreter.key()
+        if interpreter.level() != level and key in _DERIVATIVE_TRANSFORMS:
+            return _DERIVATIVE_TRANSFORMS[key]
+    return None
+
+
+_DERIVATIVE_TRANSFORMS = {torch._C._functorch.TransformType.Grad: "grad/vjp/jacrev",
+                          torch._C._functorch.TransformType.Jvp: "jvp/jacfwd"}
 
 
 def refuse_dtensors(op: str, args: Iterable[Any], cause: BaseException | None = None) -> None:
