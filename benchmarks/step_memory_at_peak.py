@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from liger_gen import training
 from liger_gen.bench import step as bench
 
 KEYS = ("liger_gen/", "liger_kernel/", "transformers/models/", "transformers/", "torch/optim/")
@@ -68,31 +69,31 @@ def peak_groups(snapshot: dict, device: int = 0) -> tuple[int, int, dict[str, in
 
 def run(model_name: str, provider: str, batch_size: int, seq_len: int) -> tuple[int, dict[str, int]]:
     device = torch.device("cuda")
-    spec = bench._step_model(model_name)
-    modeling = bench._MODELING_MODULES[spec.family]
+    spec = training.architecture(model_name)
+    modeling = bench.MODELING_MODULES[spec.family]
     with bench.restore_module_globals([modeling]):
-        model = bench.build_model(model_name, device, torch.bfloat16, 0)
+        model = training.build_model(model_name, device, torch.bfloat16, 0)
         model.train()
         if provider == "liger-kernel":
-            bench._apply_liger_kernel(model, spec.family)
+            training.apply_liger_kernel(model, spec.family)
         elif provider == "liger-gen":
             import liger_gen
 
             liger_gen.apply_to(model)
-        optimizer = bench.make_optimizer(model, 1e-4, device)
-        batches = bench.make_batches(bench.byte_tokens(), 3, batch_size, seq_len, seed=0).to(device)
+        optimizer = training.make_optimizer(model, 1e-4, device)
+        batches = training.make_batches(training.byte_tokens(), 3, batch_size, seq_len, seed=0).to(device)
         for k in range(2):
-            bench.train_step(model, optimizer, batches[k])
+            training.train_step(model, optimizer, batches[k])
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-        bench.train_step(model, optimizer, batches[2])
+        training.train_step(model, optimizer, batches[2])
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         measured = torch.cuda.max_memory_allocated()
         if provider == "liger-gen":
-            bench._undo_liger_gen()
+            bench.undo_liger_gen()
     del model, optimizer
     gc.collect()
     torch.cuda.empty_cache()

@@ -13,8 +13,9 @@ import click
 
 from liger_gen import __version__
 from liger_gen.ops import all_specs, available_ops, get_spec
-from liger_gen.bench.step import step_command_options
+from liger_gen.bench.step import DEFAULT_MODELS, DEFAULT_PROVIDERS, PROVIDERS, STEP_MODELS, split_names
 from liger_gen.runtime.devices import GPU_SLUG, KNOWN_GPUS
+from liger_gen.training import DEFAULT_TEXT, DTYPES, MAX_TEXT_BYTES, read_text_bytes
 
 OPS = available_ops()
 DEFAULT_ROWS = "4096,16384,65536"
@@ -200,8 +201,6 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
     To resume a host that was stopped, run its command again; a new --run-id starts a new run (the studies
     stored for the same problems are reused).
     """
-    import torch
-
     from liger_gen.optional import require
 
     require("optuna", "liger-gen tune")  # a training-only install: the group turns this into the pip command
@@ -229,7 +228,6 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
 
     from liger_gen.codegen.spaces import dtype_from_name
     from liger_gen.models import resolve_model
-    from liger_gen.runtime.devices import current_gpu
     from liger_gen.runtime.tables import default_tune_root, packaged_root
 
     try:
@@ -237,50 +235,38 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
         dtype_list = [dtype_from_name(d.strip()) for d in dtypes.split(",") if d.strip()]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    visible = current_gpu()
-    if visible is None:
+    from liger_gen.tuning.driver import DeviceError, NoGPUError, TuneSettings, find_target, run_tuning
+
+    if devices is None:
+        devices = list(range(workers)) if workers else None
+    try:
+        target = find_target(gpu, devices)  # the one check of the GPUs
+    except NoGPUError as exc:
         shipped = _packaged_gpus()
         listing = (f"`liger-gen show --gpu {gpu}` lists its packaged tables" if gpu in shipped else
                    f"no tables for {gpu} are packaged (packaged: {', '.join(shipped) or 'none'}; `liger-gen show "
                    f"--gpu NAME` lists them)")
         raise click.ClickException(
-            f"no CUDA GPU is visible, and tuning measures kernels on the target GPU. Run "
-            f"`liger-gen tune --gpu {gpu} --model {model_name}` (with the same other options) on a machine with "
-            f"that GPU. Without a GPU, {listing}; on CPU tensors the runtime uses plain "
-            f"PyTorch (or Triton's interpreter with TRITON_INTERPRET=1).")
-    if visible[0] != gpu:
-        raise click.ClickException(f"--gpu {gpu} does not match the visible GPU {visible[1]!r} ({visible[0]}); "
-                                   f"tables must be tuned on the GPU they are for.")
-    from liger_gen.tuning.report import run_tuning
-    from liger_gen.tuning.tuner import cuda_visible
-
-    if devices is None:
-        devices = list(range(workers)) if workers else None
-    if devices is not None:
-        count = torch.cuda.device_count()
-        missing = [d for d in devices if d >= count]
-        if missing:
-            raise click.BadParameter(f"GPU(s) {missing} not visible: this machine shows {count}",
-                                     param_hint="--workers/--devices")
-        others = [(d, current_gpu(d)) for d in devices if current_gpu(d)[0] != gpu]
-        if others:
-            raise click.ClickException(f"--gpu {gpu}: GPU(s) {', '.join(f'{d} is {n[1]!r}' for d, n in others)}; "
-                                       f"every worker must tune on the GPU the tables are for.")
-        torch.cuda.set_device(devices[0])  # one GPU: this process tunes on it; several: the lead's takeovers do
-    from liger_gen.tuning.tuner import JournalError, SharedRunError, StorageError
+            f"{exc} Run `liger-gen tune --gpu {gpu} --model {model_name}` (with the same other options) on a "
+            f"machine with that GPU. Without a GPU, {listing}; on CPU tensors the runtime uses plain "
+            f"PyTorch (or Triton's interpreter with TRITON_INTERPRET=1).") from None
+    except DeviceError as exc:
+        if exc.param_hint:
+            raise click.BadParameter(str(exc), param_hint=exc.param_hint) from None
+        raise click.ClickException(str(exc)) from None
+    from liger_gen.tuning.fleet import SharedRunError
+    from liger_gen.tuning.storage import JournalError, StorageError
 
     out_root = out_dir or _writable_out(default_tune_root())
     if compile_workers is None:
         compile_workers = default_compile_workers(len(devices) if devices else 1)
+    settings = TuneSettings(gpu=gpu, model=model, specs=[get_spec(op) for op in ops], rows=rows, dtypes=dtype_list,
+                            target=target, out_root=out_root, trials=trials, polish=polish, seed=seed,
+                            budget_s=budget_s or None, storage=storage, batch=batch,
+                            compile_workers=compile_workers, refresh=refresh, run_id=run_id,
+                            write_tables=not no_write_tables, stale_s=stale_after)
     try:
-        result = run_tuning(specs=[get_spec(op) for op in ops], model=model, rows=rows, dtypes=dtype_list, trials=trials,
-                            out_root=out_root, storage=storage, seed=seed, polish=polish,
-                            budget_s=budget_s or None,
-                            devices=cuda_visible(devices) if devices is not None and len(devices) > 1 else None,
-                            device=torch.device("cuda", torch.cuda.current_device()), gpu=gpu,
-                            device_name=visible[1], refresh=refresh, run_id=run_id,
-                            write_tables=not no_write_tables, stale_s=stale_after, batch=batch,
-                            compile_workers=compile_workers)
+        result = run_tuning(settings)
     except (JournalError, StorageError, SharedRunError) as exc:
         raise click.ClickException(str(exc)) from None
     if no_write_tables:
@@ -589,8 +575,49 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
         sys.exit(1)
 
 
+def _step_names(ctx, param, value: str) -> list[str]:
+    """bench-step's --models / --providers: the names (``liger_gen.bench.step.split_names``: no empty or repeated
+    one)."""
+    try:
+        return split_names(value, param.name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _step_text(ctx, param, value: str) -> str:
+    """bench-step's --text, read here too, so a bad file stops the command before anything else runs."""
+    try:
+        read_text_bytes(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @main.command("bench-step")
-@step_command_options
+@click.option("--models", default=",".join(DEFAULT_MODELS), show_default=True, callback=_step_names,
+              help=f"Comma-separated models: {', '.join(STEP_MODELS)}.")
+@click.option("--providers", default=",".join(DEFAULT_PROVIDERS), show_default=True, callback=_step_names,
+              help=f"Comma-separated providers, run in this order: {', '.join(PROVIDERS)}.")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1), help="Sequences per step.")
+@click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(2), help="Tokens per sequence.")
+@click.option("--warmup-steps", default=3, show_default=True, type=click.IntRange(0), help="Untimed steps first.")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(1), help="Timed steps.")
+@click.option("--profile-steps", default=2, show_default=True, type=click.IntRange(0),
+              help="Steps under torch.profiler after the timed ones (0: no kernel breakdown).")
+@click.option("--lr", default=3e-4, show_default=True, type=float, help="AdamW learning rate.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the weights and batches.")
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(sorted(DTYPES)),
+              help="Parameter dtype.")
+@click.option("--device", default=None, help="torch device (default: cuda; without a GPU, name cpu explicitly).")
+@click.option("--attn-implementation", default="sdpa", show_default=True,
+              help="transformers attention implementation.")
+@click.option("--text", default=str(DEFAULT_TEXT), type=click.Path(dir_okay=False, exists=True), callback=_step_text,
+              help=f"Training text, a regular file of at most {MAX_TEXT_BYTES // 2**20} MiB read as bytes "
+                   f"(default: tiny Shakespeare).")
+@click.option("--loss-rel-tol", default=None, type=float,
+              help="Loss-curve tolerance, relative per step (default: the dtype's eps; bf16 2**-7).")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), callback=_out_folder,
+              help="Write OUT/step.json.")
 @click.option("--first-step", is_flag=True,
               help="Instead: time each provider's first step in a fresh process with empty Triton caches (process "
                    "start to the end of step 1, compilation included); JSON to OUT/first_step.json.")
@@ -608,7 +635,7 @@ def bench_step(first_step, repeats, **options) -> None:
     from liger_gen.files import ResultsNotWritten
 
     if first_step:
-        from liger_gen.bench.step import run_first_step
+        from liger_gen.bench.first_step import run_first_step
 
         keep = ("models", "providers", "batch_size", "seq_len", "dtype", "seed", "lr", "device",
                 "attn_implementation", "text", "out_dir")

@@ -29,7 +29,7 @@ class Architecture:
 
     ``family`` is ``config.model_type`` ("llama", "qwen2"); ``fields`` are the config's keyword arguments;
     ``rope`` holds transformers v5's ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling fields),
-    which ``liger_gen.bench.step.build_config`` turns into ``rope_theta`` + ``rope_scaling`` on transformers 4.x.
+    which ``liger_gen.training.build_config`` turns into ``rope_theta`` + ``rope_scaling`` on transformers 4.x.
     The training-step benchmark and the training example build their models from these; ``shape`` gives the
     kernel dims the tuner and the op benchmark use.
     """

@@ -50,9 +50,9 @@ def build_config(name_or_path: str):
 
     transformers = require("transformers", "liger-gen build --model")
     if name_or_path in ARCHITECTURES:
-        from liger_gen.bench.step import build_config as step_config
+        from liger_gen.training import build_config as architecture_config
 
-        return step_config(name_or_path)
+        return architecture_config(name_or_path)
     path = Path(name_or_path)
     if path.exists():
         folder = path.parent if path.is_file() else path

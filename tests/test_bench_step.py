@@ -1,5 +1,6 @@
-"""CPU tests of ``liger_gen.bench.step``: kernel classes, profile arithmetic, the loss-curve check, the model
-configs, the click options, the report, and a tiny end-to-end run of plain transformers vs liger-gen (its
+"""CPU tests of ``liger_gen.bench.step`` and what it is built on (``liger_gen.bench.profile``,
+``liger_gen.training``): kernel classes, profile arithmetic, the loss-curve check, the model configs, the click
+options, the report, and a tiny end-to-end run of plain transformers vs liger-gen (its
 Triton kernels run in the interpreter: tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA)."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from liger_gen.bench import step  # noqa: E402
+from liger_gen import training  # noqa: E402
+from liger_gen.bench import profile, step  # noqa: E402
 from liger_gen.models import PRESETS  # noqa: E402
 
 from conftest import rope_call  # noqa: E402
@@ -42,11 +44,11 @@ def launched_template_kernels() -> set[str]:
 def test_every_launched_template_kernel_is_liger_gen():
     launched = launched_template_kernels()
     assert len(launched) >= 15, launched  # rms_norm, rope, glu, cross_entropy, ... each launch one or more
-    assert step.liger_gen_kernel_names() == launched
+    assert profile.liger_gen_kernel_names() == launched
     for name in sorted(launched):
-        assert step.classify_kernel(name) == "liger_gen", name
+        assert profile.classify_kernel(name) == "liger_gen", name
         # Tritons before 3.0 appended the argument specialisation to the name
-        assert step.classify_kernel(name + "_0d1d2d3de") == "liger_gen", name
+        assert profile.classify_kernel(name + "_0d1d2d3de") == "liger_gen", name
 
 
 # Names as torch.profiler reports them (H100/H200 traces of transformers / Liger-Kernel / inductor runs).
@@ -96,16 +98,16 @@ KERNEL_NAMES = [
 
 @pytest.mark.parametrize("name,expected", KERNEL_NAMES, ids=[n[:40] for n, _ in KERNEL_NAMES])
 def test_classify_real_kernel_names(name, expected):
-    assert step.classify_kernel(name) == expected
+    assert profile.classify_kernel(name) == expected
 
 
 def test_busy_union_counts_overlap_once():
-    assert step.busy_union_us([(0, 10), (5, 15), (20, 25)]) == 20
-    assert step.busy_union_us([(0, 10), (2, 3)]) == 10
-    assert step.busy_union_us([(20, 25), (0, 10)]) == 15
-    assert step.busy_union_us([]) == 0
+    assert profile.busy_union_us([(0, 10), (5, 15), (20, 25)]) == 20
+    assert profile.busy_union_us([(0, 10), (2, 3)]) == 10
+    assert profile.busy_union_us([(20, 25), (0, 10)]) == 15
+    assert profile.busy_union_us([]) == 0
     with pytest.raises(ValueError, match="intervals"):
-        step.busy_union_us([(5, 1)])
+        profile.busy_union_us([(5, 1)])
 
 
 def test_device_events_keeps_gpu_activity_only():
@@ -122,33 +124,33 @@ def test_device_events_keeps_gpu_activity_only():
         event("my_step", DeviceType.CUDA, 0.0, 100.0, annotation=True),  # GPU-side record_function range
         event("Memset (Device)", DeviceType.CUDA, 45.0, 47.0),
     ])
-    assert step.device_events(prof) == [step.DeviceEvent("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 10.0, 30.0),
-                                         step.DeviceEvent("Memset (Device)", 45.0, 2.0)]
+    assert profile.device_events(prof) == [profile.DeviceEvent("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 10.0, 30.0),
+                                         profile.DeviceEvent("Memset (Device)", 45.0, 2.0)]
 
 
 def test_summarize_profile_arithmetic():
-    ev = step.DeviceEvent
+    ev = profile.DeviceEvent
     # Two steps. Per step: a 4 ms GEMM, a 1 ms liger-gen norm, a 0.5 ms optimizer kernel overlapping the GEMM.
     events = []
     for base in (0.0, 10_000.0):
         events += [ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", base, 4000.0),
                    ev("rms_norm_fwd_kernel", base + 5000.0, 1000.0),
                    ev("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>()", base + 3500.0, 500.0)]
-    p = step.summarize_profile(events, n_steps=2, ms_per_step=8.0, profiled_wall_s=0.02)
+    p = profile.summarize_profile(events, n_steps=2, ms_per_step=8.0, profiled_wall_s=0.02)
     assert p["kernel_ms"]["gemm"] == pytest.approx(4.0)
     assert p["kernel_ms"]["liger_gen"] == pytest.approx(1.0)
     assert p["kernel_ms"]["optimizer"] == pytest.approx(0.5)
     assert p["kernel_ms"]["attention"] == 0.0
-    assert set(p["kernel_ms"]) == set(step.KERNEL_CLASSES)
+    assert set(p["kernel_ms"]) == set(profile.KERNEL_CLASSES)
     assert p["kernel_calls"]["gemm"] == 1.0
     assert p["busy_ms"] == pytest.approx(5.0)  # the optimizer kernel hides under the GEMM
     assert p["idle_ms"] == pytest.approx(3.0)  # 8 ms per unprofiled step - 5 ms busy
     assert p["profiled_ms_per_step"] == pytest.approx(10.0)
     assert [t["class"] for t in p["top_kernels"]] == ["gemm", "liger_gen", "optimizer"]
     assert p["top_kernels"][0]["ms"] == pytest.approx(4.0)
-    assert step.summarize_profile(events, 2, None)["idle_ms"] is None
+    assert profile.summarize_profile(events, 2, None)["idle_ms"] is None
     with pytest.raises(ValueError, match="n_steps"):
-        step.summarize_profile(events, 0, 1.0)
+        profile.summarize_profile(events, 0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,23 +159,23 @@ def test_summarize_profile_arithmetic():
 
 
 def test_loss_tolerance_is_the_dtype_eps():
-    assert step.loss_rel_tolerance(torch.bfloat16) == 2.0**-7
-    assert step.loss_rel_tolerance("bfloat16") == 2.0**-7
-    assert step.loss_rel_tolerance(torch.float16) == 2.0**-10
-    assert step.loss_rel_tolerance(torch.float32) == 1e-5
+    assert training.loss_rel_tolerance(torch.bfloat16) == 2.0**-7
+    assert training.loss_rel_tolerance("bfloat16") == 2.0**-7
+    assert training.loss_rel_tolerance(torch.float16) == 2.0**-10
+    assert training.loss_rel_tolerance(torch.float32) == 1e-5
     with pytest.raises(ValueError, match="dtype"):
-        step.loss_rel_tolerance("int8")
+        training.loss_rel_tolerance("int8")
     with pytest.raises(ValueError, match="dtype"):
-        step.loss_rel_tolerance(torch.int32)
+        training.loss_rel_tolerance(torch.int32)
 
 
 REFERENCE = [11.76, 11.2, 10.1, 9.0, 8.3, 7.9, 7.5]
 
 
 def test_compare_losses_passes_within_tolerance():
-    tol = step.loss_rel_tolerance(torch.bfloat16)
+    tol = training.loss_rel_tolerance(torch.bfloat16)
     close = [x * (1 + 0.5 * tol * (-1) ** i) for i, x in enumerate(REFERENCE)]
-    c = step.compare_losses(close, REFERENCE, tol)
+    c = training.compare_losses(close, REFERENCE, tol)
     assert c["pass"] is True
     assert c["max_rel_diff"] == pytest.approx(0.5 * tol)
     assert c["first_step_rel_diff"] == pytest.approx(0.5 * tol)
@@ -182,34 +184,34 @@ def test_compare_losses_passes_within_tolerance():
 
 
 def test_compare_losses_flags_a_perturbed_curve():
-    tol = step.loss_rel_tolerance(torch.bfloat16)
+    tol = training.loss_rel_tolerance(torch.bfloat16)
     n = len(REFERENCE)
     drift = list(REFERENCE)
     drift[4] *= 1 + 2 * tol  # one later step off by two bf16 spacings: chaotic drift, reported but tolerated
-    c = step.compare_losses(drift, REFERENCE, tol)
+    c = training.compare_losses(drift, REFERENCE, tol)
     assert c["pass"] is True
     assert c["max_rel_diff"] == pytest.approx(2 * tol)
     assert c["mean_rel_diff"] == pytest.approx(2 * tol / n)
     assert c["first_step_rel_diff"] == 0.0
     first = list(REFERENCE)
     first[0] *= 1 + 2 * tol  # the first step (one forward from equal weights) off: a numerics error
-    assert step.compare_losses(first, REFERENCE, tol)["pass"] is False
+    assert training.compare_losses(first, REFERENCE, tol)["pass"] is False
     biased = [r * (1 + 2 * tol) for r in REFERENCE[:1]] + [r * (1 + 1.5 * tol) for r in REFERENCE[1:]]
     biased[0] = REFERENCE[0]  # a systematic offset after the first step shows in the mean
-    c = step.compare_losses(biased, REFERENCE, tol)
+    c = training.compare_losses(biased, REFERENCE, tol)
     assert c["pass"] is False and c["mean_rel_diff"] > tol
 
 
 @pytest.mark.parametrize("losses", [REFERENCE[:-1], [*REFERENCE[:-1], math.nan], [*REFERENCE[:-1], None], []])
 def test_compare_losses_fails_on_missing_or_nonfinite(losses):
     ref = REFERENCE if losses else []
-    c = step.compare_losses(losses, ref, 1e-2)
+    c = training.compare_losses(losses, ref, 1e-2)
     assert c["pass"] is False and c["max_rel_diff"] is None and c["reason"]
 
 
 def test_compare_losses_rejects_bad_tolerance():
     with pytest.raises(ValueError, match="rel_tol"):
-        step.compare_losses(REFERENCE, REFERENCE, 0.0)
+        training.compare_losses(REFERENCE, REFERENCE, 0.0)
 
 
 def test_add_comparisons_speedups_and_checks():
@@ -242,7 +244,7 @@ PUBLISHED = {"llama3.2-1b": (1_235_814_400, 16), "qwen2.5-0.5b": (494_032_768, 2
 def test_configs_have_the_published_dims(name):
     spec = step.STEP_MODELS[name]
     preset = PRESETS[spec.name]
-    config = step.build_config(name)
+    config = training.build_config(name)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
             head_dim, config.vocab_size, config.rms_norm_eps) == (
@@ -254,7 +256,7 @@ def test_configs_have_the_published_dims(name):
     assert config._attn_implementation == "sdpa"
     import transformers
 
-    cls = getattr(transformers, step._FAMILY_CLASSES[spec.family][1])
+    cls = getattr(transformers, training.FAMILY_CLASSES[spec.family][1])
     with torch.device("meta"):
         model = cls(config)
     assert sum(p.numel() for p in model.parameters()) == n_params
@@ -272,7 +274,7 @@ def test_llama3_8b_width_model_is_llama_3_1_8b_with_fewer_layers():
 
     import transformers
 
-    config = step.build_config("llama3-8b-4l")
+    config = training.build_config("llama3-8b-4l")
     assert config.num_hidden_layers == 4 and config.tie_word_embeddings is False
     shape, preset = step.STEP_MODELS["llama3-8b-4l"].shape(), PRESETS["llama3-8b"]
     assert dataclasses.replace(shape, name=preset.name) == preset
@@ -287,19 +289,19 @@ def test_llama3_8b_width_model_is_llama_3_1_8b_with_fewer_layers():
 
 
 def test_rope_parameters():
-    rope = step.build_config("llama3.2-1b").rope_parameters
+    rope = training.build_config("llama3.2-1b").rope_parameters
     assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 500000.0
     assert (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
             rope["original_max_position_embeddings"]) == (32.0, 1.0, 4.0, 8192)
-    assert step.build_config("qwen2.5-0.5b").rope_parameters["rope_theta"] == 1000000.0
-    summary = step.config_summary(step.build_config("qwen2.5-0.5b"))
+    assert training.build_config("qwen2.5-0.5b").rope_parameters["rope_theta"] == 1000000.0
+    summary = step.config_summary(training.build_config("qwen2.5-0.5b"))
     assert summary["head_dim"] == 64 and summary["num_hidden_layers"] == 24
     json.dumps(summary)  # JSON-serialisable
 
 
 def test_unknown_model_and_bad_arguments_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="models: unknown"):
-        step.build_config("llama9")
+        training.build_config("llama9")
     kw = dict(device="cpu", console=False)
     with pytest.raises(ValueError, match="models"):
         step.run_step_benchmark("llama9", ["transformers"], **kw)
@@ -341,28 +343,30 @@ def test_restore_module_globals(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_click_options_map_onto_run_step_benchmark():
+def test_click_options_map_onto_run_step_benchmark(monkeypatch):
     from click.testing import CliRunner
 
-    import click
+    from liger_gen.cli import main
 
+    params = inspect.signature(step.run_step_benchmark).parameters
     seen = {}
 
-    @click.command()
-    @step.step_command_options
-    def cmd(**options):
+    def run(**options):
         seen.update(options)
+        return {"models": {}}
 
-    result = CliRunner().invoke(cmd, ["--models", "tiny", "--providers", "liger-gen,transformers", "--steps", "4"])
+    monkeypatch.setattr(step, "run_step_benchmark", run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else the command refuses the default device
+    result = CliRunner().invoke(main, ["bench-step", "--models", "tiny", "--providers", "liger-gen,transformers",
+                                       "--steps", "4"])
     assert result.exit_code == 0, result.output
-    params = inspect.signature(step.run_step_benchmark).parameters
     assert set(seen) <= set(params)
     assert seen["models"] == ["tiny"] and seen["providers"] == ["liger-gen", "transformers"] and seen["steps"] == 4
     for name in ("batch_size", "seq_len", "warmup_steps", "profile_steps", "lr", "seed", "dtype",
                  "attn_implementation", "loss_rel_tol", "out_dir", "device"):
         assert seen[name] == params[name].default, name
     assert seen["text"] == str(params["text"].default)
-    bad = CliRunner().invoke(cmd, ["--steps", "0"])
+    bad = CliRunner().invoke(main, ["bench-step", "--steps", "0"])
     assert bad.exit_code != 0 and "--steps" in bad.output
 
 
@@ -378,7 +382,7 @@ def test_report_lists_failures_and_skips():
             "transformers": {"status": "ok", "tokens_per_s": 40000.0, "ms_per_step": 409.6, "first_step_s": 1.0,
                              "compile_s": None, "peak_allocated_gib": 50.0, "peak_reserved_gib": 60.0,
                              "loss_check": None, "speedup_vs_transformers": 1.0, "speedup_vs_liger_kernel": None,
-                             "profile": {"kernel_ms": {c: 1.0 for c in step.KERNEL_CLASSES}, "idle_ms": 2.5,
+                             "profile": {"kernel_ms": {c: 1.0 for c in profile.KERNEL_CLASSES}, "idle_ms": 2.5,
                                          "busy_ms": 7.0}},
             "liger-gen": {"status": "ok", "tokens_per_s": 50000.0, "ms_per_step": 327.7, "first_step_s": 2.0,
                           "compile_s": None, "peak_allocated_gib": 30.0, "peak_reserved_gib": 35.0,

@@ -409,11 +409,11 @@ def test_first_step_runs_each_provider_in_a_fresh_process(runner, tmp_path, monk
     compute the same first loss from the same weights and batch."""
     import functools
 
-    from liger_gen.bench import step
+    from liger_gen.bench import first_step
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # no untimed warm-up round (2 more child processes; the next test checks that it is left out)
-    monkeypatch.setattr(step, "run_first_step", functools.partial(step.run_first_step, warmup_rounds=0))
+    monkeypatch.setattr(first_step, "run_first_step", functools.partial(first_step.run_first_step, warmup_rounds=0))
     done = runner.invoke(main, ["bench-step", "--first-step", "--device", "cpu", "--models", "tiny", "--providers",
                                 "transformers,liger-gen", "--batch-size", "2", "--seq-len", "32", "--repeats", "1",
                                 "--out", str(tmp_path)])
@@ -426,7 +426,7 @@ def test_first_step_runs_each_provider_in_a_fresh_process(runner, tmp_path, monk
     for run in (plain, ours):
         parts = run["startup_s"] + run["imports_s"] + run["build_s"] + run["step_s"]
         assert 0 < run["step_s"] and parts == pytest.approx(run["first_step_s"], abs=1e-6)
-    from liger_gen.bench.step import loss_rel_tolerance
+    from liger_gen.training import loss_rel_tolerance
 
     # same weights and batch in bf16: the two first losses differ by rounding only
     assert ours["loss"] == pytest.approx(plain["loss"], rel=loss_rel_tolerance(torch.bfloat16))
@@ -436,7 +436,7 @@ def test_first_step_runs_each_provider_in_a_fresh_process(runner, tmp_path, monk
 
 
 def test_first_step_options_and_a_hung_child_are_reported_not_raised(tmp_path):
-    from liger_gen.bench.step import run_first_step
+    from liger_gen.bench.first_step import run_first_step
 
     for device in ("nonsense", "meta") + (() if torch.cuda.is_available() else ("cuda",)):
         with pytest.raises(ValueError, match="device"):

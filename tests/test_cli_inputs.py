@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from liger_gen import files
-from liger_gen.bench import losses, report, step
+from liger_gen import files, training
+from liger_gen.bench import first_step, losses, report, step
 from liger_gen.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def _no_run(*args, **kwargs):
 def no_benchmarks(monkeypatch):
     import liger_gen.bench
 
-    for module, name in ((liger_gen.bench, "run_bench"), (step, "run_step_benchmark"), (step, "run_first_step"),
+    for module, name in ((liger_gen.bench, "run_bench"), (step, "run_step_benchmark"), (first_step, "run_first_step"),
                          (losses, "run_losses")):
         monkeypatch.setattr(module, name, _no_run)
 
@@ -108,19 +108,19 @@ def test_bench_step_text_from_dev_zero_stops_at_once(tmp_path):
 
 def test_bench_step_text_over_the_cap_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "run_step_benchmark", _REAL_RUN_STEP)
-    monkeypatch.setattr(step, "MAX_TEXT_BYTES", 1000)
+    monkeypatch.setattr(training, "MAX_TEXT_BYTES", 1000)
     big = tmp_path / "big.txt"
     big.write_bytes(b"x" * 1001)
     result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--text", str(big)])
     _usage_error(result, "--text", str(big), "1,001 bytes, more than the 1,000")
     with pytest.raises(ValueError, match="more than the 1,000"):
-        step.byte_tokens(big)  # the library reads with the same cap
+        training.byte_tokens(big)  # the library reads with the same cap
 
 
 def test_training_text_is_read_as_bytes_whatever_its_encoding(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(b"caf\xe9\x00\xff")
-    assert step.byte_tokens(path).tolist() == [99, 97, 102, 233, 0, 255]
+    assert training.byte_tokens(path).tolist() == [99, 97, 102, 233, 0, 255]
 
 
 def test_too_little_text_names_options_that_exist(tmp_path, monkeypatch):
@@ -132,7 +132,7 @@ def test_too_little_text_names_options_that_exist(tmp_path, monkeypatch):
     _usage_error(result, "--seq-len 64", "--text")
     assert "--max-chars" not in result.output
     with pytest.raises(ValueError) as caught:
-        step.make_batches(step.byte_tokens(short), 1, 1, 64, 0)
+        training.make_batches(training.byte_tokens(short), 1, 1, 64, 0)
     assert "--max-chars" not in str(caught.value) and "--text" in str(caught.value)
 
 
@@ -259,7 +259,7 @@ def test_bench_step_keeps_its_results_when_the_final_write_fails(tmp_path, temp_
 
     def run_step_benchmark(**options):
         _make_unusable(out)
-        return step._finish(measured, options["out_dir"], "step.json", step.print_report, False)
+        return step.finish_run(measured, options["out_dir"], "step.json", step.print_report, False)
 
     monkeypatch.setattr(step, "run_step_benchmark", run_step_benchmark)
     result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--out", str(out)])

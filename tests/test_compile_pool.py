@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from liger_gen.tuning.tuner import Tuner
+from liger_gen.tuning.search import Tuner
 
 from test_tuner import FakeRMSNormProblem, cost_model, fake_build
 

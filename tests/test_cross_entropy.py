@@ -795,7 +795,7 @@ def test_gate_catches_a_wrong_gradient(device):
 def test_tuner_produces_a_valid_entry(device):
     import optuna
 
-    from liger_gen.tuning.tuner import Tuner
+    from liger_gen.tuning.search import Tuner
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import liger_gen.functional as F
-from liger_gen.bench.step import loss_rel_tolerance
+from liger_gen.training import loss_rel_tolerance
 from test_distributed import STEPS, _run_script, _train
 
 REQUIRED = os.environ.get("LIGER_GEN_REQUIRE_DEEPSPEED") == "1"  # CI: a missing install fails, never skips
@@ -50,7 +50,7 @@ def test_zero3_partitions_outside_a_forward_are_refused_and_apply_to_after_initi
 import deepspeed
 import liger_gen
 import liger_gen.functional as F
-from liger_gen.bench.step import build_model
+from liger_gen.training import build_model
 model = build_model("tiny", "cpu", torch.float32, 0)
 config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3,
           "stage3_param_persistence_threshold": 0}}
@@ -88,10 +88,11 @@ def test_an_empty_or_partitioned_lm_head_weight_is_refused_with_what_to_do():
 
 ZERO_INIT = """
 import deepspeed, transformers
-from liger_gen.bench.step import STEP_MODELS, _FAMILY_CLASSES, build_config, byte_tokens, make_batches
+from liger_gen.models import ARCHITECTURES
+from liger_gen.training import FAMILY_CLASSES, build_config, byte_tokens, make_batches
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
           "stage3_param_persistence_threshold": 0}}
-cls = getattr(transformers, _FAMILY_CLASSES[STEP_MODELS["tiny"].family][1])  # imported before zero.Init, which
+cls = getattr(transformers, FAMILY_CLASSES[ARCHITECTURES["tiny"].family][1])  # imported before zero.Init, which
 cfg = build_config("tiny", "sdpa")  # patches torch.Tensor.__new__ (torch._dynamo's import then fails inside it)
 cfg.tie_word_embeddings = False  # lm_head.weight is then used by lm_head alone, which the fused loss never calls
 rank = dist.get_rank()
@@ -142,7 +143,8 @@ def test_a_model_partitioned_by_zero_init_before_apply_to_trains_as_plain_transf
 TRAINER = """
 import transformers
 from transformers import Trainer, TrainingArguments
-from liger_gen.bench.step import STEP_MODELS, _FAMILY_CLASSES, build_config, byte_tokens, make_batches
+from liger_gen.models import ARCHITECTURES
+from liger_gen.training import FAMILY_CLASSES, build_config, byte_tokens, make_batches
 zero3 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
@@ -154,7 +156,7 @@ def train(name, with_liger_gen):
     torch.manual_seed(0)
     cfg = build_config("tiny", "sdpa")
     cfg.tie_word_embeddings = False  # lm_head.weight is then used by lm_head alone, which the fused loss never calls
-    model = getattr(transformers, _FAMILY_CLASSES[STEP_MODELS["tiny"].family][1])(cfg)
+    model = getattr(transformers, FAMILY_CLASSES[ARCHITECTURES["tiny"].family][1])(cfg)
     if with_liger_gen:
         import liger_gen
         liger_gen.apply_to(model)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from liger_gen.bench.step import loss_rel_tolerance
+from liger_gen.training import loss_rel_tolerance
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -124,7 +124,7 @@ def test_apply_to_after_sharding_is_refused_with_what_to_do(tmp_path):
     out = _run_script(tmp_path, "late",
                       "from torch.distributed.fsdp import fully_shard\n"
                       "import liger_gen\n"
-                      "from liger_gen.bench.step import build_model\n"
+                      "from liger_gen.training import build_model\n"
                       "model = build_model('tiny', 'cpu', torch.float32, 0)\n"
                       "fully_shard(model)\n"
                       "try:\n"
@@ -146,7 +146,7 @@ def test_every_rank_picks_the_same_kernels_whatever_its_clock(tmp_path):
                       "    time.perf_counter = lambda: pc() * 3.0 + random.random()\n"
                       "    time.time = lambda: tt() + random.random() * 100\n"
                       "import liger_gen\n"
-                      "from liger_gen.bench.step import build_model\n"
+                      "from liger_gen.training import build_model\n"
                       "from liger_gen.runtime.ops import chosen_configs\n"
                       "model = build_model('tiny', 'cpu', torch.float32, 0)\n"
                       "liger_gen.apply_to(model)\n"
@@ -213,7 +213,7 @@ RANK_CASES = """
 import copy, math
 from torch.distributed.fsdp import fully_shard
 import liger_gen
-from liger_gen.bench.step import build_model
+from liger_gen.training import build_model
 rank = dist.get_rank()
 ours = build_model("tiny", "cpu", torch.float32, 0)
 ref = copy.deepcopy(ours)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import liger_gen
-from liger_gen.bench.step import byte_tokens, make_batches
+from liger_gen.training import byte_tokens, make_batches
 from liger_gen.integrations.transformers import MODEL_FAMILIES, restore_rope
 from mini_models import FAMILY_CONFIGS, mini_config, mini_model
 
@@ -231,9 +231,9 @@ def test_every_family_has_a_mini_model():
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
 def test_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type):
     """The same training in bf16 on a GPU, where every patched op runs its tuned Triton kernel: the curves agree
-    within bf16's precision (``liger_gen.bench.step.compare_losses``: first step and mean relative difference
+    within bf16's precision (``liger_gen.training.compare_losses``: first step and mean relative difference
     within bf16's epsilon)."""
-    from liger_gen.bench.step import compare_losses, loss_rel_tolerance
+    from liger_gen.training import compare_losses, loss_rel_tolerance
 
     plain = mini_model(model_type, dtype=torch.bfloat16, device="cuda")
     if plain is None:

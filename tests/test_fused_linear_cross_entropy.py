@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.tuning.tuner import Tuner
+from liger_gen.tuning.search import Tuner
 from liger_gen.models import PRESETS
 from liger_gen.ops import fused_linear_cross_entropy as flce_mod
 from liger_gen.ops.fused_linear_cross_entropy import (FusedLinearCrossEntropyConfig, FusedLinearCrossEntropyProblem,

@@ -512,7 +512,8 @@ def _cost_model(launch, params):
 def test_small_tuner_run_writes_a_usable_table(op, tmp_path, monkeypatch):
     import optuna
 
-    from liger_gen.tuning.tuner import Tuner, tune_to_table
+    from liger_gen.tuning.search import Tuner
+    from liger_gen.tuning.tables import tune_to_table
     from liger_gen.runtime.ops import clear_caches
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.tuning.tuner import Tuner
+from liger_gen.tuning.search import Tuner
 from liger_gen.models import ModelShape
 from liger_gen.ops.jsd import JSDProblem, JSDSpace, jsd, jsd_float64, jsd_torch, tuning_problems
 from liger_gen.ops.kl_div import DivergenceConfig

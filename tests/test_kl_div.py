@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.tuning.tuner import Tuner, tune_to_table
+from liger_gen.tuning.search import Tuner
+from liger_gen.tuning.tables import tune_to_table
 from liger_gen.models import ModelShape
 from liger_gen.ops.kl_div import (REDUCTIONS, DivergenceConfig, KLDivProblem, KLDivSpace, kl_div, kl_div_float64,
                                   kl_div_torch, tuning_problems, tuning_rows)

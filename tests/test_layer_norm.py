@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.tuning.tuner import Tuner, tune_to_table
+from liger_gen.tuning.search import Tuner
+from liger_gen.tuning.tables import tune_to_table
 from liger_gen.models import PRESETS
 from liger_gen.ops.layer_norm import (LayerNorm, LayerNormConfig, LayerNormProblem, LayerNormSpace, layer_norm,
                                       layer_norm_float64, tuning_problems)

@@ -212,7 +212,8 @@ def test_verify_names_the_entry_the_runtime_uses_when_a_table_holds_an_invalid_e
 def test_the_neighbour_list_is_the_same_from_the_stored_priors_of_a_shared_run():
     """Every host of a shared run tunes from the priors the first table writer stored (as JSON): the neighbour
     list built from them is the one that host built from its own."""
-    from liger_gen.tuning.tuner import _tuplify, neighbour_priors, problem_key
+    from liger_gen.tuning.fleet import _tuplify
+    from liger_gen.tuning.tables import neighbour_priors, problem_key
 
     def key(n, dtype=torch.bfloat16, rows=1024, variant=None):
         p = _Launchless(dtype, n, rows, "cpu", variant=variant)
@@ -248,7 +249,7 @@ class _Launchless(Problem):
 @pytest.mark.parametrize("nearest", ["a string", {"config": "x"}, {"config": None}, {"config": [1, 2]},
                                      {"config": {"BLOCK_N": 7}}, {"dims": {"n_cols": 80}}, None])
 def test_refresh_ignores_a_hand_edited_nearest_field(nearest):
-    from liger_gen.tuning.tuner import Tuner
+    from liger_gen.tuning.search import Tuner
 
     problem = _Launchless(torch.float32, 96, 20, "cpu")
     heuristic = problem.space.heuristic()

@@ -10,7 +10,7 @@ from conftest import CPU_PATHS
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.tuning.tuner import Tuner
+from liger_gen.tuning.search import Tuner
 from liger_gen.models import PRESETS
 from liger_gen.ops.rope import (RoPEConfig, RoPEProblem, RoPESpace, rope, rope_float64, rope_torch,
                                 tuning_problems)

@@ -199,7 +199,7 @@ def test_trial_logs_are_written_beside_the_table_and_read_back(tmp_path):
 def test_a_table_of_the_previous_format_is_read_when_its_op_is_known(user_dir):
     """Format 2 (one template_hash, trial logs in the entries): the runtime uses it, a writer extends it and
     keeps its logs, priors come from it; with no space to say whose hash it is, it is not read."""
-    from liger_gen.tuning.tuner import prior_configs, write_entries
+    from liger_gen.tuning.tables import prior_configs, write_entries
     from liger_gen.ops import get_spec
 
     old = _table([{**_entry(4096, _tuned_config(BLOCK_M_FWD=8)), "trials": {"fwd": [{"number": 0}]}}])
@@ -339,7 +339,7 @@ def test_triton_version_with_a_local_suffix_is_accepted(user_dir):
 
 
 def _write_entries_one_by_one(root, first_rows):
-    from liger_gen.tuning.tuner import write_entries
+    from liger_gen.tuning.tables import write_entries
 
     for i in range(50):
         write_entries(SPACE, [_entry(first_rows + i, _tuned_config())], root, gpu=GPU, device_name="NVIDIA H200",

@@ -11,7 +11,8 @@ import torch
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import Problem
 from liger_gen.ops.rms_norm import RMSNormProblem, RMSNormSpace
-from liger_gen.tuning.tuner import Tuner, tune_to_table
+from liger_gen.tuning.search import Tuner
+from liger_gen.tuning.tables import tune_to_table
 from liger_gen.runtime import tables
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -333,7 +334,7 @@ class Interrupt:
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, Killed])  # the trial ends FAIL / stays RUNNING
 @pytest.mark.parametrize("at", [1, 4, 9, 12, 16])  # the heuristic, the search, the polish, the backward phase
 def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc, batch):
-    from liger_gen.tuning.tuner import open_storage
+    from liger_gen.tuning.storage import open_storage
 
     settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2, batch=batch)
     reference = Tuner(timer=cost_model, **settings).tune(fast)
@@ -344,7 +345,7 @@ def test_interrupted_study_resumes_to_the_same_entry(fast, tmp_path, at, exc, ba
 
 
 def test_points_left_queued_by_a_killed_run_do_not_change_the_entry(fast, tmp_path):
-    from liger_gen.tuning.tuner import open_storage
+    from liger_gen.tuning.storage import open_storage
 
     settings = dict(n_trials=6, seed=2, polish_trials=2, retime_rounds=1)
     reference = Tuner(build=fake_build, timer=cost_model, **settings).tune(fast)
@@ -399,7 +400,7 @@ def test_retime_disqualifies_configs_that_fail_or_time_to_nonsense(fast):
 def test_a_journal_with_a_torn_tail_resumes_to_the_same_entry(fast, tmp_path, tear):
     """Disk full or power loss while a record was written: the torn tail is cut off (and kept aside), with a
     warning, and the resumed run ends at the uninterrupted entry. Optuna alone fails on every later run."""
-    from liger_gen.tuning.tuner import JournalWarning, open_storage
+    from liger_gen.tuning.storage import JournalWarning, open_storage
 
     settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=2)
     reference = Tuner(timer=cost_model, **settings).tune(fast)
@@ -419,7 +420,7 @@ def test_a_journal_with_a_torn_tail_resumes_to_the_same_entry(fast, tmp_path, te
 
 
 def test_a_journal_corrupt_in_the_middle_is_a_clear_error(fast, tmp_path):
-    from liger_gen.tuning.tuner import JournalError, open_storage
+    from liger_gen.tuning.storage import JournalError, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
@@ -437,7 +438,7 @@ def test_a_stale_journal_lock_is_named_in_a_warning(fast, tmp_path):
     The warning says so (here the lock's owner 'finishes' after 0.5 s, so the test does not wait 30 s)."""
     import threading
 
-    from liger_gen.tuning.tuner import JournalWarning, open_storage
+    from liger_gen.tuning.storage import JournalWarning, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=2, seed=1, polish_trials=0,
@@ -453,7 +454,7 @@ def test_a_stale_journal_lock_is_named_in_a_warning(fast, tmp_path):
 @pytest.mark.parametrize("bad", [b"{}\n", b'{"op_codf": 0, "worker_id": "x"}\n', b"[1, 2]\n"])
 def test_a_record_that_parses_but_is_not_optunas_is_a_clear_error(fast, tmp_path, bad):
     """Valid JSON in the middle that is not an Optuna record used to reach Optuna's replay (KeyError)."""
-    from liger_gen.tuning.tuner import JournalError, open_storage
+    from liger_gen.tuning.storage import JournalError, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
@@ -469,7 +470,7 @@ def test_a_record_optuna_cannot_replay_is_a_clear_error(fast, tmp_path):
     """A record of the right form whose content Optuna rejects: JournalError naming the file, not Optuna's error."""
     import json as json_module
 
-    from liger_gen.tuning.tuner import JournalError, open_storage
+    from liger_gen.tuning.storage import JournalError, open_storage
 
     journal = tmp_path / "run.journal"
     Tuner(build=fake_build, timer=cost_model, n_trials=3, seed=1, polish_trials=0,
@@ -488,7 +489,7 @@ def test_a_record_optuna_cannot_replay_is_a_clear_error(fast, tmp_path):
 def test_a_fifo_named_as_the_journal_is_refused_at_once(tmp_path):
     import signal
 
-    from liger_gen.tuning.tuner import JournalError, open_storage
+    from liger_gen.tuning.storage import JournalError, open_storage
 
     os.mkfifo(tmp_path / "run.journal")
     signal.alarm(20)  # a hang fails the test instead of the run
@@ -535,7 +536,7 @@ def test_a_prior_winner_is_measured_right_after_the_heuristic(fast):
 
 def test_prior_configs_come_from_the_tables_being_replaced_of_any_template(tmp_path):
     from liger_gen.ops import get_spec
-    from liger_gen.tuning.tuner import prior_configs, problem_key
+    from liger_gen.tuning.tables import prior_configs, problem_key
 
     spec = get_spec("rms_norm")
     config = _favourite(RMSNormSpace(96, torch.float32))
@@ -606,7 +607,7 @@ def test_an_interrupt_while_a_run_is_resumed_loses_no_point(fast, at, monkeypatc
 
 
 def test_a_polish_move_that_ties_the_best_resumes_to_the_same_entry(fast, tmp_path):
-    from liger_gen.tuning.tuner import open_storage
+    from liger_gen.tuning.storage import open_storage
 
     settings = dict(build=fake_build, n_trials=8, seed=5, polish_trials=3, retime_rounds=1, batch=2)
     reference = Tuner(timer=cost_model, **settings).tune(fast)  # cost_model times many points alike
@@ -617,7 +618,7 @@ def test_a_polish_move_that_ties_the_best_resumes_to_the_same_entry(fast, tmp_pa
 
 
 def test_the_batch_is_part_of_the_study_name_and_of_a_shared_run_plan(fast):
-    from liger_gen.tuning.tuner import TuneJob, _plan
+    from liger_gen.tuning.fleet import TuneJob, _plan
 
     one, eight = Tuner(build=fake_build, n_trials=2), Tuner(build=fake_build, n_trials=2, batch=8)
     assert one.study_name(fast, "fwd") != eight.study_name(fast, "fwd")
@@ -656,7 +657,7 @@ def test_a_new_shape_times_the_config_tuned_at_the_nearest_dims_beside_the_heuri
 
 
 def test_neighbour_priors_are_the_other_dims_of_the_op_nearest_first():
-    from liger_gen.tuning.tuner import neighbour_priors, problem_key
+    from liger_gen.tuning.tables import neighbour_priors, problem_key
 
     problems = {n: FakeRMSNormProblem(torch.float32, n, 20, "cpu") for n in (64, 96, 200, 1000)}
     priors = {problem_key(p): {"n": n} for n, p in problems.items() if n != 96}

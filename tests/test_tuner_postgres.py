@@ -37,12 +37,15 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from liger_gen.ops import get_spec  # noqa: E402
-from liger_gen.tuning import report, tuner as tuner_module  # noqa: E402
-from liger_gen.tuning.tuner import (SharedRunError, StorageError, Tuner, UnitWatch, WorkUnit,  # noqa: E402
-                                    attempt_name, claim, collect_entries, finished_units, join_run, open_storage,
-                                    run_units, tune_ops)
+from liger_gen.tuning import claims, fleet, report, storage as storage_module  # noqa: E402
+from liger_gen.tuning.claims import attempt_name, claim  # noqa: E402
+from liger_gen.tuning.driver import TuneSettings, run_tuning  # noqa: E402
+from liger_gen.tuning.fleet import (SharedRunError, UnitWatch, WorkUnit, collect_entries, finished_units,  # noqa: E402
+                                    join_run, run_units, tune_ops)
+from liger_gen.tuning.search import Tuner  # noqa: E402
+from liger_gen.tuning.storage import StorageError, open_storage  # noqa: E402
 from test_tuner import fake_build  # noqa: E402
-from test_tuner_workers import BARRIER, DIE_AT, MODEL, cost, fake_problems, job  # noqa: E402
+from test_tuner_workers import BARRIER, CPU, DIE_AT, MODEL, cost, fake_problems, job  # noqa: E402
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -55,8 +58,7 @@ PROCESS_TIMEOUT_S = 120
 def tuning_args(out_root, storage) -> dict:
     """The run_tuning arguments every process of these tests uses (the same command on every 'host')."""
     return dict(specs=[get_spec(op) for op in OPS], model=MODEL, rows=list(ROWS), dtypes=[torch.float32], trials=6,
-                out_root=out_root, storage=storage, seed=0, device="cpu", gpu="h200", device_name="fake GPU",
-                compute_capability="9.0",
+                out_root=out_root, storage=storage, seed=0, gpu="h200", target=CPU,
                 tuner=Tuner(n_trials=6, timer=cost, build=fake_build, seed=3, polish_trials=2, retime_rounds=2),
                 make_problems=fake_problems)
 
@@ -74,8 +76,8 @@ def helper_main(argv: list[str]) -> int:
     if args.host:
         socket.gethostname = lambda: args.host
     report.console = Console(file=sys.stdout, width=240)
-    result = report.run_tuning(**tuning_args(Path(args.out), args.storage), run_id=args.run_id,
-                               write_tables=not args.no_write_tables, stale_s=args.stale_after, poll_s=0.1)
+    result = run_tuning(TuneSettings(**tuning_args(Path(args.out), args.storage), run_id=args.run_id,
+                                     write_tables=not args.no_write_tables, stale_s=args.stale_after, poll_s=0.1))
     print(json.dumps({"unfinished": [u.index for u in result.unfinished], "errors": result.errors}))
     return 0 if not result.unfinished and not result.errors else 1
 
@@ -191,7 +193,7 @@ def reference(tmp_path_factory):
     saved = report.console
     report.console = Console(file=io.StringIO(), width=240)
     try:
-        result = report.run_tuning(**tuning_args(root, None))
+        result = run_tuning(TuneSettings(**tuning_args(root, None)))
     finally:
         report.console = saved
     assert not result.unfinished and not result.errors
@@ -319,7 +321,7 @@ OTHER = {"host": "elsewhere.example", "pid": 4242, "token": "t"}
 
 
 def _claim_for(storage, run_id: str, unit: WorkUnit, owner: dict, k: int = 0) -> int:
-    base = f"{tuner_module.CLAIM_PREFIX}:{run_id}:unit:{unit.index}"
+    base = f"{claims.CLAIM_PREFIX}:{run_id}:unit:{unit.index}"
     study_id = claim(storage, attempt_name(base, k))
     storage.set_study_user_attr(study_id, "owner", owner)
     storage.set_study_user_attr(study_id, "beat", 0)
@@ -365,14 +367,14 @@ def test_unit_watch_takes_over_a_silent_attempt_and_not_a_beating_one():
     assert watch.check(units[3])[0] == "abandoned"
     _claim_for(storage, "r", units[4], {"host": here, "pid": os.getpid(), "token": "an earlier process"})
     assert watch.check(units[4])[0] == "abandoned"
-    _claim_for(storage, "r", units[5], tuner_module.this_process())
+    _claim_for(storage, "r", units[5], claims.this_process())
     assert watch.check(units[5])[0] == "mine"
-    me = tuner_module.this_process()
+    me = claims.this_process()
     if me["boot"] is not None:  # the same name on another machine (or after a reboot): only the heartbeat tells
         elsewhere = {**me, "pid": _dead_pid(), "boot": "another-boot"}
-        assert not tuner_module.same_host(elsewhere, me) and tuner_module.same_host({**me, "boot": None}, me)
-    assert watch.check(units[6]) == ("unclaimed", f"{tuner_module.CLAIM_PREFIX}:r:unit:6")
-    _claim_for(storage, "r", units[1], tuner_module.this_process(), k=1)  # the latest attempt counts
+        assert not claims.same_host(elsewhere, me) and claims.same_host({**me, "boot": None}, me)
+    assert watch.check(units[6]) == ("unclaimed", f"{claims.CLAIM_PREFIX}:r:unit:6")
+    _claim_for(storage, "r", units[1], claims.this_process(), k=1)  # the latest attempt counts
     assert watch.check(units[1])[0] == "mine"
 
 
@@ -381,11 +383,11 @@ def test_a_claim_whose_process_died_before_recording_itself_is_taken_over_after_
     now = [0.0]
     watch = UnitWatch(storage, "r", stale_s=600, clock=lambda: now[0])
     unit = WorkUnit(0, "rms_norm", "float32", 16)
-    claim(storage, f"{tuner_module.CLAIM_PREFIX}:r:unit:0")  # claimed, no owner written
+    claim(storage, f"{claims.CLAIM_PREFIX}:r:unit:0")  # claimed, no owner written
     assert watch.check(unit)[0] == "running"
-    now[0] = tuner_module.OWNERLESS_S - 1
+    now[0] = fleet.OWNERLESS_S - 1
     assert watch.check(unit)[0] == "running"
-    now[0] = tuner_module.OWNERLESS_S
+    now[0] = fleet.OWNERLESS_S
     state, (successor, why) = watch.check(unit)
     assert state == "abandoned" and successor.endswith(":unit:0:retry1") and "never recorded itself" in why
 
@@ -422,7 +424,7 @@ def test_a_shared_run_takes_over_after_stale_s_and_not_while_the_owner_beats(ref
     assert takeovers[1] >= stopped[0] + 0.55
     assert result.entries == {"rms_norm": reference[0].entries["rms_norm"][:2]}
     names = {s.study_name for s in storage.get_all_studies()}
-    assert {f"{tuner_module.CLAIM_PREFIX}:r:unit:{i}:retry1" for i in (0, 1)} <= names
+    assert {f"{claims.CLAIM_PREFIX}:r:unit:{i}:retry1" for i in (0, 1)} <= names
 
 
 def test_the_lead_of_several_workers_takes_over_their_units_when_they_die(reference, tmp_path, monkeypatch):
@@ -451,11 +453,11 @@ def test_the_lead_of_several_workers_takes_over_their_units_when_they_die(refere
 def test_an_owner_stops_when_its_unit_is_taken_over(monkeypatch):
     """The heartbeat of a shared run's unit attempt finds the retry claim another process created and ends the
     attempt ("lost"): its problem is left without an entry and the unit without "done"."""
-    monkeypatch.setattr(tuner_module, "BEAT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(claims, "BEAT_INTERVAL_S", 0.0)
     storage = optuna.storages.InMemoryStorage()
     shared = job(storage=storage, ops=("rms_norm",), rows=(16,))
     shared.run_id, shared.shared = "r", True
-    base = f"{tuner_module.CLAIM_PREFIX}:r:unit:0"
+    base = f"{claims.CLAIM_PREFIX}:r:unit:0"
     calls = []
 
     def timer(launch, params):
@@ -477,7 +479,7 @@ def test_an_owner_stops_when_its_unit_is_taken_over(monkeypatch):
 def test_entries_and_done_units_count_every_attempt_once():
     storage = optuna.storages.InMemoryStorage()
     units = [WorkUnit(0, "rms_norm", "float32", 16), WorkUnit(1, "rms_norm", "float32", 32)]
-    prefix = f"{tuner_module.CLAIM_PREFIX}:r"
+    prefix = f"{claims.CLAIM_PREFIX}:r"
     for name, unit, entry in ((f"{prefix}:problem:rms_norm:a", 0, "first"),
                               (f"{prefix}:problem:rms_norm:a:retry1", 0, "again"),  # a stale owner finished too
                               (f"{prefix}:problem:rms_norm:b:retry2", 1, "retried")):
@@ -508,8 +510,8 @@ def test_a_host_on_other_software_cannot_join(monkeypatch):
     storage = optuna.storages.InMemoryStorage()
     first = dataclasses.replace(job(storage=storage), run_id="r", shared=True)
     join_run(first, storage)
-    real = tuner_module._version
-    monkeypatch.setattr(tuner_module, "_version", lambda dist: "0.0.0" if dist == "triton" else real(dist))
+    real = fleet._version
+    monkeypatch.setattr(fleet, "_version", lambda dist: "0.0.0" if dist == "triton" else real(dist))
     with pytest.raises(SharedRunError, match=r"software: the run has .*'triton': '0\.0\.0'"):
         join_run(dataclasses.replace(job(storage=storage), run_id="r", shared=True, write_tables=False), storage)
 
@@ -526,22 +528,22 @@ def test_storage_errors_say_what_to_do(monkeypatch):
 
 
 def test_printed_urls_hide_any_password_and_a_bad_port_is_a_storage_error():
-    show = tuner_module.display_storage
+    show = storage_module.display_storage
     assert show("postgresql://tuner:pa/ss:w%40rd@127.0.0.1:5432/t1") == "postgresql://tuner:***@127.0.0.1:5432/t1"
     assert "secret" not in show("postgresql://u:secret@127.0.0.1:notaport/t1")
     assert show("sqlite:///tune.db") == "sqlite:///tune.db" and show("/tmp/x.journal") == "/tmp/x.journal"
     with pytest.raises(StorageError, match="cannot open the tuning storage") as failed:
         open_storage("postgresql+psycopg2://u:secret@127.0.0.1:notaport/t1")
     assert "secret" not in str(failed.value)
-    kwargs = tuner_module._engine_kwargs("postgresql+psycopg2://u@h/db")
+    kwargs = storage_module._engine_kwargs("postgresql+psycopg2://u@h/db")
     assert kwargs["connect_args"]["connect_timeout"] > 0 and kwargs["connect_args"]["keepalives"] == 1
 
 
 def test_a_postgresql_url_without_a_driver_gets_the_installed_one(monkeypatch):
     monkeypatch.setitem(sys.modules, "psycopg", None)  # SQLAlchemy 2.1's default for postgresql://: missing
-    assert tuner_module._with_driver("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
-    assert tuner_module._with_driver("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"
-    assert tuner_module._with_driver("mysql://u@h/db") == "mysql://u@h/db"
+    assert storage_module._with_driver("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert storage_module._with_driver("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert storage_module._with_driver("mysql://u@h/db") == "mysql://u@h/db"
 
 
 def test_shared_run_options_are_checked(tmp_path):
@@ -561,9 +563,9 @@ def test_shared_run_options_are_checked(tmp_path):
     help_text = runner.invoke(main, ["tune", "--help"]).output
     assert "--run-id" in help_text and "--no-write-tables" in help_text and "--stale-after" in help_text
     with pytest.raises(ValueError, match="needs a storage every host can open"):
-        report.run_tuning(**tuning_args(tmp_path, None), run_id="r1")
+        run_tuning(TuneSettings(**tuning_args(tmp_path, None), run_id="r1"))
     with pytest.raises(ValueError, match="write_tables=False needs a shared run"):
-        report.run_tuning(**tuning_args(tmp_path, None), write_tables=False)
+        run_tuning(TuneSettings(**tuning_args(tmp_path, None), write_tables=False))
 
 
 if __name__ == "__main__":

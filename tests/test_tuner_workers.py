@@ -15,8 +15,12 @@ from rich.console import Console
 
 from liger_gen.tuning import report
 from liger_gen.codegen.spaces import dtype_from_name
-from liger_gen.tuning.tuner import (TuneJob, Tuner, WorkUnit, claim, cuda_visible, open_storage, plan_units,
-                                     tune_ops, write_entries)
+from liger_gen.tuning.claims import claim
+from liger_gen.tuning.driver import TuneSettings, TuneTarget, cuda_visible, run_tuning
+from liger_gen.tuning.fleet import TuneJob, WorkUnit, plan_units, tune_ops
+from liger_gen.tuning.search import Tuner
+from liger_gen.tuning.storage import open_storage
+from liger_gen.tuning.tables import write_entries
 from liger_gen.models import ModelShape, PRESETS
 from liger_gen.ops import get_spec
 from liger_gen.ops.layer_norm import LayerNormSpace
@@ -26,6 +30,7 @@ from test_tuner import FakeRMSNormProblem, fake_build
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 MODEL = ModelShape("tiny", 96, 192, 4, 2, 24, 1000, 1e-5)
+CPU = TuneTarget(device="cpu", device_name="fake GPU", compute_capability="9.0")  # tables "for" an H200, tuned here
 DIE_AT = "LIGER_GEN_TEST_DIE_AT"  # worker processes exit abruptly at this timer call
 BARRIER = "LIGER_GEN_TEST_BARRIER"
 _calls = [0, 0]  # timer calls, barrier passed (per process)
@@ -128,10 +133,11 @@ def test_run_tuning_prints_times_and_gains_and_removes_its_journal(reference, tm
     out = io.StringIO()
     monkeypatch.setattr(report, "console", Console(file=out, width=240))
     tuner = Tuner(n_trials=6, timer=cost, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
-    result = report.run_tuning(specs=[get_spec("rms_norm"), get_spec("layer_norm")], model=MODEL, rows=[16, 32, 64],
-                               dtypes=[torch.float32], trials=6, out_root=tmp_path, storage=None, seed=0,
-                               device="cpu", gpu="h200", device_name="fake GPU", compute_capability="9.0",
-                               devices=[None, None], tuner=tuner, make_problems=fake_problems)
+    result = run_tuning(TuneSettings(specs=[get_spec("rms_norm"), get_spec("layer_norm")], model=MODEL,
+                                     rows=[16, 32, 64], dtypes=[torch.float32], trials=6, out_root=tmp_path,
+                                     storage=None, seed=0, gpu="h200",
+                                     target=TuneTarget("cpu", "fake GPU", "9.0", workers=[None, None]), tuner=tuner,
+                                     make_problems=fake_problems))
     text = out.getvalue()
     assert "rms_norm: 3 shape(s) tuned in" in text and "layer_norm: 3 shape(s) tuned in" in text
     summary = report.gain_summary(reference.entries)
@@ -286,10 +292,10 @@ def test_refresh_retimes_the_finalists_of_existing_entries(reference, tmp_path, 
     and shapes without an entry are skipped."""
     out = io.StringIO()
     monkeypatch.setattr(report, "console", Console(file=out, width=240))
-    args = dict(model=MODEL, dtypes=[torch.float32], trials=6, out_root=tmp_path, storage=None, seed=0, device="cpu",
-                gpu="h200", device_name="fake GPU", compute_capability="9.0", make_problems=fake_problems)
+    args = dict(model=MODEL, dtypes=[torch.float32], trials=6, out_root=tmp_path, storage=None, seed=0, target=CPU,
+                gpu="h200", make_problems=fake_problems)
     tuner = Tuner(n_trials=6, timer=cost, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
-    report.run_tuning(specs=[get_spec("rms_norm")], rows=[16, 32], tuner=tuner, **args)
+    run_tuning(TuneSettings(specs=[get_spec("rms_norm")], rows=[16, 32], tuner=tuner, **args))
     path = tmp_path / "h200" / "rms_norm.json"
     old = tables.with_trials(path, tables.load_table(path))
     stale = {**tables.load_table(path), "triton_version": "2.1.0"}
@@ -301,8 +307,8 @@ def test_refresh_retimes_the_finalists_of_existing_entries(reference, tmp_path, 
         return cost(launch, params)
 
     refresher = Tuner(n_trials=6, timer=counting, build=fake_build, seed=3, polish_trials=2, retime_rounds=2)
-    result = report.run_tuning(specs=[get_spec("rms_norm")], rows=[16, 32, 64], tuner=refresher, refresh=True,
-                               **args)
+    result = run_tuning(TuneSettings(specs=[get_spec("rms_norm")], rows=[16, 32, 64], tuner=refresher, refresh=True,
+                                     **args))
     text = out.getvalue()
     assert "rms_norm: 2 shape(s) refreshed in" in text and "no entry to refresh" in text  # 64 rows: no entry
     new = tables.load_table(path)

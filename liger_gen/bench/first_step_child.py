@@ -1,4 +1,4 @@
-"""One provider's first training step in a fresh process (run as a script by ``liger_gen.bench.step``).
+"""One provider's first training step in a fresh process (run as a script by ``liger_gen.bench.first_step``).
 
 Run as ``python first_step_child.py SPEC.json``, never imported: the plain-transformers and Liger-Kernel runs
 must not import liger-gen (its import is part of what liger-gen's first step costs). SPEC holds the provider,
@@ -15,7 +15,7 @@ import time
 
 t_start = time.time()
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # this folder's modules (ops.py, step.py) must not shadow top-level ones
+    sys.path.pop(0)  # this folder's modules (ops.py, profile.py) must not shadow top-level ones
 
 
 def main(spec_path: str) -> None:

@@ -23,7 +23,7 @@ modules and forwards, which FSDP2 then shards like any other); applied to a mode
 DTensors, or that ``deepspeed.initialize`` already hooked, it stops with a ``ValueError`` saying so. Activation
 checkpointing and ``torch.compile`` of the decoder layers come after the patch and before sharding.
 
-Data: step ``s`` draws ``world_size × --batch-size`` windows (``liger_gen.bench.step.make_batches``, seeded with
+Data: step ``s`` draws ``world_size × --batch-size`` windows (``liger_gen.training.make_batches``, seeded with
 ``--seed``); rank ``r`` trains on rows ``r·B .. (r+1)·B − 1``. A one-process run with ``--batch-size`` equal to
 the world's total sees the same tokens at every step, and since every row has the same number of tokens the mean
 of the ranks' losses is its loss; FSDP2 and DDP average the gradients over ranks, so the runs take the same
@@ -132,13 +132,14 @@ def patch_kernels(model: torch.nn.Module, kernels: str, name: str) -> None:
 
         liger_gen.apply_to(model)
     elif kernels == "liger-kernel":
-        from liger_gen.bench.step import STEP_MODELS, _apply_liger_kernel
+        from liger_gen.models import ARCHITECTURES
+        from liger_gen.training import apply_liger_kernel
 
-        family = STEP_MODELS[name].family if name in STEP_MODELS else None
+        family = ARCHITECTURES[name].family if name in ARCHITECTURES else None
         if family not in ("llama", "qwen2"):
             raise SystemExit(f"--kernels liger-kernel: this example patches the llama and qwen2 families; "
                              f"{name} is {family or 'not one of them'}")
-        _apply_liger_kernel(model, family)
+        apply_liger_kernel(model, family)
 
 
 def shard(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torch.device, *, lr: float = 1e-3,
@@ -282,7 +283,7 @@ def train(args: argparse.Namespace, device: torch.device, rank: int, world: int,
     """Build, patch, shard, (resume,) train and checkpoint on this rank; return its summary."""
     import torch.distributed as dist
 
-    from liger_gen.bench.step import build_model, byte_tokens, make_batches
+    from liger_gen.training import build_model, byte_tokens, make_batches
 
     dtype = _DTYPES[args.dtype]
     # the same weights on every rank (built in float32 from the seed); FSDP2 keeps float32 shards

@@ -64,8 +64,8 @@ import torch
 
 from liger_gen.files import write_atomic
 from liger_gen.integrations.transformers import restore_rope
-from liger_gen.bench.step import (build_config, compare_losses, loss_rel_tolerance, make_batches, make_optimizer,
-                                  sync, train_step)
+from liger_gen.training import (build_config, compare_losses, loss_rel_tolerance, make_batches, make_optimizer, sync,
+                                train_step)
 from liger_gen.models import ARCHITECTURES
 
 #: The default corpus, shipped inside the package (public domain, 1,115,394 bytes).
@@ -432,7 +432,7 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
 
     Prints the report and returns the results dict (also written to ``--json`` if given): ``config``,
     ``environment``, ``model``, ``data``, ``patch`` (what ``apply_to`` replaced), ``runs`` (name -> metrics
-    from :func:`train`) and ``comparisons`` (name -> ``liger_gen.bench.step.compare_losses`` against
+    from :func:`train`) and ``comparisons`` (name -> ``liger_gen.training.compare_losses`` against
     ``runs["baseline"]`` at ``loss_rel_tolerance(dtype)``: per-step ``diff``, max / mean absolute and relative
     differences, ``pass``).
     """

@@ -1,25 +1,19 @@
-"""Terminal front end of tuning: progress bar and per-op times while tuning, summary and table listings (rich)."""
+"""Terminal output of tuning (printing only): the end-of-run summary of gains over the heuristic, and the table
+listings of ``liger-gen show`` (rich). The console is ``console``; ``driver.run_tuning`` prints its progress there."""
 
 from __future__ import annotations
 
 import math
 import re
-import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from liger_gen.codegen.spaces import dtype_name
-from liger_gen.tuning.tuner import (TuneJob, TuneResult, Tuner, display_storage, plan_units, prior_configs,
-                                    prior_entries, tune_ops, write_entries)
 from liger_gen.runtime.tables import entry_sort_key
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
@@ -28,166 +22,23 @@ console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no w
 TARGET_MEDIAN_GAIN = 0.10
 
 
-def run_tuning(*, specs, model, rows, dtypes, trials, out_root, storage, seed, device, gpu, device_name,
-               polish: int | None = None, budget_s: float | None = None, devices: Sequence[Any] | None = None,
-               compute_capability: str | None = None, tuner: Tuner | None = None, make_problems=None,
-               refresh: bool = False, run_id: str | None = None, write_tables: bool = True,
-               stale_s: float = 600.0, poll_s: float = 2.0, batch: int = 1, compile_workers: int = 0) -> TuneResult:
-    """Tune the ops of ``specs`` (``OpSpec``s) at the model's shapes, write one table per op as soon as the op is done, print the time each
-    op took and, at the end, the summary per op and shape with the median gain over the heuristic.
-
-    ``devices``: ``CUDA_VISIBLE_DEVICES`` values, one worker process each (None or one: tune in this process).
-    Several workers share ``storage``; without one they use a journal file in ``<out_root>/<gpu>/`` that is
-    removed after a complete run and kept (and named, to resume with ``--storage``) otherwise. ``budget_s``:
-    seconds of search and polish per op (None: no cap). ``batch`` and ``compile_workers``: the ``Tuner``'s (points
-    proposed at once; compile processes per tuning process, which compile a batch's variants on the CPU while
-    the GPU times). ``tuner`` and ``make_problems`` replace the default
-    Tuner and the ops' ``tuning_problems`` (tests). Returns the ``TuneResult``; the caller decides how to fail
-    when ``unfinished`` or ``errors`` is not empty.
-
-    ``run_id``: a run shared by several hosts (``liger-gen tune --run-id``): every host calls this with the same
-    ``storage`` (a database URL or a journal path all of them can open; ValueError otherwise) and ``run_id``;
-    each tunes the units it claims, waits until the whole run is done and takes over units abandoned by a dead
-    process of this host at once, or by any process showing no progress for ``stale_s`` seconds (the storage is
-    read every ``poll_s``). Only hosts with ``write_tables`` write the tables; the others say so at the end.
-    Running the same call again resumes the run.
-    """
-    from liger_gen.optional import require
-
-    shared = run_id is not None
-    if shared and (storage is None or not isinstance(storage, (str, Path)) or str(storage).rstrip("/") in (
-            "sqlite:", "sqlite:///:memory:")):
-        raise ValueError(f"a shared run (run_id {run_id!r}) needs a storage every host can open: a database URL "
-                         f"(postgresql://user@host/db) or a journal file path, got {storage!r}")
-    if not write_tables and not shared:
-        raise ValueError("write_tables=False needs a shared run (run_id): some other host must write the tables")
-    optuna = require("optuna", "liger-gen tune")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    device = torch.device(device)
-    cc = compute_capability or (".".join(map(str, torch.cuda.get_device_capability(device)))
-                                if device.type == "cuda" else "?")
-    by_name = {spec.name: spec for spec in specs}
-    ops = list(by_name)
-    units = plan_units(specs, model, rows, [dtype_name(d) for d in dtypes], budget_s=budget_s)
-    tuner = tuner or Tuner(n_trials=trials, seed=seed, polish_trials=polish, batch=batch,
-                           compile_workers=compile_workers)
-    several = devices is not None and len(devices) > 1
-    from liger_gen.runtime.tables import packaged_root
-
-    roots = dict.fromkeys([Path(out_root), packaged_root()])
-    priors = prior_entries(specs, roots, gpu) if refresh else prior_configs(specs, roots, gpu)
-    job = TuneJob(units=units, model=model, tuner=tuner, storage=storage, specs=by_name, make_problems=make_problems,
-                  priors=priors, seed=seed, device=device.type,
-                  gpu=gpu if (several or shared) and device.type == "cuda" else None, refresh=refresh,
-                  shared=shared, write_tables=write_tables, stale_s=stale_s, poll_s=poll_s)
-    if shared:
-        job.run_id = run_id
-    writer_note = "the tables are written by the host(s) started without --no-write-tables"
-    own_journal = None
-    if several and storage is None:
-        own_journal = Path(out_root) / gpu / f".tune-{job.run_id}.journal"
-        job.storage = str(own_journal)
-    workers = len(devices) if several else 1
-    console.print(f"tuning {len(ops)} op(s), {len(units)} unit(s) (op x dtype x rows) of {model.name} on "
-                  f"{device_name} with {workers} worker(s)"
-                  + (f", {tuner.compile_workers} compile worker(s) each" if tuner.compile_workers else "")
-                  + f", batches of {tuner.batch}; search+polish budget "
-                  + (f"{budget_s:g} s per op" if budget_s else "none")
-                  + (f"; studies in {display_storage(job.storage)}" if job.storage else "")
-                  + (f"; shared run {run_id!r} on host {socket.gethostname()}"
-                     + ("" if write_tables else f" ({writer_note})") if shared else ""))
-    paths: dict[str, Path] = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        task = progress.add_task(f"tuning {model.name} on {device_name}", total=None)
-        running: dict[int, str] = {}
-
-        def on_event(event: dict) -> None:
-            kind = event["kind"]
-            if kind == "trial":
-                progress.advance(task)
-            elif kind == "problem":
-                progress.update(task, total=(progress.tasks[0].total or 0)
-                                + (tuner.n_trials + tuner.polish_trials) * event["phases"])
-            elif kind == "start":
-                running[event["worker"]] = event["op"]
-            elif kind == "done":
-                running.pop(event["worker"], None)
-            elif kind == "error":
-                console.print(f"[red]worker {event['worker']} failed: {event['error']}[/red]")
-            elif kind == "skip":
-                console.print(f"{event['op']} {event['key']}: no entry to refresh (tune it without --refresh)")
-            elif kind == "waiting" and event["for"] == "writer":
-                console.print(f"waiting for a host started without --no-write-tables to join run {run_id!r} "
-                              f"(this host tunes from the priors that host stores)")
-            elif kind == "waiting":
-                console.print(f"waiting for {len(event['units'])} unit(s) being tuned by "
-                              f"{', '.join(event['owners'])} (taken over after {stale_s:g} s without progress, "
-                              f"or at once if their process on this host is gone)")
-            elif kind == "takeover":
-                console.print(f"[yellow]taking over unit {event['unit']} ({event['op']} {event['dtype']} "
-                              f"rows={event['rows']}) as {event['claim'].rsplit(':', 1)[-1]}: {event['why']}"
-                              f"[/yellow]")
-            elif kind == "lost":
-                console.print(f"[yellow]worker {event['worker']} stopped unit {event['unit']} ({event['op']}): "
-                              f"{event['reason']}[/yellow]")
-            if kind in ("start", "done"):
-                progress.update(task, description="tuning " + (", ".join(sorted(set(running.values())))
-                                                                 or "...") + f" on {device_name}")
-
-        def on_op_done(op: str, entries: list[dict], seconds: dict[str, float]) -> None:
-            if not write_tables:
-                console.print(f"{op}: {len(entries)} shape(s) {'refreshed' if refresh else 'tuned'}; {writer_note}")
-                return
-            if not entries:
-                console.print(f"{op}: no shape {'refreshed' if refresh else 'tuned'}; its table is left as it is")
-                return
-            paths[op] = write_entries(by_name[op].space, entries, Path(out_root), gpu=gpu, device_name=device_name,
-                                      compute_capability=cc)
-            cut = sum(1 for e in entries for s in e.get("search", {}).values() if s.get("cut"))
-            busy = f" ({seconds['busy']:.1f} s of worker time)" if several else ""
-            console.print(f"{op}: {len(entries)} shape(s) {'refreshed' if refresh else 'tuned'} in "
-                          f"{seconds['wall']:.1f} s{busy}"
-                          + (f", {cut} search(es) cut by the time budget" if cut else "") + f"; wrote {paths[op]}")
-
-        start = time.monotonic()
-        try:
-            result = tune_ops(job, devices=devices if several else (devices or None), on_event=on_event,
-                              on_op_done=on_op_done)
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted; " + ("" if not write_tables else "tables of finished ops are written; ")
-                          + (f"run the same command (--storage {display_storage(job.storage)} --run-id {run_id}) to "
-                             f"resume the run" if shared else
-                             f"run the same command with --storage {display_storage(job.storage)} to resume the "
-                             f"studies" if job.storage else "with --storage, a run can be resumed") + "[/yellow]")
-            raise
-        elapsed = time.monotonic() - start
+def print_run_end(result, ops: Sequence[str], *, elapsed: float, pool: Mapping[str, Any] | None = None) -> None:
+    """The end of a tuning run (``driver.run_tuning``): shapes tuned and the time taken, what the compile workers did
+    (``pool``: ``Tuner.pool_stats()``, None: not printed) and, for the ops of ``result.entries`` in ``ops``' order,
+    the gains over the heuristic (``gain_table``, ``gain_verdict``, ``nearest_verdicts``)."""
     console.print(f"tuned {sum(len(e) for e in result.entries.values())} shape(s) of {len(result.entries)} op(s) "
                   f"in {elapsed:.1f} s")
-    stats = tuner.pool_stats()
-    if stats is not None and not several:
-        console.print(f"compile workers: {stats['compiled']} variant(s) compiled ahead ({stats['worker_s']:.1f} s of "
-                      f"worker time), {stats['not_started'] + stats['not_sent'] + stats['failed']} compiled at "
-                      f"their first launch instead; {stats['waited_s']:.1f} s spent waiting for workers")
-    summary = gain_summary({op: result.entries[op] for op in ops if result.entries.get(op)})
+    if pool is not None:
+        console.print(f"compile workers: {pool['compiled']} variant(s) compiled ahead ({pool['worker_s']:.1f} s of "
+                      f"worker time), {pool['not_started'] + pool['not_sent'] + pool['failed']} compiled at "
+                      f"their first launch instead; {pool['waited_s']:.1f} s spent waiting for workers")
+    tuned = {op: result.entries[op] for op in ops if result.entries.get(op)}
+    summary = gain_summary(tuned)
     if summary["rows"]:
         console.print(gain_table(summary))
         console.print(gain_verdict(summary))
-        for line in nearest_verdicts({op: result.entries[op] for op in ops if result.entries.get(op)}):
+        for line in nearest_verdicts(tuned):
             console.print(line)
-    if result.unfinished or result.errors:
-        for error in result.errors:
-            console.print(f"[red]{error}[/red]")
-        if job.storage and (result.unfinished or not shared):
-            shown = display_storage(job.storage)
-            console.print(f"[yellow]{len(result.unfinished)} unit(s) unfinished; their studies are kept in "
-                          f"{shown}: run the same command with --storage {shown}"
-                          + (f" --run-id {run_id}" if shared else "") + " to resume[/yellow]")
-    elif own_journal is not None and own_journal.exists():
-        own_journal.unlink()  # every entry is in the tables; the trials too
-    if shared and not result.unfinished and not write_tables:
-        console.print(f"run {run_id!r} is complete; {writer_note}")
-    return result
 
 
 def gain_summary(results: Mapping[str, Sequence[dict]]) -> dict[str, Any]:

@@ -1,0 +1,243 @@
+"""What a training run is built from: a transformers model of the model registry, batches of byte tokens, AdamW,
+one training step, and the check that two runs' loss curves agree.
+
+The training-step benchmark (``liger-gen bench-step``), the training examples (``liger_gen.examples``) and
+``liger-gen build --model`` build their models here, so every one of them trains the same model on the same
+batches: ``build_model(name, device, dtype, seed)`` draws the weights in float32 right after
+``torch.manual_seed(seed)``; ``make_batches(byte_tokens(text), steps, batch_size, seq_len, seed)`` draws the
+windows from a generator seeded with ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from liger_gen.files import read_capped_bytes
+from liger_gen.models import ARCHITECTURES, Architecture
+
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+#: The most bytes of training text read (--text). The default text is 1.1 MB and the steps read windows of it at
+#: random offsets, so more text adds variety, not work; every byte becomes an int64 token, so 64 MiB of text is
+#: 512 MiB of host memory.
+MAX_TEXT_BYTES = 64 * 2**20
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+#: transformers' config and causal-LM classes of each family ``ARCHITECTURES`` holds
+FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _transformers():
+    from liger_gen.optional import require
+
+    return require("transformers", "the training-step benchmark")
+
+
+def _transformers_major() -> int:
+    transformers = _transformers()
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def architecture(name: str) -> Architecture:
+    """``ARCHITECTURES[name]``; ValueError for an unknown name (listing the known ones)."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"models: unknown model {name!r}; known: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def build_config(name: str, attn_implementation: str = "sdpa"):
+    """The transformers config of ``ARCHITECTURES[name]`` with ``use_cache=False`` and the attention backend.
+
+    Raises ValueError for an unknown name (listing the known ones).
+    """
+    spec = architecture(name)
+    transformers = _transformers()
+
+    config_cls = getattr(transformers, FAMILY_CLASSES[spec.family][0])
+    kwargs = dict(spec.fields)
+    if _transformers_major() >= 5:
+        kwargs["rope_parameters"] = dict(spec.rope)
+    else:  # transformers 4.x: rope_theta at top level, scaling (if any) in rope_scaling
+        rope = dict(spec.rope)
+        kwargs["rope_theta"] = rope.pop("rope_theta")
+        if rope.get("rope_type", "default") != "default":
+            kwargs["rope_scaling"] = rope
+    return config_cls(**kwargs, use_cache=False, attn_implementation=attn_implementation)
+
+
+def build_model(name: str, device: torch.device | str, dtype: torch.dtype, seed: int,
+                attn_implementation: str = "sdpa"):
+    """A randomly initialised ``*ForCausalLM`` of ``name`` on ``device`` with ``dtype`` parameters, train mode.
+
+    The weights are drawn in float32 on ``device`` right after ``torch.manual_seed(seed)`` and then cast, so
+    the same (seed, device) gives the same weights.
+    """
+    spec = architecture(name)
+    transformers = _transformers()
+
+    config = build_config(name, attn_implementation)
+    model_cls = getattr(transformers, FAMILY_CLASSES[spec.family][1])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+    model = model.to(dtype=dtype)
+    model.train()
+    return model
+
+
+def apply_liger_kernel(model, family: str):
+    """Liger-Kernel's ``apply_liger_kernel_to_<family>(model=model)`` with its defaults (``family``: llama, qwen2)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+
+    apply = {"llama": apply_liger_kernel_to_llama, "qwen2": apply_liger_kernel_to_qwen2}[family]
+    apply(model=model)  # defaults: rope, rms_norm, swiglu, fused_linear_cross_entropy
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_text_bytes(path: str | Path = DEFAULT_TEXT) -> bytes:
+    """The bytes of the training text at ``path`` (any encoding: the tokens are its bytes). ValueError naming the
+    path if it cannot be read, is not a regular file (a FIFO, a device such as /dev/zero), is larger than
+    MAX_TEXT_BYTES or is empty."""
+    try:
+        data = read_capped_bytes(path, MAX_TEXT_BYTES, "training text")
+    except OSError as exc:
+        raise ValueError(f"cannot read training text {path}: {exc.strerror or exc}") from exc
+    if not data:
+        raise ValueError(f"training text {path} is empty")
+    return data
+
+
+def byte_tokens(path: str | Path = DEFAULT_TEXT) -> torch.Tensor:
+    """The file's bytes as an int64 token stream (ids 0..255); ValueError as :func:`read_text_bytes`."""
+    return torch.frombuffer(bytearray(read_text_bytes(path)), dtype=torch.uint8).to(torch.int64)
+
+
+def make_batches(tokens: torch.Tensor, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``[steps, batch_size, seq_len]`` int64 windows of ``tokens`` at uniformly random offsets.
+
+    Offsets come from a ``torch.Generator`` seeded with ``seed``, so every run (and every provider) sees the same
+    batches in the same order. Raises ValueError if the stream is shorter than one window.
+    """
+    n = tokens.numel()
+    if n < seq_len:
+        raise ValueError(
+            f"the token stream has {n} tokens (one per byte of the training text), fewer than --seq-len "
+            f"{seq_len}; name a longer --text file or a shorter --seq-len"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, n - seq_len + 1, (steps, batch_size), generator=gen)
+    return tokens[starts.unsqueeze(-1) + torch.arange(seq_len)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training step
+# --------------------------------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model, optimizer, input_ids: torch.Tensor, scheduler=None) -> torch.Tensor:
+    """One causal-LM training step on ``input_ids`` (B, T): forward with ``labels=input_ids`` (transformers shifts
+    them), backward, optimizer (and ``scheduler``) step, gradients cleared. Returns the loss, detached, on the
+    device (no host sync)."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def make_optimizer(model, lr: float, device: torch.device):
+    """AdamW over ``model``'s parameters: the fused implementation where the build has it (CUDA always)."""
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    except RuntimeError:
+        if device.type == "cuda":
+            raise
+        return torch.optim.AdamW(model.parameters(), lr=lr)  # a CPU build without fused AdamW for this dtype
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loss-curve check
+# --------------------------------------------------------------------------------------------------------------
+
+
+def loss_rel_tolerance(dtype: torch.dtype | str) -> float:
+    """Per-step relative tolerance between a provider's loss curve and plain transformers'.
+
+    bfloat16 / float16: the dtype's machine epsilon (bf16: 2**-7 = 7.8e-3; fp16: 2**-10). Every provider runs
+    the same model with bf16 weights and activations; they differ only in rounding (fused kernels keep fp32 where
+    transformers rounds to bf16, e.g. FLCE's fp32 logits) and summation order. bf16 numbers near a value x are
+    spaced 2**-8·|x| to 2**-7·|x| apart, so a difference below eps·|x| is at most two bf16 steps (ulps) at the
+    loss's magnitude: the curves agree to the precision the model is trained in. A change in what the model
+    computes (a wrong gradient, a wrong norm) moves the curve by more once a few updates have been applied.
+    float32: 1e-5 (see tests/test_train_example.py for that bound's derivation).
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if dtype in (torch.bfloat16, torch.float16):
+        return float(torch.finfo(dtype).eps)
+    if dtype == torch.float32:
+        return 1e-5
+    raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+
+
+def compare_losses(losses: Sequence[float | None], reference: Sequence[float | None], rel_tol: float,
+                   reference_name: str = "transformers") -> dict[str, Any]:
+    """Compare two per-step loss curves: first-step, mean and max relative differences and a pass flag.
+
+    ``pass`` is True when the curves have the same length, every loss of both is finite, the first step's
+    relative difference (one forward from identical weights: the kernels' numerics alone) is <= ``rel_tol``, and
+    so is the mean over all steps of ``|loss - ref| / |ref|``. ``diff`` holds the per-step ``loss - ref`` (nats),
+    ``max_abs_diff`` / ``mean_abs_diff`` its largest and mean magnitude. The max is reported, not judged: two bf16
+    training runs that differ only in rounding drift apart step by step (measured on an H200, 2026-11-30:
+    Liger-Kernel vs transformers at Llama-3.2-1B, 8 steps, lr 3e-4: first step 3e-5, max 1.3e-2, mean 3.5e-3),
+    so a per-step bound would fail correct kernels, while a systematic error shows in the first step or the
+    mean. Non-finite losses give None differences and ``pass: False``. Raises ValueError if ``rel_tol`` is not
+    positive.
+    """
+    if not rel_tol > 0:
+        raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
+    out: dict[str, Any] = {"reference": reference_name, "rel_tol": rel_tol, "max_rel_diff": None,
+                           "mean_rel_diff": None, "max_abs_diff": None, "mean_abs_diff": None,
+                           "first_step_rel_diff": None, "diff": [], "pass": False}
+    if len(losses) != len(reference) or not losses:
+        out["reason"] = f"{len(losses)} losses vs {len(reference)} reference losses"
+        return out
+    vals = [x if x is not None else math.nan for x in losses]
+    refs = [x if x is not None else math.nan for x in reference]
+    if not all(math.isfinite(x) for x in vals + refs):
+        out["reason"] = "non-finite loss"
+        return out
+    out["diff"] = [a - b for a, b in zip(vals, refs)]
+    rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(vals, refs)]
+    out["max_rel_diff"] = max(rel)
+    out["max_abs_diff"] = max(abs(d) for d in out["diff"])
+    out["mean_abs_diff"] = sum(abs(d) for d in out["diff"]) / len(rel)
+    out["mean_rel_diff"] = sum(rel) / len(rel)
+    out["first_step_rel_diff"] = rel[0]
+    out["pass"] = rel[0] <= rel_tol and out["mean_rel_diff"] <= rel_tol
+    return out
