@@ -98,7 +98,9 @@ def _not_a_folder(path: Path) -> str | None:
     for p in (path, *path.parents):
         try:
             mode = os.stat(p).st_mode
-        except OSError:
+        except OSError as exc:
+            if os.path.islink(p):  # a link to nothing, or a loop of links: nothing can be made there
+                return f"{p} is a symbolic link that leads nowhere ({exc.strerror or exc})"
             continue
         if stat.S_ISDIR(mode):
             return None

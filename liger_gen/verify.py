@@ -30,6 +30,7 @@ from rich.text import Text
 
 from liger_gen.codegen.spaces import DeviceLimits, dtype_name
 from liger_gen.runtime import tables
+from liger_gen.runtime.compiled import real_root
 
 
 @dataclass
@@ -106,7 +107,7 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
             report.notices.append(f"the user tables folder {user} {why}: the runtime reads no tables there")
     roots, seen_roots = [], set()
     for source, root in tables.table_roots():  # the same folder twice (a symlink) is read once
-        resolved = Path(root).resolve()
+        resolved = real_root(root)  # a link loop is checked as it is, never a traceback
         if resolved not in seen_roots:
             seen_roots.add(resolved)
             roots.append((source, root))

@@ -151,6 +151,23 @@ def test_bench_render_of_deeply_nested_json_is_a_usage_error(tmp_path):
     _usage_error(result, "--render", str(deep), "nested")
 
 
+@pytest.mark.parametrize("field,value", [("meta", None), ("config", 3), ("results", [5]), ("results", ["op"]),
+                                         ("op", [])])
+def test_bench_render_of_a_mistyped_section_is_a_usage_error(tmp_path, field, value):
+    import json
+
+    data = _bench_result()
+    if field == "op":
+        data["results"] = [{key: 0 for key in report.REQUIRED["result"]}]
+        data["results"][0]["op"] = value
+    else:
+        data[field] = value
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["bench", "--render", str(path), "--out", str(tmp_path / "out")])
+    _usage_error(result, "--render", "must be")
+
+
 def test_bench_render_of_an_oversized_file_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "MAX_RESULT_BYTES", 100)
     path = report.write_json(_bench_result(), tmp_path / "run.json")
@@ -202,6 +219,18 @@ def test_an_out_folder_on_a_read_only_disk_is_a_usage_error(tmp_path, monkeypatc
     monkeypatch.setattr(tempfile, "mkstemp", read_only)
     result = CliRunner().invoke(main, ["bench-losses", "--device", "cpu", "--out", str(folder)])
     _usage_error(result, "--out", str(folder), "Read-only file system")
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_an_out_that_is_a_broken_link_says_so(tmp_path, kind):
+    link = tmp_path / "out"
+    if kind == "dangling":
+        link.symlink_to(tmp_path / "nowhere")
+    else:
+        (tmp_path / "other").symlink_to(link)
+        link.symlink_to(tmp_path / "other")
+    result = CliRunner().invoke(main, ["bench-losses", "--device", "cpu", "--out", str(link)])
+    _usage_error(result, "--out", str(link), "symbolic link that leads nowhere")
 
 
 def test_the_out_check_creates_the_folder_and_leaves_no_probe(tmp_path):

@@ -1714,3 +1714,35 @@ def test_folders_above_a_store_may_be_yours_or_roots_but_no_one_elses(tmp_path, 
     os.chown(tmp_path / "a", 12345, -1)  # level 5: someone else's
     assert compiled.untrusted_reason(folder) == f"{tmp_path / 'a'} is owned by uid 12345, not by you (uid 1000)"
     os.chown(tmp_path / "a", 0, -1)
+
+
+def test_verify_reports_a_manifest_file_size_out_of_bounds_as_an_unusable_store(tmp_path):
+    """A file size no file can have (10**400 bytes) is a manifest defect: one line, exit 1 (its MiB total once
+    overflowed a float in verify)."""
+    folder = _make_store(tmp_path, triton=__import__("triton").__version__)
+    manifest = json.loads((folder / compiled.MANIFEST).read_text())
+    rel = next(iter(manifest["files"]))
+    manifest["files"][rel]["size"] = 10 ** 400
+    (folder / compiled.MANIFEST).write_text(json.dumps(manifest))
+    result = _verify_store(tmp_path)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1, result.output
+    problems = " ".join(result.output.split()).split("unusable: ")[1:]
+    assert len(problems) == 1 and f"file entry {rel!r} must be" in problems[0] and "size from 0" in problems[0]
+
+
+def test_verify_gives_a_notice_for_a_tables_folder_that_is_a_loop_of_links(tmp_path):
+    from click.testing import CliRunner
+
+    from liger_gen.cli import main
+    from liger_gen.runtime import tables
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    result = CliRunner().invoke(main, ["verify", "--gpu", GPU, "--model", "llama3-8b", "--ops", "rms_norm"],
+                                env={"COLUMNS": "200", tables.ENV_TUNED_DIR: str(a)})
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert result.exit_code == 0, result.output  # the packaged tables serve rms_norm
+    assert "notice:" in result.output and str(a) in " ".join(result.output.split())

@@ -184,15 +184,21 @@ def validate(data: Any) -> dict:
     if data["schema"] != SCHEMA_VERSION:
         raise ReportError(f"bench result: schema {data['schema']!r} is not {SCHEMA_VERSION}")
     for section in ("meta", "config"):
+        if not isinstance(data[section], dict):
+            raise ReportError(f"bench result: {section!r} must be an object, got {type(data[section]).__name__}")
         for key in REQUIRED[section]:
             if key not in data[section]:
                 raise ReportError(f"bench result: missing field {section}.{key}")
     if not isinstance(data["results"], list) or not isinstance(data["ops"], dict):
         raise ReportError("bench result: 'results' must be a list and 'ops' an object")
     for i, res in enumerate(data["results"]):
+        if not isinstance(res, dict):
+            raise ReportError(f"bench result: results[{i}] must be an object, got {type(res).__name__}")
         for key in REQUIRED["result"]:
             if key not in res:
                 raise ReportError(f"bench result: results[{i}] has no {key!r}")
+        if not isinstance(res["op"], str):
+            raise ReportError(f"bench result: results[{i}].op must be a string, got {type(res['op']).__name__}")
         if res["op"] not in data["ops"]:
             raise ReportError(f"bench result: results[{i}] names op {res['op']!r}, which 'ops' does not describe")
     return data

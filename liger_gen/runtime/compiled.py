@@ -65,6 +65,7 @@ SCHEMA = "liger-gen/compiled-kernels/1"
 FOLDER = "compiled"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 * 2 ** 20
+MAX_FILE_BYTES = 2 ** 30  # one compiled kernel file (cubins and host modules are kilobytes to a few MB)
 ENV_DISABLE = "LIGER_GEN_COMPILED_KERNELS"  # "0": never load compiled kernels (always compile)
 KEPT_SUFFIXES = (".json", ".cubin", ".hsaco", ".so")
 
@@ -281,8 +282,10 @@ def manifest_problem(data: dict) -> str | None:
         return problem
     for rel, info in data["files"].items():
         if not valid_rel(rel) or not isinstance(info, dict) or type(info.get("size")) is not int \
-                or info["size"] < 0 or not isinstance(info.get("sha256"), str) or not _SHA256.fullmatch(info["sha256"]):
-            return f"file entry {rel!r} must be '<KEY>/<name>' with an int size and a sha256 (64 hex digits)"
+                or not 0 <= info["size"] <= MAX_FILE_BYTES or not isinstance(info.get("sha256"), str) \
+                or not _SHA256.fullmatch(info["sha256"]):
+            return (f"file entry {rel!r} must be '<KEY>/<name>' with an int size from 0 to {MAX_FILE_BYTES:,} bytes "
+                    f"and a sha256 (64 hex digits)")
     for name, rec in data["kernels"].items():
         if not isinstance(rec, dict):
             return f"kernel {name!r} must be an object, not {_got(rec)}"
