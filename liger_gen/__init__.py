@@ -9,7 +9,7 @@ use them load after ``import liger_gen``.
 """
 
 from liger_gen import functional, nn
+from liger_gen._version import __version__
 from liger_gen.integrations.transformers import apply_to
 
-__version__ = "0.1.0"
 __all__ = ["apply_to", "functional", "nn", "__version__"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from liger_gen import __version__
+from liger_gen._version import __version__
 from liger_gen.ops import all_specs, available_ops, get_spec
 from liger_gen.bench.step import DEFAULT_MODELS, DEFAULT_PROVIDERS, PROVIDERS, STEP_MODELS, split_names
 from liger_gen.runtime.devices import GPU_SLUG, KNOWN_GPUS

@@ -585,7 +585,7 @@ def add_comparisons(providers: dict[str, dict[str, Any]], rel_tol: float) -> Non
 
 
 def run_metadata(device: torch.device, command: str | None) -> dict[str, Any]:
-    import liger_gen
+    from liger_gen._version import __version__
 
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -598,7 +598,7 @@ def run_metadata(device: torch.device, command: str | None) -> dict[str, Any]:
         "triton": _dist_version("triton"),
         "transformers": _dist_version("transformers"),
         "liger_kernel": _dist_version("liger-kernel") or _dist_version("liger_kernel"),
-        "liger_gen": getattr(liger_gen, "__version__", None),
+        "liger_gen": __version__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
 

@@ -59,6 +59,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from liger_gen._version import __version__
 from liger_gen.files import not_private, write_atomic
 
 SCHEMA = "liger-gen/compiled-kernels/1"
@@ -707,11 +708,9 @@ def write_store(out_root: Path, gpu: str, recorder: Recorder, triton_cache_dir: 
                 os.chmod(dest, 0o644)
                 data = dest.read_bytes()
                 manifest_files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-            import liger_gen
-
             manifest = {
                 "schema": SCHEMA, "gpu": gpu, "triton": triton.__version__, "target": dict(target),
-                "env": cache_env(), "host": host_identity(), "liger_gen": getattr(liger_gen, "__version__", None),
+                "env": cache_env(), "host": host_identity(), "liger_gen": __version__,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "built_for": [*old.get("built_for", []), *([built_for] if built_for else [])],
                 "kernels": kernels, "files": manifest_files, "skipped": skipped,
