@@ -47,7 +47,7 @@ def import_graph() -> dict[str, set[str]]:
                     base = ".".join(anchor + ([base] if base else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for target in targets:
-                while target and target not in mods:  # "liger_gen.ops.rms_norm.rms_norm" → its module
+                while target and target not in mods:  # "liger_gen.ops.norms.rms_norm.rms_norm" → its module
                     target = target.rpartition(".")[0]
                 if target and target != name and not name.startswith(target + "."):
                     graph[name].add(target)

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from conftest import StoragePeak  # noqa: E402
 
 from liger_gen.functional import fused_linear_cross_entropy  # noqa: E402
-from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_torch  # noqa: E402
+from liger_gen.ops.lm_head.fused_linear_cross_entropy import fused_linear_cross_entropy_torch  # noqa: E402
 
 
 def measure(fn, x, w, target):

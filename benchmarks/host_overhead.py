@@ -14,7 +14,7 @@ import time
 import torch
 
 import liger_gen
-from liger_gen.ops.rms_norm import RMSNormSpace
+from liger_gen.ops.norms.rms_norm import RMSNormSpace
 from liger_gen.runtime import ops
 
 

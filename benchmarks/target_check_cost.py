@@ -14,8 +14,8 @@ import time
 
 import torch
 
-import liger_gen.ops.cross_entropy as ce_mod
-import liger_gen.ops.fused_linear_cross_entropy as flce_mod
+import liger_gen.ops.lm_head.cross_entropy as ce_mod
+import liger_gen.ops.lm_head.fused_linear_cross_entropy as flce_mod
 from liger_gen.functional import cross_entropy, fused_linear_cross_entropy
 
 

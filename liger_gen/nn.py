@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from liger_gen import functional as F
-from liger_gen.ops.layer_norm import LayerNorm
-from liger_gen.ops.glu import GLUMLP, SwiGLUMLP
+from liger_gen.ops.norms.layer_norm import LayerNorm
+from liger_gen.ops.glu.glu import GLUMLP, SwiGLUMLP
 from liger_gen.reference import CASTING_MODES
 
 

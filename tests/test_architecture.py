@@ -1,7 +1,9 @@
-"""The shape of the package: no import cycles, the machinery below ``ops/`` never imports the ops, and every op
-is one spec that names its space, templates and custom ops."""
+"""The shape of the package: no import cycles, the machinery below ``ops/`` never imports the ops, the ops import
+along their families, and every op is one spec that names its space, templates and custom ops."""
 
+import ast
 import importlib.util
+import pickle
 import os
 import subprocess
 import sys
@@ -47,6 +49,118 @@ def test_the_machinery_below_the_ops_never_imports_them():
                     todo.append(dep)
         reached = sorted(m for m in seen if m.startswith(ABOVE))
         assert reached == [], f"{start} imports {reached}"
+
+
+# The op families (``liger_gen/ops/<family>/``) and each one's shared module. Every other module of a family is an
+# op module; ``liger_gen.ops.rope`` is an op module of no family.
+FAMILIES = {"norms": "row_norm", "glu": "activations", "lm_head": "chunks", "divergence": "rows"}
+# Declared edges between families: the LM-head losses include distillation, a divergence of the head's logits, so
+# they may import the divergence family's shared module (its per-row JSD); nothing else crosses families.
+CROSS_FAMILY = {"lm_head": {"liger_gen.ops.divergence.rows"}}
+# Old module paths kept so that pickles naming them load (a pickle names a class by its defining module).
+COMPAT = {"liger_gen.ops.layer_norm": {"liger_gen.ops.norms.layer_norm"}}
+
+
+def _family(module: str) -> str | None:
+    """The family of a module under ``liger_gen.ops`` (its package, or a module in it), else None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in FAMILIES else None
+
+
+def private_imports(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """module → the ``_private`` names it takes from other ``liger_gen`` modules (``from m import _x``)."""
+    out: dict[str, list[str]] = {}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("liger_gen"):
+                out.setdefault(name, []).extend(f"{node.module}.{a.name}" for a in node.names
+                                                if a.name.startswith("_") and not a.name.startswith("__"))
+    return out
+
+
+def family_violations(graph: dict[str, set[str]], private: dict[str, list[str]]) -> list[str]:
+    """What breaks the family rule: an op module imports only its own family's modules and the machinery below
+    ``ops/`` (plus ``CROSS_FAMILY``'s declared edges), never another module's ``_private`` name; a family's
+    shared module imports none of the ops; the compatibility aliases import only their new home, and nothing
+    imports them."""
+    problems: list[str] = []
+    ops = sorted(m for m in graph if m == "liger_gen.ops" or m.startswith("liger_gen.ops."))
+    for module in ops:
+        problems += [f"{module} imports the private name {n}" for n in private.get(module, [])]
+        deps = graph[module]
+        if module == "liger_gen.ops":
+            continue
+        if module in COMPAT:
+            problems += [f"{module} (an old path kept for pickles) imports {d}" for d in sorted(deps - COMPAT[module])]
+            continue
+        family = _family(module)
+        shared = family is not None and module == f"liger_gen.ops.{family}.{FAMILIES[family]}"
+        for dep in sorted(deps):
+            if dep in COMPAT:
+                problems.append(f"{module} imports {dep}, an old path kept only for pickles")
+            elif not dep.startswith(ABOVE):
+                continue  # the machinery below the ops
+            elif shared and dep.startswith("liger_gen.ops"):
+                problems.append(f"{module} (the {family} family's shared module) imports the op module {dep}")
+            elif family is not None and _family(dep) == family:
+                continue
+            elif dep in CROSS_FAMILY.get(family, ()):
+                continue
+            else:
+                problems.append(f"{module} ({family or 'no'} family) imports {dep}")
+    return problems
+
+
+def test_the_ops_import_along_their_families():
+    graph = code_metrics.import_graph()
+    assert "liger_gen.ops.norms.row_norm" in graph and graph["liger_gen.ops.norms.rms_norm"]  # the scan sees them
+    for family, shared in FAMILIES.items():
+        assert f"liger_gen.ops.{family}.{shared}" in graph, (family, shared)
+    for module in code_metrics.modules():
+        if module.startswith("liger_gen.ops."):
+            parts = module.split(".")
+            assert parts[2] in FAMILIES or module in COMPAT or module == "liger_gen.ops.rope", \
+                f"{module} is in no family: put it under one of {sorted(FAMILIES)} or name it in this test"
+    assert family_violations(graph, private_imports(code_metrics.modules())) == []
+
+
+def test_the_family_rule_finds_each_kind_of_violation():
+    graph = {
+        "liger_gen.ops": set(),
+        "liger_gen.ops.norms.row_norm": {"liger_gen.runtime.ops", "liger_gen.ops.norms.rms_norm"},
+        "liger_gen.ops.norms.rms_norm": {"liger_gen.ops.norms.row_norm", "liger_gen.codegen.spec"},
+        "liger_gen.ops.glu.glu": {"liger_gen.ops.norms.row_norm", "liger_gen.ops.glu.activations"},
+        "liger_gen.ops.glu.activations": set(),
+        "liger_gen.ops.lm_head.fused_linear_jsd": {"liger_gen.ops.divergence.rows", "liger_gen.ops.lm_head.chunks"},
+        "liger_gen.ops.lm_head.chunks": set(),
+        "liger_gen.ops.divergence.rows": set(),
+        "liger_gen.ops.divergence.jsd": {"liger_gen.ops.lm_head.chunks", "liger_gen.ops.layer_norm"},
+        "liger_gen.ops.layer_norm": {"liger_gen.ops.norms.layer_norm"},
+        "liger_gen.ops.norms.layer_norm": {"liger_gen.ops.norms.row_norm"},
+    }
+    private = {"liger_gen.ops.norms.rms_norm": ["liger_gen.ops.norms.row_norm._helper"]}
+    assert family_violations(graph, private) == [
+        "liger_gen.ops.divergence.jsd imports liger_gen.ops.layer_norm, an old path kept only for pickles",
+        "liger_gen.ops.divergence.jsd (divergence family) imports liger_gen.ops.lm_head.chunks",
+        "liger_gen.ops.glu.glu (glu family) imports liger_gen.ops.norms.row_norm",
+        "liger_gen.ops.norms.rms_norm imports the private name liger_gen.ops.norms.row_norm._helper",
+        "liger_gen.ops.norms.row_norm (the norms family's shared module) imports the op module "
+        "liger_gen.ops.norms.rms_norm",
+    ]
+
+
+def test_pickles_naming_the_modules_before_the_families_load():
+    """``torch.save(model)`` pickles a patched model's ``LayerNorm`` and ``GLUMLP`` by their defining modules, which
+    were ``liger_gen.ops.layer_norm`` and ``liger_gen.ops.glu`` before the ops were grouped by family."""
+    import liger_gen.nn as lnn
+
+    linear = torch.nn.Linear
+    mlp = lnn.GLUMLP("silu", linear(16, 8), gate_proj=linear(8, 16), up_proj=linear(8, 16))
+    for module, new, old in ((lnn.LayerNorm(8), b"liger_gen.ops.norms.layer_norm\n", b"liger_gen.ops.layer_norm\n"),
+                             (mlp, b"liger_gen.ops.glu.glu\n", b"liger_gen.ops.glu\n")):
+        data = pickle.dumps(module, protocol=0)  # protocol 0 names modules as text lines
+        assert new in data
+        assert type(pickle.loads(data.replace(new, old))) is type(module)
 
 
 def test_import_liger_gen_registers_every_custom_op(tmp_path):

@@ -103,7 +103,7 @@ def test_ce_target_column_sweep_renders_the_template_it_is_given():
     import torch
 
     from liger_gen.codegen import render
-    from liger_gen.ops.cross_entropy import CrossEntropyProblem
+    from liger_gen.ops.lm_head.cross_entropy import CrossEntropyProblem
 
     sweep = _sweep("ce_target_column")
     problem = CrossEntropyProblem(torch.float32, {"vocab": 1000}, 8, "cpu", seed=0)

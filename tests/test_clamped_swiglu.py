@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.ops.clamped_swiglu import (GPT_OSS_ALPHA, GPT_OSS_LIMIT, ClampedSwiGLUProblem, ClampedSwiGLUSpace,
-                                          clamped_swiglu, clamped_swiglu_float64, clamped_swiglu_gate_up,
-                                          clamped_swiglu_torch)
+from liger_gen.ops.glu.clamped_swiglu import (GPT_OSS_ALPHA, GPT_OSS_LIMIT, ClampedSwiGLUProblem, ClampedSwiGLUSpace,
+                                              clamped_swiglu, clamped_swiglu_float64, clamped_swiglu_gate_up,
+                                              clamped_swiglu_torch)
 
 from conftest import CPU_PATHS
 

@@ -35,7 +35,7 @@ def test_a_malformed_gpu_name_is_a_usage_error(runner, name):
 def test_a_gpu_the_runtime_names_by_its_slug_can_be_shown_and_tuned(runner, tmp_path, monkeypatch):
     """A GPU outside the known list (here a Tesla T4) gets the slug canonical_gpu_name derives; show and tune
     accept it (tune then requires that GPU to be the visible one)."""
-    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
     from liger_gen.runtime import devices
 
     slug = devices.canonical_gpu_name("Tesla T4")
@@ -84,7 +84,7 @@ def test_bad_model_and_ops_are_usage_errors(runner):
 
 
 def test_show_lists_a_user_table(runner, tmp_path, monkeypatch):
-    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
 
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
     t = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
@@ -161,7 +161,7 @@ def test_bench_step_bad_options_are_usage_errors(runner):
 
 
 def _show(runner, tmp_path, monkeypatch, **table_fields):
-    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
 
     monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
     t = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
@@ -272,7 +272,7 @@ def test_verify_reports_the_tables_a_model_would_use(tmp_path, monkeypatch):
 def test_verify_fails_on_an_unusable_table(tmp_path, monkeypatch):
     """A corrupt table file, an entry whose config breaks the constraints, and (under LIGER_GEN_STRICT_TABLES=1)
     a table of another Triton version are each reported as unusable, with exit 1."""
-    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
 
     user = tmp_path / "tuned"
     env = {tables.ENV_TUNED_DIR: str(user)}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from liger_gen.codegen import build, render
-from liger_gen.ops.rms_norm import RMSNormSpace
+from liger_gen.ops.norms.rms_norm import RMSNormSpace
 
 
 def _params(**changes):

@@ -33,7 +33,7 @@ WORKER_CHECK = textwrap.dedent("""
     from triton.runtime.driver import driver
     from liger_gen.codegen.build import load_variant
     from liger_gen.codegen.launch import capture
-    from liger_gen.ops.rms_norm import RMSNormProblem
+    from liger_gen.ops.norms.rms_norm import RMSNormProblem
     from liger_gen.tuning.compile_pool import CompilePool, TargetDriver, describe
 
     target = GPUTarget("cuda", 90, 32)

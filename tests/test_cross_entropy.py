@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.ops.cross_entropy import (CrossEntropyConfig, CrossEntropyProblem, CrossEntropySpace, cross_entropy,
-                                         cross_entropy_float64, cross_entropy_loss_and_grad, cross_entropy_mean_scale,
-                                         cross_entropy_reduce, cross_entropy_torch)
+from liger_gen.ops.lm_head.cross_entropy import (CrossEntropyConfig, CrossEntropyProblem, CrossEntropySpace,
+                                                 cross_entropy, cross_entropy_float64, cross_entropy_loss_and_grad,
+                                                 cross_entropy_mean_scale, cross_entropy_reduce, cross_entropy_torch)
 
 from conftest import CPU_PATHS
 
@@ -339,7 +339,7 @@ def test_regression_7_non_contiguous_logits(make_view, strategy, device):
 
 def test_shifted_3d_view_runs_without_a_copy():
     """logits[:, :-1] of (B, T, V) has no 2-D view: the kernels read it through a (B, T, V) layout instead."""
-    from liger_gen.ops.cross_entropy import _rows_layout
+    from liger_gen.ops.lm_head.cross_entropy import _rows_layout
 
     base = torch.randn(4, 9, 33)
     shifted = base[:, :-1]
@@ -813,14 +813,14 @@ def test_tuner_produces_a_valid_entry(device):
 
 def test_tuning_problems_from_model_shape(monkeypatch):
     from liger_gen.models import PRESETS
-    from liger_gen.ops.cross_entropy import tuning_problems
+    from liger_gen.ops.lm_head.cross_entropy import tuning_problems
 
     model = dataclasses.replace(PRESETS["llama3-8b"], vocab_size=300)
     problems = tuning_problems(model, [4, 16], torch.float32, "cpu")
     assert [p.rows for p in problems] == [4, 16] and problems[0].dims == {"vocab": 300}
     # the training step's floor, the bench's formula: logits read, dlogits written, targets read
     assert problems[0].bytes_moved("fwd") == 2 * 4 * 300 * 4 + 4 * 8
-    import liger_gen.ops.cross_entropy as ce
+    import liger_gen.ops.lm_head.cross_entropy as ce
 
     built = []
     monkeypatch.setattr(ce, "CrossEntropyProblem", lambda dtype, vocab, rows, device, seed: built.append(rows))
@@ -840,7 +840,7 @@ def test_kernels_compile_for_sm90():
         from triton.compiler import ASTSource
         from triton.backends.compiler import GPUTarget
         from liger_gen.codegen.build import load_variant
-        from liger_gen.ops.cross_entropy import CrossEntropySpace
+        from liger_gen.ops.lm_head.cross_entropy import CrossEntropySpace
         mod = load_variant("cross_entropy", CrossEntropySpace(128256, torch.bfloat16).heuristic().to_dict())
         F32 = ("label_smoothing", "lse_square_scale", "softcap")
         def sig(fn, consts):

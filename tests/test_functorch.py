@@ -24,7 +24,7 @@ import liger_gen
 from liger_gen import functional as LF
 from liger_gen import reference as R
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.ops.post_training import dpo_loss
+from liger_gen.ops.lm_head.post_training import dpo_loss
 from conftest import seeded
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests: the ops run in Triton's interpreter")
@@ -39,7 +39,7 @@ TOL = {**REL_TOL, torch.float32: 2e-5}
 class Case:
     """One op under the transforms: ``make(gen, dtype)`` gives the differentiable inputs (and the fixed ones it
     closes over), ``op`` the liger_gen call and ``ref`` the same function in plain PyTorch, run on float64;
-    ``module``: the op module whose kernel lookups show that the kernels ran."""
+    ``module``: the op module (its path below ``liger_gen.ops``) whose kernel lookups show that the kernels ran."""
 
     make: Callable
     op: Callable
@@ -98,42 +98,43 @@ def _dpo_ref(x, w, target=_DPO_TARGET):
 
 CASES = {
     "rms_norm": Case(_norm_inputs, lambda x, w: LF.rms_norm(x, w, 1e-6),
-                     lambda x, w: R.rms_norm_torch(x, w, 1e-6, 0.0, "llama"), "rms_norm"),
+                     lambda x, w: R.rms_norm_torch(x, w, 1e-6, 0.0, "llama"), "norms.rms_norm"),
     "fused_add_rms_norm": Case(
         lambda gen, dtype: (*_norm_inputs(gen, dtype), _randn(gen, 3, HIDDEN).to(dtype)),
         lambda x, w, r: torch.stack(LF.fused_add_rms_norm(x, r, w, 1e-6)),
-        lambda x, w, r: torch.stack(R.fused_add_rms_norm_torch(x, r, w, 1e-6, 0.0, "llama")), "fused_add_rms_norm"),
+        lambda x, w, r: torch.stack(R.fused_add_rms_norm_torch(x, r, w, 1e-6, 0.0, "llama")),
+        "norms.fused_add_rms_norm"),
     "layer_norm": Case(lambda gen, dtype: (*_norm_inputs(gen, dtype), (0.1 * _randn(gen, HIDDEN)).to(dtype)),
                        lambda x, w, b: LF.layer_norm(x, w, b), lambda x, w, b: R.layer_norm_torch(x, w, b),
-                       "layer_norm"),
+                       "norms.layer_norm"),
     "rope": Case(lambda gen, dtype: (_randn(gen, 1, 2, 4, 8).to(dtype), _randn(gen, 1, 1, 4, 8).to(dtype)),
                  lambda q, k: _rope_out(LF.rope, q, k, q.dtype), lambda q, k: _rope_out(R.rope_torch, q, k, q.dtype),
                  "rope"),
     "swiglu": Case(lambda gen, dtype: (_randn(gen, 3, HIDDEN).to(dtype), _randn(gen, 3, HIDDEN).to(dtype)),
-                   LF.swiglu, R.swiglu_torch, "glu"),
+                   LF.swiglu, R.swiglu_torch, "glu.glu"),
     "geglu": Case(lambda gen, dtype: (_randn(gen, 3, HIDDEN).to(dtype), _randn(gen, 3, HIDDEN).to(dtype)),
-                  LF.geglu, R.geglu_torch, "glu"),
+                  LF.geglu, R.geglu_torch, "glu.glu"),
     "cross_entropy": Case(lambda gen, dtype: (_randn(gen, 4, VOCAB).to(dtype),),
                           lambda z: LF.cross_entropy(z, _T3), lambda z: R.cross_entropy_torch(z, _T3),
-                          "cross_entropy"),
+                          "lm_head.cross_entropy"),
     "fused_linear_cross_entropy": Case(
         lambda gen, dtype: _lm_head(gen, dtype, 4),
         lambda x, w: LF.fused_linear_cross_entropy(x, w, _T3),
-        lambda x, w: R.fused_linear_cross_entropy_torch(x, w, _T3), "fused_linear_cross_entropy"),
+        lambda x, w: R.fused_linear_cross_entropy_torch(x, w, _T3), "lm_head.fused_linear_cross_entropy"),
     "kl_div": Case(lambda gen, dtype: (_logp(gen, dtype), _logp(gen, dtype)),
                    lambda x, t: LF.kl_div(x, t, "batchmean", log_target=True),
-                   lambda x, t: R.kl_div_torch(x, t, "batchmean", log_target=True), "kl_div"),
+                   lambda x, t: R.kl_div_torch(x, t, "batchmean", log_target=True), "divergence.kl_div"),
     "jsd": Case(lambda gen, dtype: (_logp(gen, dtype),),
                 lambda s: LF.jsd(s, _TEACHER.to(s.dtype), beta=0.3),
-                lambda s: R.jsd_torch(s, _TEACHER.to(s.dtype), beta=0.3), "jsd"),
+                lambda s: R.jsd_torch(s, _TEACHER.to(s.dtype), beta=0.3), "divergence.jsd"),
     "selective_log_softmax": Case(
         lambda gen, dtype: _lm_head(gen, dtype, 2, 3),
         lambda x, w: LF.selective_log_softmax(x, w, _T23),
-        lambda x, w: R.selective_log_softmax_torch(x, w, _T23)[0], "selective_log_softmax"),
+        lambda x, w: R.selective_log_softmax_torch(x, w, _T23)[0], "lm_head.selective_log_softmax"),
     "fused_linear_dpo": Case(
         lambda gen, dtype: _lm_head(gen, dtype, 2, 3),
         lambda x, w: LF.fused_linear_dpo(x, w, _DPO_TARGET, ref_log_probs=_DPO_REF).loss,
-        _dpo_ref, "selective_log_softmax"),
+        _dpo_ref, "lm_head.selective_log_softmax"),
 }
 
 

@@ -10,9 +10,9 @@ from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.tuning.search import Tuner
-from liger_gen.ops.fused_add_rms_norm import (FusedAddRMSNormConfig, FusedAddRMSNormProblem, FusedAddRMSNormSpace,
-                                              fused_add_rms_norm, fused_add_rms_norm_float64,
-                                              fused_add_rms_norm_torch, tuning_problems)
+from liger_gen.ops.norms.fused_add_rms_norm import (FusedAddRMSNormConfig, FusedAddRMSNormProblem, FusedAddRMSNormSpace,
+                                                    fused_add_rms_norm, fused_add_rms_norm_float64,
+                                                    fused_add_rms_norm_torch, tuning_problems)
 
 from conftest import seeded
 

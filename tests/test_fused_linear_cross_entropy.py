@@ -13,12 +13,14 @@ from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.tuning.search import Tuner
 from liger_gen.models import PRESETS
-from liger_gen.ops import fused_linear_cross_entropy as flce_mod
-from liger_gen.ops.fused_linear_cross_entropy import (FusedLinearCrossEntropyConfig, FusedLinearCrossEntropyProblem,
-                                                      FusedLinearCrossEntropySpace, fused_linear_cross_entropy,
-                                                      fused_linear_cross_entropy_float64,
-                                                      fused_linear_cross_entropy_float64_chunked,
-                                                      fused_linear_cross_entropy_torch, tuning_problems)
+from liger_gen.ops.lm_head import chunks
+from liger_gen.ops.lm_head import fused_linear_cross_entropy as flce_mod
+from liger_gen.ops.lm_head.fused_linear_cross_entropy import (FusedLinearCrossEntropyConfig,
+                                                              FusedLinearCrossEntropyProblem,
+                                                              FusedLinearCrossEntropySpace, fused_linear_cross_entropy,
+                                                              fused_linear_cross_entropy_float64,
+                                                              fused_linear_cross_entropy_float64_chunked,
+                                                              fused_linear_cross_entropy_torch, tuning_problems)
 from liger_gen.runtime.ops import clear_caches
 
 from conftest import CPU_PATHS, seeded
@@ -197,7 +199,7 @@ def test_chunking_does_not_change_results(device, monkeypatch):
 
 def test_int32_target_and_same_semantics_as_cross_entropy(device, small_chunks):
     """int32 targets work; values equal liger_gen's cross_entropy of the fp32 logits (same options)."""
-    from liger_gen.ops.cross_entropy import cross_entropy
+    from liger_gen.ops.lm_head.cross_entropy import cross_entropy
 
     gen = torch.Generator().manual_seed(15)
     x, w, b, target = _case(26, 8, 19, torch.float32, device, gen, bias=True)
@@ -615,7 +617,7 @@ def test_extra_memory_stays_within_the_budget_on_cpu_paths(interpret, dtype, red
         pytest.skip("float32 has one plan")
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     monkeypatch.setattr(FusedLinearCrossEntropySpace, "MAX_EXTRA_BYTES", MEMORY_BUDGET)
-    monkeypatch.setattr(flce_mod, "_SLICE_BYTES", 16 * 2**10)
+    monkeypatch.setattr(chunks, "SLICE_BYTES", 16 * 2**10)
     if plan != "heuristic":
         heuristic = FusedLinearCrossEntropySpace.heuristic
         monkeypatch.setattr(FusedLinearCrossEntropySpace, "heuristic",
@@ -701,7 +703,7 @@ def test_token_scaling_matches_float64(option, reduction, dtype, interpret, monk
 def test_token_scaling_equals_cross_entropy_and_compiles(interpret, monkeypatch, small_chunks):
     """FLCE with token scaling equals cross_entropy with token scaling on the materialised fp32 logits, in eager
     mode and under torch.compile (fullgraph), and rejects a non-bool flag."""
-    from liger_gen.ops.cross_entropy import cross_entropy
+    from liger_gen.ops.lm_head.cross_entropy import cross_entropy
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     gen = torch.Generator().manual_seed(73)

@@ -11,7 +11,7 @@ import torch
 
 import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.ops import fused_linear_jsd as J
+from liger_gen.ops.lm_head import fused_linear_jsd as J
 
 from conftest import CPU_PATHS, seeded
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.ops.glu import (GeGLUProblem, GeGLUSpace, GLUConfig, GLUProblem, GLUSpace, SwiGLUMLP, as_rows,
-                               geglu, geglu_gate_up, glu_float64, glu_torch, swiglu, swiglu_gate_up)
+from liger_gen.ops.glu.glu import (GeGLUProblem, GeGLUSpace, GLUConfig, GLUProblem, GLUSpace, SwiGLUMLP, as_rows, geglu,
+                                   geglu_gate_up, glu_float64, glu_torch, swiglu, swiglu_gate_up)
 from liger_gen.runtime import tables
 
 from conftest import seeded
@@ -662,7 +662,7 @@ def test_geglu_mlp_bf16_gradients_against_float64_and_transformers(scaled):
 
 
 def _mlp(packed: bool, activation: str, hidden: int, inter: int, device, dtype, gen):
-    from liger_gen.ops.glu import GLUMLP
+    from liger_gen.ops.glu.glu import GLUMLP
 
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     linear = lambda i, o: torch.nn.Linear(i, o).to(device, dtype)  # noqa: E731
@@ -680,7 +680,7 @@ def test_glumlp_backward_writes_over_its_activations_and_matches_float64(device,
     fewer at the backward's peak) and its gradients match float64 as closely as the buffered backward's."""
     import copy
 
-    from liger_gen.ops import glu as glu_module
+    from liger_gen.ops.glu import glu as glu_module
 
     gen = seeded(dtype, packed, activation)
     mlp = _mlp(packed, activation, 32, 96, device, dtype, gen)

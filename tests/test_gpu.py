@@ -85,7 +85,7 @@ def test_clamped_swiglu_tuned_and_heuristic_match_float64(rows):
 def test_token_scaling_matches_float64_at_llm_shapes(reduction):
     """use_token_scaling on the tuned kernels: cross_entropy (4096 x 32000 bf16 logits) and FLCE (4096 x 2048
     -> 32000, bf16) against float64."""
-    from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_float64_chunked
+    from liger_gen.ops.lm_head.fused_linear_cross_entropy import fused_linear_cross_entropy_float64_chunked
     from liger_gen.reference import cross_entropy_float64
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -107,7 +107,7 @@ def test_token_scaling_matches_float64_at_llm_shapes(reduction):
     dx, dw = torch.autograd.grad(loss, (x, w), g)
     ref_loss, _, ref_dx, ref_dw, _ = fused_linear_cross_entropy_float64_chunked(
         x, w, target, reduction=reduction, grad_output=g, use_token_scaling=True)
-    from liger_gen.ops.fused_linear_cross_entropy import loss_tolerance
+    from liger_gen.ops.lm_head.fused_linear_cross_entropy import loss_tolerance
 
     assert rel_l2(loss, ref_loss) < loss_tolerance(torch.bfloat16)
     assert rel_l2(dx, ref_dx) < REL_TOL[torch.bfloat16] and rel_l2(dw, ref_dw) < REL_TOL[torch.bfloat16]

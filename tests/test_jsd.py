@@ -13,8 +13,8 @@ from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.tuning.search import Tuner
 from liger_gen.models import ModelShape
-from liger_gen.ops.jsd import JSDProblem, JSDSpace, jsd, jsd_float64, jsd_torch, tuning_problems
-from liger_gen.ops.kl_div import DivergenceConfig
+from liger_gen.ops.divergence.jsd import JSDProblem, JSDSpace, jsd, jsd_float64, jsd_torch, tuning_problems
+from liger_gen.ops.divergence.rows import DivergenceConfig
 
 from conftest import seeded
 
@@ -336,7 +336,7 @@ def test_every_template_branch_passes_the_tuners_gate(changes, beta, with_label,
 
 def test_float64_reference_is_the_same_in_row_chunks(monkeypatch, device):
     """Tuning problems build their float64 truth chunk by chunk (memory); chunks must not change it."""
-    import liger_gen.ops.jsd as jsd_module
+    import liger_gen.ops.divergence.jsd as jsd_module
 
     whole = JSDProblem(torch.float32, 50, 11, device, ignore_fraction=0.3, seed=3)
     monkeypatch.setattr(jsd_module, "chunk_rows", lambda vocab: 4)

@@ -14,8 +14,9 @@ from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.tuning.search import Tuner
 from liger_gen.tuning.tables import tune_to_table
 from liger_gen.models import ModelShape
-from liger_gen.ops.kl_div import (REDUCTIONS, DivergenceConfig, KLDivProblem, KLDivSpace, kl_div, kl_div_float64,
-                                  kl_div_torch, tuning_problems, tuning_rows)
+from liger_gen.ops.divergence.kl_div import (REDUCTIONS, KLDivProblem, KLDivSpace, kl_div, kl_div_float64,
+                                             kl_div_torch, tuning_problems)
+from liger_gen.ops.divergence.rows import DivergenceConfig, tuning_rows
 from liger_gen.runtime import tables
 
 from conftest import seeded
@@ -322,7 +323,7 @@ def test_every_template_branch_passes_the_tuners_gate(changes, reduction, log_ta
 
 def test_float64_reference_is_the_same_in_row_chunks(monkeypatch, device):
     """Tuning problems build their float64 truth chunk by chunk (memory); chunks must not change it."""
-    import liger_gen.ops.kl_div as kl_module
+    import liger_gen.ops.divergence.kl_div as kl_module
 
     whole = KLDivProblem(torch.float32, 50, 11, device, reduction="none", target_grad=True, seed=3)
     monkeypatch.setattr(kl_module, "chunk_rows", lambda vocab: 4)

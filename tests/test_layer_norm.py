@@ -13,8 +13,8 @@ from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.tuning.search import Tuner
 from liger_gen.tuning.tables import tune_to_table
 from liger_gen.models import PRESETS
-from liger_gen.ops.layer_norm import (LayerNorm, LayerNormConfig, LayerNormProblem, LayerNormSpace, layer_norm,
-                                      layer_norm_float64, tuning_problems)
+from liger_gen.ops.norms.layer_norm import (LayerNorm, LayerNormConfig, LayerNormProblem, LayerNormSpace, layer_norm,
+                                            layer_norm_float64, tuning_problems)
 from liger_gen.runtime import tables
 
 from conftest import seeded
@@ -134,7 +134,7 @@ def test_every_template_branch_passes_the_tuners_gate(changes, has_weight, has_b
 def test_wide_rows_get_layer_norms_own_backward_rule(n_cols):
     """From 1025 to 8192 columns: 8K-element backward tiles, one program per SM, prefetch; the forward and the
     widths outside keep RMSNorm's rule."""
-    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
     space = LayerNormSpace(n_cols, torch.bfloat16)
     config, shared = space.heuristic(), RMSNormSpace(n_cols, torch.bfloat16).heuristic()
     assert not space.violations(config)
@@ -149,7 +149,7 @@ def test_wide_rows_get_layer_norms_own_backward_rule(n_cols):
 
 @pytest.mark.parametrize("n_cols", [1024, 8193, 16384])
 def test_other_widths_keep_the_shared_rule(n_cols):
-    from liger_gen.ops.rms_norm import RMSNormSpace
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
     assert (LayerNormSpace(n_cols, torch.bfloat16).heuristic().to_dict()
             == RMSNormSpace(n_cols, torch.bfloat16).heuristic().to_dict())
 

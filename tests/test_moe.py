@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.ops.moe import (MoEPermuteProblem, MoEPermuteSpace, moe_experts, moe_experts_torch, moe_permute,
-                               moe_routing, moe_unpermute)
+from liger_gen.ops.glu.moe import (MoEPermuteProblem, MoEPermuteSpace, moe_experts, moe_experts_torch, moe_permute,
+                                   moe_routing, moe_unpermute)
 
 from conftest import CPU_PATHS
 
@@ -190,7 +190,7 @@ def test_routing_rejects_bad_indices():
 
 def test_tuning_rows_are_capped_so_the_float64_reference_fits_one_gpu():
     from liger_gen.models import PRESETS
-    from liger_gen.ops.moe import MAX_TUNING_ELEMENTS, SPEC, TUNING_TOP_K
+    from liger_gen.ops.glu.moe import MAX_TUNING_ELEMENTS, SPEC, TUNING_TOP_K
 
     rows = [4096, 16384, 65536]
     assert SPEC.tuning_rows(PRESETS["llama3-70b"], rows) == [4096, 16384, 32768]  # hidden 8192

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_gen.codegen.problems import Problem
-from liger_gen.ops.rms_norm import RMSNormSpace
+from liger_gen.ops.norms.rms_norm import RMSNormSpace
 from liger_gen.runtime import tables
 
 OP, GPU = "rms_norm", "h200"
@@ -260,7 +260,7 @@ def test_refresh_ignores_a_hand_edited_nearest_field(nearest):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_clamped_swiglu_heuristic_is_valid_at_every_width(dtype):
-    from liger_gen.ops.clamped_swiglu import ClampedSwiGLUSpace
+    from liger_gen.ops.glu.clamped_swiglu import ClampedSwiGLUSpace
 
     widths = sorted({*range(1, 4097), *range(4097, 65537, 37), *(2 ** k + d for k in range(17) for d in (-1, 0, 1)
                                                                   if 1 <= 2 ** k + d <= 65536)})

@@ -87,7 +87,7 @@ def test_jit_trace_of_the_fused_loss_is_right_for_other_grad_states(device):
     import warnings
 
     from liger_gen.codegen.problems import REL_TOL, rel_l2
-    from liger_gen.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_float64
+    from liger_gen.ops.lm_head.fused_linear_cross_entropy import fused_linear_cross_entropy_float64
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(9, 16, generator=gen).to(device)

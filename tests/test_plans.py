@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import liger_gen
-from liger_gen.ops import fused_add_rms_norm as FA
-from liger_gen.ops import rms_norm as N
+from liger_gen.ops.norms import fused_add_rms_norm as FA
+from liger_gen.ops.norms import rms_norm as N
 from liger_gen.ops import rope as R
 from liger_gen.reference import rope_torch
 from liger_gen.runtime import ops, plans

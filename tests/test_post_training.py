@@ -13,7 +13,7 @@ import torch
 
 import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.ops import post_training as P
+from liger_gen.ops.lm_head import post_training as P
 
 from conftest import CPU_PATHS, seeded
 
@@ -168,11 +168,11 @@ def test_the_fused_path_runs_three_gemms_per_token_and_the_formula_path_four(mon
     """Eager training calls compute each chunk's logits once (gradients in the forward); the fallback
     recomputes them in the backward."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from liger_gen.ops import selective_log_softmax as S
+    from liger_gen.ops.lm_head import selective_log_softmax as S
 
     calls = []
-    original = S._Chunks.logits
-    monkeypatch.setattr(S._Chunks, "logits", lambda self, xc, out: calls.append(xc.shape[0]) or original(self, xc, out))
+    original = S.Chunks.logits
+    monkeypatch.setattr(S.Chunks, "logits", lambda self, xc, out: calls.append(xc.shape[0]) or original(self, xc, out))
     x, w, target, *_ = _batch(4, 6, 16, 40, torch.float32, ("count",))
     x.requires_grad_()
     F.fused_linear_orpo(x, w, target).loss.backward()

@@ -6,7 +6,7 @@ import torch
 import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormProblem, RMSNormSpace
+from liger_gen.ops.norms.rms_norm import RMSNormConfig, RMSNormProblem, RMSNormSpace
 from liger_gen.reference import rms_norm_float64, rms_norm_torch
 from liger_gen.runtime import tables
 from conftest import CPU_PATHS, seeded

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import liger_gen
-from liger_gen.ops import selective_log_softmax as S
+from liger_gen.ops.lm_head import selective_log_softmax as S
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 
 from conftest import CPU_PATHS, seeded

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from liger_gen.ops.rms_norm import RMSNormSpace
+from liger_gen.ops.norms.rms_norm import RMSNormSpace
 from liger_gen.runtime import tables
 
 OP, GPU, N = "rms_norm", "h200", 256

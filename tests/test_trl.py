@@ -66,15 +66,15 @@ def liger_gen_log_probs(monkeypatch):
     from liger_gen.integrations.trl import restore_trl_log_probs, use_liger_gen_log_probs
 
     calls = []
-    from liger_gen.ops import selective_log_softmax as S
+    from liger_gen.ops.lm_head import selective_log_softmax as S
 
-    original = S._Chunks.forward
+    original = S.Chunks.forward
 
     def counted(self, need):
         calls.append(self.module is not None)
         return original(self, need)
 
-    monkeypatch.setattr(S._Chunks, "forward", counted)
+    monkeypatch.setattr(S.Chunks, "forward", counted)
 
     def start():
         if not torch.cuda.is_available():

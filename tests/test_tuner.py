@@ -10,7 +10,7 @@ import torch
 
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import Problem
-from liger_gen.ops.rms_norm import RMSNormProblem, RMSNormSpace
+from liger_gen.ops.norms.rms_norm import RMSNormProblem, RMSNormSpace
 from liger_gen.tuning.search import Tuner
 from liger_gen.tuning.tables import tune_to_table
 from liger_gen.runtime import tables

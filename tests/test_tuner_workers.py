@@ -23,7 +23,7 @@ from liger_gen.tuning.storage import open_storage
 from liger_gen.tuning.tables import write_entries
 from liger_gen.models import ModelShape, PRESETS
 from liger_gen.ops import get_spec
-from liger_gen.ops.layer_norm import LayerNormSpace
+from liger_gen.ops.norms.layer_norm import LayerNormSpace
 from liger_gen.runtime import tables
 from test_tuner import FakeRMSNormProblem, fake_build
 

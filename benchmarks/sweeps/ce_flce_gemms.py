@@ -16,7 +16,7 @@ import triton
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.cross_entropy import CrossEntropyConfig, CrossEntropyProblem
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyConfig, CrossEntropyProblem
 OUT = os.environ.get("OUT", "/tmp")
 dev = "cuda"
 def bench(fn, rep=60):

@@ -13,8 +13,8 @@ import triton
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.cross_entropy import CrossEntropyConfig, CrossEntropyOptions, CrossEntropyProblem
-from liger_gen.ops import fused_linear_cross_entropy as F
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyConfig, CrossEntropyOptions, CrossEntropyProblem
+from liger_gen.ops.lm_head import fused_linear_cross_entropy as F
 dev = "cuda"
 def bench(fn, rep=60):
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")

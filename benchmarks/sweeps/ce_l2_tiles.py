@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ce_inplace import ce_grad_kernel  # noqa: E402
 
 from liger_gen.codegen.build import load_variant  # noqa: E402
-from liger_gen.ops.cross_entropy import CrossEntropyProblem  # noqa: E402
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyProblem  # noqa: E402
 
 ROWS, VOCAB, CALLS = 8192, 128256, 20
 

@@ -25,7 +25,7 @@ from ce_l2_tiles import kernel_ms, show  # noqa: E402
 
 from liger_gen.codegen import render  # noqa: E402
 from liger_gen.codegen.build import load_variant  # noqa: E402
-from liger_gen.ops.cross_entropy import CrossEntropyProblem  # noqa: E402
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyProblem  # noqa: E402
 
 ROWS, VOCAB = 8192, 128256
 TILES = ((2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))

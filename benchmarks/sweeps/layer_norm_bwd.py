@@ -25,8 +25,8 @@ import triton.language as tl
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.layer_norm import LayerNormConfig, LayerNormProblem
-from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormProblem
+from liger_gen.ops.norms.layer_norm import LayerNormConfig, LayerNormProblem
+from liger_gen.ops.norms.rms_norm import RMSNormConfig, RMSNormProblem
 
 
 @triton.jit

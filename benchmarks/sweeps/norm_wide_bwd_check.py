@@ -7,8 +7,8 @@ run from the repository root (H200 log: benchmarks/results/h200_2026-12-02/layer
 """
 import dataclasses, json, torch, triton.testing
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.rms_norm import RMSNormConfig, RMSNormProblem
-from liger_gen.ops.fused_add_rms_norm import FusedAddRMSNormConfig, FusedAddRMSNormProblem
+from liger_gen.ops.norms.rms_norm import RMSNormConfig, RMSNormProblem
+from liger_gen.ops.norms.fused_add_rms_norm import FusedAddRMSNormConfig, FusedAddRMSNormProblem
 def bench(f): return triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median")
 for op, P, C in (("rms_norm", RMSNormProblem, RMSNormConfig), ("fused_add_rms_norm", FusedAddRMSNormProblem, FusedAddRMSNormConfig)):
     ents = json.load(open(f"liger_gen/tuned/h200/{op}.json"))["entries"]

@@ -9,7 +9,7 @@ Shapes: ``batch`` sequences of ``seq`` tokens per side (DPO, ORPO, CPO, SimPO: `
 rejected; KTO: ``batch`` sequences, half desirable; GRPO: ``batch`` completions; JSD: ``batch`` sequences for
 student and teacher), the first eighth of each sequence a prompt (ignored), bf16 activations and heads.
 
-Losses (the formulas of TRL's trainers, ``liger_gen.ops.post_training``): DPO sigmoid (β 0.1, a reference head
+Losses (the formulas of TRL's trainers, ``liger_gen.ops.lm_head.post_training``): DPO sigmoid (β 0.1, a reference head
 on its own hidden states); ORPO (β 0.1, NLL of the chosen completions); CPO sigmoid (β 0.1, + 1.0·NLL); SimPO
 (β 0.1, γ 0.5, + 1.0·NLL, as Liger-Kernel's defaults); KTO (β 0.1, reference head, KL estimate 0); GRPO with
 TRL's "dapo" normalisation, β 0.04, ε 0.2; the generalised JSD (β 0.5) between a student and a teacher head.
@@ -31,7 +31,7 @@ import torch
 
 import liger_gen
 from liger_gen.files import write_atomic, write_results
-from liger_gen.ops import post_training as P
+from liger_gen.ops.lm_head import post_training as P
 from liger_gen.reference import fused_linear_jsd_torch
 
 F = liger_gen.functional

@@ -275,10 +275,10 @@ class ExpertsGate:
 
     def __call__(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         if self.activation == "clamped_swiglu":
-            from liger_gen.ops.clamped_swiglu import clamped_swiglu_gate_up
+            from liger_gen.ops.glu.clamped_swiglu import clamped_swiglu_gate_up
 
             return clamped_swiglu_gate_up(gate_up_out, self.alpha, self.limit)
-        from liger_gen.ops.glu import glu_gate_up_product
+        from liger_gen.ops.glu.glu import glu_gate_up_product
 
         return glu_gate_up_product(gate_up_out, self.activation)
 
@@ -297,7 +297,7 @@ class BatchedExpertsForward:
         return BatchedExpertsForward(module, self.activation)
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from liger_gen.ops.glu import glu_gate_up_product
+        from liger_gen.ops.glu.glu import glu_gate_up_product
 
         m = self.module
         x = hidden_states.view(m.gate_up_proj.shape[0], -1, m.gate_up_proj.shape[1])
@@ -320,7 +320,7 @@ class FusedExpertsForward:
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        from liger_gen.ops.moe import moe_experts
+        from liger_gen.ops.glu.moe import moe_experts
 
         m = self.module
         if getattr(m, "_is_expert_parallel", False):  # sentinel ids of remote experts: transformers' own forward

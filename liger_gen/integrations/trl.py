@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from liger_gen.ops.selective_log_softmax import LogProbOptions, OUTPUT_NAMES, token_log_probs_2d
+from liger_gen.ops.lm_head.selective_log_softmax import LogProbOptions, OUTPUT_NAMES, token_log_probs_2d
 from liger_gen.optional import require
 
 _lock = threading.Lock()

@@ -1,4 +1,11 @@
-"""The op set: one module per op family, each holding everything about it end to end.
+"""The op set, by family: one module per op, each holding everything about it end to end.
+
+    norms/        row_norm (shared) · rms_norm · fused_add_rms_norm · layer_norm
+    glu/          activations (shared) · glu (swiglu, geglu) · clamped_swiglu · moe (moe_permute)
+    lm_head/      chunks (shared) · cross_entropy · fused_linear_cross_entropy · selective_log_softmax
+                  · fused_linear_jsd (distillation) · post_training (preference and RL losses)
+    divergence/   rows (shared) · kl_div · jsd
+    rope.py
 
 An op module defines, top to bottom: the plain-PyTorch and float64 references; the launch-settings dataclass
 (``KernelConfig``) and its search ``Space`` (params, constraints, analytic heuristic); the tuning ``Problem``
@@ -6,6 +13,13 @@ An op module defines, top to bottom: the plain-PyTorch and float64 references; t
 that the tuner, the tables, the bench and the contract tests read; the ``torch.library`` custom ops with one
 autograd definition (``liger_gen.runtime.binding``); and the public function that ``liger_gen.functional``
 re-exports. Kernel source lives in ``templates/<template>.py.jinja``.
+
+Where two ops of a family need the same piece, it lives once in the family's shared module. The imports follow
+one rule (``tests/test_architecture.py``): an op module imports its own family's modules and the machinery below
+``ops/`` (codegen, runtime, files, ...), never another family's op module nor anyone's ``_private`` name; a
+family's shared module imports none of the ops. One cross-family edge is declared: the LM-head family may import
+the divergence family's shared module (``divergence.rows``), because distillation is a divergence of the
+LM head's logits; the divergence family imports nothing of the LM head.
 
 This registry is for the entry points (CLI, bench, tests) that start from an op's name; nothing below ``ops/``
 imports it. Modules are imported on first use.
@@ -20,20 +34,20 @@ from liger_gen.codegen.spec import OpSpec
 
 # op name → module. Ops that share kernels (swiglu/geglu) share a template but keep separate tables.
 OP_MODULES: dict[str, str] = {
-    "rms_norm": "liger_gen.ops.rms_norm",
-    "fused_add_rms_norm": "liger_gen.ops.fused_add_rms_norm",
-    "layer_norm": "liger_gen.ops.layer_norm",
+    "rms_norm": "liger_gen.ops.norms.rms_norm",
+    "fused_add_rms_norm": "liger_gen.ops.norms.fused_add_rms_norm",
+    "layer_norm": "liger_gen.ops.norms.layer_norm",
     "rope": "liger_gen.ops.rope",
-    "swiglu": "liger_gen.ops.glu",
-    "geglu": "liger_gen.ops.glu",
-    "clamped_swiglu": "liger_gen.ops.clamped_swiglu",
-    "moe_permute": "liger_gen.ops.moe",
-    "cross_entropy": "liger_gen.ops.cross_entropy",
-    "fused_linear_cross_entropy": "liger_gen.ops.fused_linear_cross_entropy",
-    "kl_div": "liger_gen.ops.kl_div",
-    "jsd": "liger_gen.ops.jsd",
-    "selective_log_softmax": "liger_gen.ops.selective_log_softmax",
-    "fused_linear_jsd": "liger_gen.ops.fused_linear_jsd",
+    "swiglu": "liger_gen.ops.glu.glu",
+    "geglu": "liger_gen.ops.glu.glu",
+    "clamped_swiglu": "liger_gen.ops.glu.clamped_swiglu",
+    "moe_permute": "liger_gen.ops.glu.moe",
+    "cross_entropy": "liger_gen.ops.lm_head.cross_entropy",
+    "fused_linear_cross_entropy": "liger_gen.ops.lm_head.fused_linear_cross_entropy",
+    "kl_div": "liger_gen.ops.divergence.kl_div",
+    "jsd": "liger_gen.ops.divergence.jsd",
+    "selective_log_softmax": "liger_gen.ops.lm_head.selective_log_softmax",
+    "fused_linear_jsd": "liger_gen.ops.lm_head.fused_linear_jsd",
 }
 
 

@@ -8,7 +8,7 @@
 
 Per chunk of CHUNK_ROWS rows: one GEMM writes the chunk's logits (fp32 accumulation; stored in fp32 or, as
 transformers' bf16 ``lm_head`` output, in x's dtype), one launch of cross-entropy's row-level kernel
-(``liger_gen.ops.cross_entropy.cross_entropy_loss_and_grad``; same semantics as ``cross_entropy``) computes the
+(``liger_gen.ops.lm_head.cross_entropy.cross_entropy_loss_and_grad``; same semantics as ``cross_entropy``) computes the
 rows' losses and writes d(loss)/d(logits) (over the logits when they are in x's dtype), then dX_chunk =
 dlogits @ W and dW += dlogits^T @ x_chunk (an fp32 accumulator, or cuBLAS's beta=1 addition in x's dtype) and
 db += Σ_rows dlogits. The plan (CHUNK_ROWS, LOGITS_FP32, DW_FP32) is tuned per GPU under a memory budget
@@ -31,16 +31,16 @@ import torch
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, TARGET_BYTES, Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEntropyConfig, CrossEntropyOptions,
-                                         CrossEntropySpace, aux_module, cross_entropy_float64,
-                                         check_prediction_flags, cross_entropy_mean_scale, cross_entropy_reduce,
-                                         cross_entropy_torch, loss_and_grad_unchecked, target_probability,
-                                         with_predictions)
+from liger_gen.ops.lm_head import chunks
+from liger_gen.ops.lm_head.chunks import LOW_PRECISION, accumulate_dw, check_lm_head, mm_fp32_out
+from liger_gen.ops.lm_head.cross_entropy import (BLOCK_V_CHOICES, TARGET_DTYPES, CrossEntropyConfig,
+                                                 CrossEntropyOptions, CrossEntropySpace, check_prediction_flags,
+                                                 cross_entropy_float64, cross_entropy_mean_scale, cross_entropy_reduce,
+                                                 cross_entropy_torch, loss_and_grad_unchecked, scale_in_place,
+                                                 target_probability, with_predictions)
 from liger_gen.runtime.binding import Differentiable, Kernel, refuse_dtensors, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
                                    kernel_module, transforms_active, use_custom_op, uses_triton)
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -263,55 +263,6 @@ class FusedLinearCrossEntropySpace(Space):
 # ------------------------------------------------------------------------------------------------ chunk loop
 
 
-_ADDMM_FP32_ACCUMULATE: bool | None = None  # does addmm(out_dtype=fp32) accept an fp32 accumulator? (torch version)
-_SLICE_BYTES = 32 * 2**20  # fp32 temporaries of the sliced GEMMs below (per operand)
-
-
-def _vocab_slices(vocab: int, width: int):
-    """Slices of the vocabulary whose fp32 temporaries of ``width`` columns stay within _SLICE_BYTES."""
-    step = max(1, _SLICE_BYTES // (4 * max(1, width)))
-    return [slice(v0, min(v0 + step, vocab)) for v0 in range(0, vocab, step)]
-
-
-def _accumulate_dw(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with a 16-bit ``a`` (vocab, n), ``b`` (n, hidden) and an fp32 ``acc``, never rounding the
-    product.
-
-    CUDA: ``addmm(out_dtype=float32)`` in place where this torch accepts an fp32 ``self``; older versions only
-    accept a ``self`` of the inputs' dtype, so the fallback adds fp32 ``mm`` products per slice of the
-    vocabulary (the check fails in the dispatcher, before any launch). CPU (no fp32-output GEMM of 16-bit
-    operands): fp32 copies of ``b`` and of one vocabulary slice of ``a`` at a time, added in place.
-    """
-    global _ADDMM_FP32_ACCUMULATE
-    if acc.is_cuda:
-        if _ADDMM_FP32_ACCUMULATE is not False:
-            try:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                _ADDMM_FP32_ACCUMULATE = True
-                return
-            except (RuntimeError, TypeError):
-                if _ADDMM_FP32_ACCUMULATE:
-                    raise
-                _ADDMM_FP32_ACCUMULATE = False
-        for s in _vocab_slices(acc.shape[0], acc.shape[1]):
-            acc[s] += torch.mm(a[s], b, out_dtype=torch.float32)
-        return
-    b32 = b.float()
-    for s in _vocab_slices(acc.shape[0], max(acc.shape[1], a.shape[1])):
-        acc[s].addmm_(a[s].float(), b32)
-
-
-def _mm_fp32_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = x @ w.T`` in fp32 for 16-bit ``x`` (n, hidden), ``w`` (vocab, hidden): fp32 accumulation, never
-    rounded. CUDA has the GEMM; on the CPU, fp32 copies of x and of one vocabulary slice of w at a time."""
-    if out.is_cuda:
-        torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
-        return
-    x32 = x.float()
-    for s in _vocab_slices(w.shape[0], max(w.shape[1], x.shape[0])):
-        out[:, s] = torch.mm(x32, w[s].float().t())
-
-
 @functools.lru_cache(maxsize=256)
 def _ce_config(hidden: int, vocab: int, dtype: torch.dtype, plan: FusedLinearCrossEntropyConfig):
     """The per-chunk cross-entropy kernel config of a plan, built once per (shape, dtype, plan), not per call."""
@@ -339,8 +290,8 @@ def cpu_chunk_rows(plan: FusedLinearCrossEntropyConfig, dtype: torch.dtype, hidd
     A chunk on the GPU holds the plan's buffers (``FusedLinearCrossEntropySpace.extra_bytes``). The CPU paths
     hold more per row: the plain path computes the cross-entropy in fp32 on a working copy of 16-bit logits (4
     bytes per logit more) and keeps the tanh of soft-capped logits for the gradient (4 more); both CPU paths
-    have the sliced GEMMs' fp32 temporaries (``_SLICE_BYTES`` per operand, two operands). The chunk is cut so
-    that all of it, with the plan's fp32 dW accumulator, stays within ``MAX_EXTRA_BYTES``.
+    have the sliced GEMMs' fp32 temporaries (``chunks.SLICE_BYTES`` per operand, two operands). The chunk is cut
+    so that all of it, with the plan's fp32 dW accumulator, stays within ``MAX_EXTRA_BYTES``.
     """
     space = FusedLinearCrossEntropySpace
     element = torch.finfo(dtype).bits // 8
@@ -353,7 +304,7 @@ def cpu_chunk_rows(plan: FusedLinearCrossEntropyConfig, dtype: torch.dtype, hidd
     # fp32 copies of the chunk's x for the fp32-output GEMMs of 16-bit inputs
     per_row = per_logit * vocab + (4 * hidden if low and (logits_bytes == 4 or fp32_acc) else 0)
     accumulator = vocab * hidden * 4 if (fp32_acc and dtype == torch.bfloat16) else 0
-    free = space.MAX_EXTRA_BYTES - accumulator - (2 * _SLICE_BYTES if low else 0)
+    free = space.MAX_EXTRA_BYTES - accumulator - (2 * chunks.SLICE_BYTES if low else 0)
     fit = free // per_row if free > 0 else 0
     return max(min(plan.CHUNK_ROWS, space.CHUNK_CHOICES[0]), min(plan.CHUNK_ROWS, fit))
 
@@ -370,7 +321,7 @@ class _Chunked:
         self.weight = None if weight is None else weight.detach()
         self.options = options
         self.bias = bias
-        low = x.dtype in _LOW_PRECISION
+        low = x.dtype in LOW_PRECISION
         config = _plan(x, self.hidden, self.vocab, self.rows, plan)
         self.chunk_rows = config.CHUNK_ROWS
         if not x.is_cuda:
@@ -394,7 +345,7 @@ class _Chunked:
             else:
                 torch.mm(xc, self.w.t(), out=out)
             return
-        _mm_fp32_out(xc, self.w, out)
+        mm_fp32_out(xc, self.w, out)
         if self.bias is not None:
             out.add_(self.bias)
 
@@ -465,7 +416,7 @@ class _Chunked:
                 else:
                     if first:
                         dw.zero_()
-                    _accumulate_dw(dw, grad.t(), xc)
+                    accumulate_dw(dw, grad.t(), xc)
         return loss_rows, zl_rows, dx, dw, db, pred
 
 
@@ -533,21 +484,11 @@ def _bwd_none_impl(grad_rows, x, w, target, bias, weight, options: CrossEntropyO
             x.new_empty(0) if db is None else db.to(bias.dtype))
 
 
-def _scale_in_place(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """t *= factor (0-dim) in place; on the kernel path nothing is read or written when factor is exactly 1."""
-    if not t.numel():
-        return t
-    if uses_triton(t) and t.is_contiguous():
-        aux_module().scale_grad_(t.view(-1, t.shape[-1]), factor.float())
-        return t
-    return t.mul_(factor)
-
-
 def _scale_grads(grad_loss, dx_unscaled, grad_scale, dw, db, in_place: bool):
     """Gradients of mean/sum: the forward's gradients times the upstream (scalar) gradient."""
     g = grad_loss.float()
     if in_place:
-        return _scale_in_place(dx_unscaled, grad_scale * g), _scale_in_place(dw, g), _scale_in_place(db, g)
+        return scale_in_place(dx_unscaled, grad_scale * g), scale_in_place(dw, g), scale_in_place(db, g)
     return (dx_unscaled * (grad_scale * g)).to(dx_unscaled.dtype), (dw * g).to(dw.dtype), (db * g).to(db.dtype)
 
 
@@ -558,7 +499,7 @@ def loss_tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance of the loss against float64: FP32_OUT_TOL for float32 inputs; for 16-bit inputs the
     unit roundoff of x's dtype, because LOGITS_FP32=0 rounds the logits to it (as transformers' lm_head output
     does), which moves a row's loss by about u·|logit| (measured in the mean over 512-1024 bf16 rows: 1e-5)."""
-    return torch.finfo(dtype).eps / 2 if dtype in _LOW_PRECISION else FP32_OUT_TOL
+    return torch.finfo(dtype).eps / 2 if dtype in LOW_PRECISION else FP32_OUT_TOL
 
 
 class FusedLinearCrossEntropyProblem(Problem):
@@ -749,7 +690,7 @@ def _backward(ctx, grad_loss, *_unused):
 
 _fused_linear_cross_entropy_2d = Differentiable(
     fused_linear_cross_entropy_fwd, _save, _backward,
-    reference="liger_gen.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_torch", outputs=3)
+    reference="liger_gen.reference.fused_linear_cross_entropy_torch", outputs=3)
 
 
 def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, options: CrossEntropyOptions,
@@ -782,25 +723,6 @@ def fused_linear_cross_entropy_2d(x, lm_head_weight, target, bias, weight, optio
 
 
 # ------------------------------------------------------------------------------------------------ public op
-
-
-def check_lm_head(op: str, lm_head_weight: torch.Tensor, bias: torch.Tensor | None, hidden: int) -> None:
-    """ValueError for an LM head the chunked ops cannot use whole: a DeepSpeed ZeRO-3 partition (``ds_shape``
-    differs from the shape) or an empty weight (a shard read outside its module's forward)."""
-    for name, t in (("lm_head_weight", lm_head_weight), ("bias", bias)):
-        full = getattr(t, "ds_shape", None)  # DeepSpeed ZeRO-3 marks its partitioned parameters
-        if full is not None and tuple(t.shape) != tuple(full):
-            raise ValueError(f"{op}: {name} is a DeepSpeed ZeRO-3 partition ({describe(name, t)}) of a parameter of "
-                             f"shape {tuple(full)}; the loss needs the whole weight, which DeepSpeed gathers when "
-                             f"it is read inside the forward of a module it manages: compute the loss there (the "
-                             f"forward liger_gen.apply_to patches does), or register the weight with "
-                             f"deepspeed.zero.register_external_parameter(module, weight) for the module whose "
-                             f"forward computes it")
-    if lm_head_weight.numel() == 0:
-        raise ValueError(f"{op}: lm_head_weight is empty ({describe('lm_head_weight', lm_head_weight)}): an empty "
-                         f"shard, as a sharded model's parameter read outside its module's forward; pass the whole "
-                         f"(vocab, {hidden}) weight (a DTensor's full_tensor(); under DeepSpeed ZeRO-3, read it "
-                         f"inside the forward of a module DeepSpeed manages)")
 
 
 def _check_inputs(op, x, lm_head_weight, target, bias, weight, ignore_index, reduction, label_smoothing,

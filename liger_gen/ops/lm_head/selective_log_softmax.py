@@ -32,12 +32,11 @@ import torch
 from liger_gen.codegen.problems import REL_TOL, TARGET_BYTES, Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.fused_linear_cross_entropy import _accumulate_dw, _mm_fp32_out, check_lm_head
+from liger_gen.ops.lm_head.chunks import LOW_PRECISION, accumulate_dw, check_lm_head, lm_head_logits
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
                                    check_targets, describe, kernel_module, uses_triton)
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 TARGET_DTYPES = (torch.int64, torch.int32)
 #: the per-token outputs, in the order the 2-D op returns them
 OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -255,22 +254,9 @@ def _config(x: torch.Tensor, hidden: int, vocab: int, rows: int):
     return space.heuristic(), None
 
 
-def lm_head_logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ w.T (+ bias)`` with fp32 accumulation, stored in ``out``'s dtype (x's, or fp32)."""
-    if out.dtype == x.dtype:
-        if bias is not None:
-            torch.addmm(bias, x, w.t(), out=out)
-        else:
-            torch.mm(x, w.t(), out=out)
-    else:
-        _mm_fp32_out(x, w, out)
-        if bias is not None:
-            out.add_(bias)
-    return out
-
-
-class _Chunks:
-    """One call's chunk loop over the rows of x: the logits GEMM of each chunk and the kernels around it."""
+class Chunks:
+    """One call's chunk loop over the rows of x: the logits GEMM of each chunk and the kernels around it. The
+    distillation loss (``fused_linear_jsd``) subclasses it and the preference losses (``post_training``) drive it."""
 
     SPACE = SelectiveLogSoftmaxSpace  # the op's space: its chunk choices and memory budget
 
@@ -288,7 +274,7 @@ class _Chunks:
         the CPU paths, whose fp32 working copies take that many bytes per logit, fewer rows within the same
         budget (None: the plan's rows)."""
         x = self.x
-        low = x.dtype in _LOW_PRECISION
+        low = x.dtype in LOW_PRECISION
         self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
         self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype
         chunk = config.CHUNK_ROWS
@@ -388,7 +374,7 @@ class _Chunks:
             elif dw.dtype == xc.dtype:
                 dw.addmm_(grad.t(), xc)
             else:
-                _accumulate_dw(dw, grad.t(), xc)
+                accumulate_dw(dw, grad.t(), xc)
         if db is not None:
             db += grad.sum(dim=0, dtype=torch.float32)
 
@@ -489,7 +475,7 @@ class SelectiveLogSoftmaxProblem(Problem):
     def step(self, module, plan: dict) -> None:
         """One training step of the variant ``module`` (chunk plan ``plan``) into the output buffers."""
         b = self.buffers
-        run = _Chunks(b["x"], b["w"], None, b["target"], LogProbOptions())
+        run = Chunks(b["x"], b["w"], None, b["target"], LogProbOptions())
         run.module = module
         _apply_plan(run, plan)
         logp, _, _, _, _, lse = run.forward((False, False, False, False))
@@ -502,7 +488,7 @@ class SelectiveLogSoftmaxProblem(Problem):
         return self.step_flops(self.problem_dims)
 
 
-def _apply_plan(run: _Chunks, plan: dict) -> None:
+def _apply_plan(run: Chunks, plan: dict) -> None:
     """Give a chunk loop the chunk plan of a rendered variant (the tuner times variants other than the table's)."""
     run.use_plan(SelectiveLogSoftmaxConfig.from_dict(plan))
 
@@ -541,7 +527,7 @@ def _fwd_impl(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tenso
     """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, lse) of a 2-D x; unrequested outputs are
     empty tensors (a custom op's outputs are tensors)."""
     check_targets("selective_log_softmax", target, lm_head_weight.shape[0], ignore_index)
-    run = _Chunks(x, lm_head_weight, bias, target, LogProbOptions(ignore_index, temperature, softcap, logit_scale))
+    run = Chunks(x, lm_head_weight, bias, target, LogProbOptions(ignore_index, temperature, softcap, logit_scale))
     logp, entropy, sq, mean, top1, lse = run.forward((need_entropy, need_sq, need_mean, need_top1))
     empty = lambda dtype=torch.float32: torch.empty(0, dtype=dtype, device=x.device)  # noqa: E731
     return (logp, empty() if entropy is None else entropy, empty() if sq is None else sq,
@@ -555,7 +541,7 @@ def _bwd_impl(g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None, x: to
               need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db) for per-row upstream gradients of the log-probabilities and the entropy (recomputes the
     logits chunk by chunk); unrequested ones are empty tensors."""
-    run = _Chunks(x, lm_head_weight, bias, target, LogProbOptions(ignore_index, temperature, softcap, logit_scale))
+    run = Chunks(x, lm_head_weight, bias, target, LogProbOptions(ignore_index, temperature, softcap, logit_scale))
     dx, dw, db = run.backward(g_logp, g_entropy, lse, entropy, need_dx, need_dw, need_db)
     empty = x.new_empty(0)
     return (empty if dx is None else dx, empty.clone() if dw is None else dw.to(lm_head_weight.dtype),
@@ -608,7 +594,7 @@ def _backward(ctx, g_logp, g_entropy, *_unused):
 
 _selective_log_softmax_2d = Differentiable(
     selective_log_softmax_fwd, _save, _backward,
-    reference="liger_gen.ops.selective_log_softmax.selective_log_softmax_torch", outputs=5)
+    reference="liger_gen.reference.selective_log_softmax_torch", outputs=5)
 
 
 def token_log_probs_2d(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torch.Tensor,

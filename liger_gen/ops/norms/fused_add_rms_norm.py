@@ -10,7 +10,8 @@ RMSNorm) in one pass over each row:
 Backward: both x and r receive dsum = (gradient of y through the norm) + (upstream gradient of s), written
 as two buffers (one per input, each in its input's dtype): a single buffer returned for both inputs can end up
 as two aliasing ``.grad`` tensors, which the next backward's in-place accumulation corrupts.
-Kernels: ``templates/fused_add_rms_norm.py.jinja``. Structure follows ``liger_gen/ops/rms_norm.py``.
+Kernels: ``templates/fused_add_rms_norm.py.jinja``. Structure follows ``liger_gen/ops/norms/rms_norm.py``; the
+RMSNorm references, space and checks come from ``row_norm``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, float64_grads, randn,
                                         reference_by_autograd, rel_l2)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.rms_norm import (CASTING_MODES, DecoderNormProblem, RMSNormConfig, RMSNormSpace, rms_norm_float64,
-                                    rms_norm_out_dtype, rms_norm_torch)
+from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormConfig, RowNormSpace, check_casting_mode,
+                                          check_floating, check_row_input, check_row_params, check_row_width,
+                                          rms_norm_float64, rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe,
@@ -63,14 +65,14 @@ def fused_add_rms_norm_float64(x: torch.Tensor, residual: torch.Tensor, weight: 
 
 
 @dataclass(frozen=True)
-class FusedAddRMSNormConfig(RMSNormConfig):
-    """Launch settings of one fused add + RMSNorm variant (``templates/fused_add_rms_norm.py.jinja``): RMSNorm's
-    fields, same meanings. BWD_PREFETCH=1 prefetches the next tile's dy, s and rstd (not ds, which feeds no
-    reduction). No H200 measurement of this op is recorded here yet.
+class FusedAddRMSNormConfig(RowNormConfig):
+    """Launch settings of one fused add + RMSNorm variant (``templates/fused_add_rms_norm.py.jinja``): the row
+    norms' fields (``RowNormConfig``), same meanings. BWD_PREFETCH=1 prefetches the next tile's dy, s and rstd
+    (not ds, which feeds no reduction). No H200 measurement of this op is recorded here yet.
     """
 
 
-class FusedAddRMSNormSpace(RMSNormSpace):
+class FusedAddRMSNormSpace(RowNormSpace):
     """Search space, constraints and heuristic of fused add + RMSNorm for one row width (dims ``{"n_cols": N}``).
 
     RMSNorm's params, heuristic and constraints (the kernels have the same structure), counting the extra
@@ -85,8 +87,8 @@ class FusedAddRMSNormSpace(RMSNormSpace):
     # fp32 values per thread and streamed tile before the compiler spills: RMSNorm's budgets, kept as totals
     # (unmeasured for this op; the tuner's timing judges). Forward: x and r die into s as soon as they are added,
     # so the live set is RMSNorm's, 128. Backward: RMSNorm's 64 for each of two tiles (128 in all) shared by
-    # three (dy, s and, at the end of a tile, ds) → 42; BWD_PREFETCH halves it (RMSNormSpace.shape_violations).
-    MAX_ELEMS_PER_THREAD_BWD = RMSNormSpace.MAX_ELEMS_PER_THREAD_BWD * RMSNormSpace.STREAMS["bwd"] // STREAMS["bwd"]
+    # three (dy, s and, at the end of a tile, ds) → 42; BWD_PREFETCH halves it (RowNormSpace.shape_violations).
+    MAX_ELEMS_PER_THREAD_BWD = RowNormSpace.MAX_ELEMS_PER_THREAD_BWD * RowNormSpace.STREAMS["bwd"] // STREAMS["bwd"]
     # one row per single pass: with 1024 threads the backward holds 32 of each of its 3 tiles' values per thread
     # (65536 would need 64 > 42)
     MAX_N_COLS = 32768
@@ -400,7 +402,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
     ``s = x + residual`` (PyTorch's add: computed in fp32, rounded once to s's dtype), then RMSNorm of s
     (Zhang & Sennrich, 2019): ``y = s / sqrt(mean(s², dim=-1) + eps) · (offset + weight)``, statistics in fp32,
-    exactly as ``liger_gen.ops.rms_norm.rms_norm(s, ...)``.
+    exactly as ``liger_gen.ops.norms.rms_norm.rms_norm(s, ...)``.
 
     Args:
         x: (..., hidden) float32, bfloat16 or float16 (e.g. the attention or MLP output); any strides.
@@ -444,27 +446,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
-    if casting_mode not in CASTING_MODES:
-        raise ValueError(f"{op}: casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must have at least one dim (..., hidden); got {describe('x', x)}")
+    check_casting_mode(op, casting_mode)
+    hidden = check_row_input(op, x)
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)} (no broadcasting); "
                          f"got {describe('residual', residual)} and {describe('x', x)}")
-    hidden = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != hidden:
-        raise ValueError(f"{op}: weight must have shape ({hidden},) to match x's last dim; "
-                         f"got {describe('weight', weight)} and {describe('x', x)}")
+    check_row_params(op, x, weight=weight)
     check_same_device(op, x=x, residual=residual, weight=weight)
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    check_floating(op, x=x, residual=residual, weight=weight)
     if not uses_triton(x):
         return fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
     check_kernel_dtypes(op, x=x, residual=residual, weight=weight)
-    if hidden > FusedAddRMSNormSpace.MAX_N_COLS:
-        raise ValueError(f"{op}: hidden size {hidden} exceeds the single-pass kernel's limit "
-                         f"{FusedAddRMSNormSpace.MAX_N_COLS}; got {describe('x', x)}")
+    check_row_width(op, FusedAddRMSNormSpace, x)
     if key is not None and x.numel() and x.is_contiguous() and residual.is_contiguous() and weight.stride(-1) == 1:
         # the same call shape skips the checks above from now on
         return _run_plan(plans.remember(_PLANS, key, _Plan(x, residual, weight, eps, offset, casting_mode)), x,

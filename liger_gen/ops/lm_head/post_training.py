@@ -31,8 +31,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from liger_gen.ops.fused_linear_cross_entropy import _scale_in_place
-from liger_gen.ops.selective_log_softmax import LogProbOptions, _Chunks, check_inputs, selective_log_softmax
+from liger_gen.ops.lm_head.cross_entropy import scale_in_place
+from liger_gen.ops.lm_head.selective_log_softmax import Chunks, LogProbOptions, check_inputs, selective_log_softmax
 from liger_gen.runtime import plans
 from liger_gen.runtime.ops import check_float_arg, check_targets, describe, host_checkable, no_double_backward
 
@@ -335,7 +335,7 @@ class _FusedSequenceLoss(torch.autograd.Function):
     """Loss and the gradients of x, W and bias in one pass over chunks of whole sequences (see the module)."""
 
     @staticmethod
-    def forward(ctx, x2d, w, bias, run: _Chunks, layout: _Layout, chunk_loss: ChunkLoss):
+    def forward(ctx, x2d, w, bias, run: Chunks, layout: _Layout, chunk_loss: ChunkLoss):
         need = ctx.needs_input_grad
         dx, dw, db = run.grad_outputs(need[0], need[1], bias is not None and need[2])
         t = layout.tokens
@@ -375,7 +375,7 @@ class _FusedSequenceLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp):
-        no_double_backward("fused post-training loss", "the formulas of liger_gen.ops.post_training on "
+        no_double_backward("fused post-training loss", "the formulas of liger_gen.ops.lm_head.post_training on "
                            "liger_gen.reference.selective_log_softmax_torch's log-probabilities")
         if ctx.grads is None:
             raise RuntimeError("liger_gen fused post-training loss: backward through the graph a second time is not "
@@ -384,12 +384,12 @@ class _FusedSequenceLoss(torch.autograd.Function):
         ctx.grads = None
         g = grad_loss.float()
         w_dtype, b_dtype = ctx.dtypes
-        return (None if dx is None else _scale_in_place(dx, g),
-                None if dw is None else _scale_in_place(dw, g).to(w_dtype),
-                None if db is None else _scale_in_place(db, g).to(b_dtype), None, None, None)
+        return (None if dx is None else scale_in_place(dx, g),
+                None if dw is None else scale_in_place(dw, g).to(w_dtype),
+                None if db is None else scale_in_place(db, g).to(b_dtype), None, None, None)
 
 
-def _sequences_per_chunk(run: _Chunks, tokens: int, group: int) -> int:
+def _sequences_per_chunk(run: Chunks, tokens: int, group: int) -> int:
     """Groups (pairs or single sequences) per chunk within SEQUENCE_CHUNK_BYTES; 0 if one group does not fit."""
     per_row = run.vocab * (torch.empty((), dtype=run.logits_dtype).element_size()
                            + (run.x.element_size() if run.logits_dtype != run.x.dtype else 0))
@@ -408,7 +408,7 @@ def _sequence_loss(x, w, bias, target, options: LogProbOptions, paired: bool, ch
     wants_grad = torch.is_grad_enabled() and any(
         p is not None and p.requires_grad for p in (x, w, bias))
     if wants_grad and n and t and x.dtype in _FUSED_DTYPES and plans.eager(*(t for t in (x2d, w, bias, flat_target) if t is not None)):
-        run = _Chunks(x2d, w, bias, flat_target, options)
+        run = Chunks(x2d, w, bias, flat_target, options)
         per_chunk = _sequences_per_chunk(run, t, 2 if paired else 1)
         if per_chunk:
             return _FusedSequenceLoss.apply(x2d, w, bias, run, _Layout.make(n, t, paired, per_chunk), chunk_loss)
@@ -493,7 +493,7 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                      label_smoothing: float = 0.0, ignore_index: int = -100,
                      temperature: float = 1.0) -> PreferenceOutput:
     """DPO from the policy's hidden states (Rafailov et al. 2023), as TRL's ``DPOTrainer``: the mean over pairs
-    of ``liger_gen.ops.post_training.dpo_loss`` on summed completion log-probabilities.
+    of ``liger_gen.ops.lm_head.post_training.dpo_loss`` on summed completion log-probabilities.
 
     Args:
         x: (2·pairs, tokens, hidden) float32/bfloat16/float16 last hidden states, the chosen sequences first and
@@ -504,7 +504,7 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
             ref_hidden) and LM head (vocab, ref_hidden), no gradient; or ``ref_log_probs`` (2·pairs,) its summed
             log-probabilities precomputed (TRL's ``precompute_ref_log_probs``). Exactly one of the two.
         beta, loss_type (sigmoid, hinge, ipo, robust), label_smoothing: see
-            ``liger_gen.ops.post_training.dpo_loss``.
+            ``liger_gen.ops.lm_head.post_training.dpo_loss``.
 
     Returns ``PreferenceOutput`` (loss 0-d float32, differentiable in x, lm_head_weight and bias; rewards
     β·(π − ref)). Raises ValueError / TypeError naming the tensor for bad shapes, dtypes or options (an odd
@@ -575,7 +575,7 @@ def fused_linear_orpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
                       bias: torch.Tensor | None = None, beta: float = 0.1, nll_target: torch.Tensor | None = None,
                       ignore_index: int = -100, temperature: float = 1.0) -> PreferenceOutput:
     """ORPO from the policy's hidden states (Hong et al. 2024), as TRL's ``ORPOTrainer``: ``NLL(chosen) −
-    mean(orpo_loss(c̄, r̄))`` (``liger_gen.ops.post_training.orpo_loss``) with c̄, r̄ the per-token mean completion
+    mean(orpo_loss(c̄, r̄))`` (``liger_gen.ops.lm_head.post_training.orpo_loss``) with c̄, r̄ the per-token mean completion
     log-probabilities and NLL the mean negative log-likelihood over the chosen sequences' ``nll_target`` tokens.
     The default NLL covers the chosen completions only (``target``'s chosen half, as Liger-Kernel's ORPO); TRL's
     ``ORPOTrainer`` covers prompt and completion: pass ``nll_target`` = the chosen sequences' next tokens with
@@ -610,7 +610,7 @@ def fused_linear_cpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                      alpha: float = 0.0, nll_target: torch.Tensor | None = None, ignore_index: int = -100,
                      temperature: float = 1.0) -> PreferenceOutput:
     """CPO from the policy's hidden states (Xu et al. 2024), as TRL's ``CPOTrainer``: ``mean(cpo_loss(c, r)) +
-    cpo_alpha·NLL(chosen)`` (``liger_gen.ops.post_training.cpo_loss``), with c, r summed completion
+    cpo_alpha·NLL(chosen)`` (``liger_gen.ops.lm_head.post_training.cpo_loss``), with c, r summed completion
     log-probabilities (per-token means for ``ipo`` and ``simpo``), NLL as in ``fused_linear_orpo``
     (``nll_target``; the default covers the chosen completions only, TRL's trainer prompt and completion).
     ``loss_type="simpo"`` with ``cpo_alpha=0`` is SimPO (``fused_linear_simpo``); ``alpha`` ≠ 0 is AlphaPO.
@@ -734,7 +734,7 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
         beta, epsilon_low, epsilon_high (default epsilon_low), loss_type (grpo, bnpo, dr_grpo, dapo, cispo),
             importance_sampling_level (token, sequence), delta, max_completion_length, num_items_in_batch: TRL's
             options of the same names (see ``grpo_per_token_loss`` and ``grpo_normalise`` in
-            ``liger_gen.ops.post_training``).
+            ``liger_gen.ops.lm_head.post_training``).
 
     Returns ``GRPOOutput`` (loss 0-d float32; per-token log-probabilities, 0 where target is ignore_index)."""
     op = "fused_linear_grpo"

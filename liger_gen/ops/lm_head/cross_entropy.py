@@ -1002,6 +1002,18 @@ def aux_module():
     return load_variant("cross_entropy", CrossEntropySpace(1, torch.float32).heuristic().to_dict())
 
 
+def scale_in_place(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """t *= factor (0-dim) in place; on the kernel path nothing is read or written when factor is exactly 1. The
+    LM-head losses scale their gradients by the upstream one with it; it lives here, not in ``chunks``, because
+    its kernel (``scale_grad_``) is this op's template's."""
+    if not t.numel():
+        return t
+    if uses_triton(t) and t.is_contiguous():
+        aux_module().scale_grad_(t.view(-1, t.shape[-1]), factor.float())
+        return t
+    return t.mul_(factor)
+
+
 def cross_entropy_mean_scale(target: torch.Tensor, n_classes: int, weight: torch.Tensor | None = None,
                              ignore_index: int = -100) -> torch.Tensor:
     """``[1 / Σ_{non-ignored} w_y, 1 / #non-ignored]`` as a (2,) float32 tensor on target's device, no host sync.

@@ -30,11 +30,12 @@ import torch
 from liger_gen.codegen.problems import Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.fused_linear_cross_entropy import _scale_in_place, check_lm_head
-from liger_gen.ops.jsd import _jsd_rows, jsd_mode
-from liger_gen.ops.selective_log_softmax import (MAX_TUNING_ROWS, TARGET_DTYPES, SelectiveLogSoftmaxProblem,
-                                                 SelectiveLogSoftmaxSpace, _Chunks, lm_head_logits,
-                                                 lm_head_tuning_problems)
+from liger_gen.ops.divergence.rows import jsd_mode, jsd_rows
+from liger_gen.ops.lm_head.chunks import check_lm_head, lm_head_logits
+from liger_gen.ops.lm_head.cross_entropy import scale_in_place
+from liger_gen.ops.lm_head.selective_log_softmax import (MAX_TUNING_ROWS, TARGET_DTYPES, Chunks,
+                                                         SelectiveLogSoftmaxProblem, SelectiveLogSoftmaxSpace,
+                                                         lm_head_tuning_problems)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
                                    describe, kernel_module, uses_triton)
@@ -46,7 +47,7 @@ def _divergence_rows(zs: torch.Tensor, zt: torch.Tensor, beta: float, temperatur
     """Per-row divergence of raw student / teacher logits (rows, V), in their dtype, differentiable."""
     s = torch.log_softmax(zs / temperature, dim=-1)
     t = torch.log_softmax(zt / temperature, dim=-1)
-    return _jsd_rows(s, t, beta)
+    return jsd_rows(s, t, beta)
 
 
 def fused_linear_jsd_torch(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target=None,
@@ -153,7 +154,7 @@ def _config(x: torch.Tensor, hidden: int, vocab: int, rows: int):
     return space.heuristic(), None
 
 
-class _Distill(_Chunks):
+class _Distill(Chunks):
     """One call's chunk loop: the student and teacher logits GEMMs of each chunk and the kernel between; the
     gradient allocation and GEMMs are selective_log_softmax's (x, w: the student's)."""
 
@@ -213,7 +214,7 @@ class _Distill(_Chunks):
         t = torch.log_softmax(zt.float() / self.temperature, dim=-1)
         valid = torch.ones(s.shape[0], dtype=torch.bool, device=s.device) if label is None else \
             label != self.ignore_index
-        loss_rows.copy_(torch.where(valid, _jsd_rows(s, t, self.beta), 0.0))
+        loss_rows.copy_(torch.where(valid, jsd_rows(s, t, self.beta), 0.0))
         if grad is None:
             return
         q = s.exp()
@@ -354,12 +355,12 @@ def _backward(ctx, grad_loss, *_unused):
         ctx.used = True
         dx, dw, scale = ctx.saved_tensors
         g = grad_loss.float() * scale[0]
-        dx, dw = _scale_in_place(dx, g), _scale_in_place(dw, g)
+        dx, dw = scale_in_place(dx, g), scale_in_place(dw, g)
     return (dx if need_dx else None, dw if need_dw else None) + (None,) * 8
 
 
 _fused_linear_jsd_2d = Differentiable(fused_linear_jsd_fwd, _save, _backward,
-                                      reference="liger_gen.ops.fused_linear_jsd.fused_linear_jsd_torch", outputs=1)
+                                      reference="liger_gen.reference.fused_linear_jsd_torch", outputs=1)
 
 
 # ------------------------------------------------------------------------------------------------ public ops

@@ -1,5 +1,5 @@
-"""Gated linear units (Shazeer, 2020, "GLU Variants Improve Transformer"): SwiGLU and GeGLU — references,
-search space, tuning problems, custom ops, the public ops and the ``SwiGLUMLP`` module.
+"""Gated linear units (Shazeer, 2020, "GLU Variants Improve Transformer"): SwiGLU and GeGLU — search space,
+tuning problems, custom ops, the public ops and the ``SwiGLUMLP`` module.
 
     y = act(gate) · up          act = silu (SwiGLU) | gelu, gelu_tanh (GeGLU); elementwise over (..., n_cols)
 
@@ -12,6 +12,7 @@ each has its own op name, so its own spec and tuned table (``tuned/<gpu>/swiglu.
 Rounding (as PyTorch eager on half-precision tensors): the activation is computed in fp32 and rounded to the
 input dtype, the product is computed in fp32 and rounded again; the backward rounds dy·up to the input dtype
 before multiplying by act'(gate), as autograd's mul backward does. float32 inputs see no intermediate rounding.
+The references (plain PyTorch and float64) are the family's, in ``activations``.
 """
 
 from __future__ import annotations
@@ -21,78 +22,17 @@ import numbers
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as nn_module  # the global hook registries
 
 from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, act_torch, geglu_torch, gelu_activation, glu_float64,
+                                           glu_gate_up_torch, glu_torch, swiglu_torch)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    no_double_backward, transforms_active, use_custom_op, uses_triton)
-
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # the template's spellings
-GELU_APPROXIMATIONS = ("none", "tanh")
-
-# ------------------------------------------------------------------------------------------------ references
-
-
-def _act_torch(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(gate)
-    if activation in ("gelu", "gelu_tanh"):
-        return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
-    raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-
-
-def glu_torch(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """``act(gate) * up`` in plain PyTorch, exactly as transformers' MLPs write it (differentiable by autograd).
-
-    activation: "silu" (SwiGLU), "gelu" (GeGLU, erf) or "gelu_tanh" (GeGLU, tanh approximation).
-    """
-    return _act_torch(gate, activation) * up
-
-
-def glu_gate_up_torch(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """``act(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``, as Phi-3's MLP splits its projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return glu_torch(gate, up, activation)
-
-
-def glu_float64(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """Exact ``act(gate) · up`` in float64 (no intermediate rounding); differentiable by autograd."""
-    return _act_torch(gate.double(), activation) * up.double()
-
-
-def swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` in plain PyTorch: transformers' ``LlamaMLP`` activation, bit for bit."""
-    return glu_torch(gate, up, "silu")
-
-
-def swiglu_float64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Exact ``silu(gate) · up`` in float64."""
-    return glu_float64(gate, up, "silu")
-
-
-def gelu_activation(op: str, approximate: str) -> str:
-    """The template's activation for PyTorch's ``approximate``; ValueError names the bad value."""
-    if approximate == "tanh":
-        return "gelu_tanh"
-    if approximate == "none":
-        return "gelu"
-    raise ValueError(f"{op}: approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
-
-
-def geglu_torch(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """``F.gelu(gate, approximate=approximate) * up`` in plain PyTorch: GemmaMLP's activation, bit for bit."""
-    return glu_torch(gate, up, gelu_activation("geglu", approximate))
-
-
-def geglu_float64(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """Exact ``gelu(gate) · up`` in float64 (the tanh approximation when ``approximate="tanh"``)."""
-    return glu_float64(gate, up, gelu_activation("geglu", approximate))
-
 
 # ------------------------------------------------------------------------------------------------ space
 
@@ -330,7 +270,7 @@ def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate:
         module.backward(dy, gate, up, dgate, dup)
     else:  # the backward formulas autograd runs for act(gate) * up, which is what the kernel reproduces
         # both results before either store: dgate and dup may be gate and up themselves (_GLUOverwrite)
-        d_up = dy * _act_torch(gate, activation)
+        d_up = dy * act_torch(gate, activation)
         da = dy * up
         if activation == "silu":
             d_gate = torch.ops.aten.silu_backward(da, gate)
@@ -626,10 +566,6 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-# the activations a GLU kernel computes, by the name ``GLUMLP`` takes
-GLU_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str, overwrite: bool = False) -> torch.Tensor:

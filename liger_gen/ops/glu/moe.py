@@ -24,6 +24,7 @@ import torch
 from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, float64_grads, randn
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.glu.activations import GLU_ACTIVATIONS, act_torch
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import check_same_device, describe, kernel_module, uses_triton
 
@@ -53,15 +54,13 @@ def moe_experts_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: to
                       ) -> torch.Tensor:
     """The experts as transformers' eager loop writes them: for each expert, its tokens' ``act(gate) * up``
     through ``down_proj``, weighted and summed into the tokens' rows (differentiable by autograd)."""
-    from liger_gen.ops.glu import _act_torch
-
     out = torch.zeros_like(x)
     for e in range(gate_up_proj.shape[0]):
         token, slot = torch.where(top_k_index == e)
         if token.numel() == 0:
             continue
         gate, up = torch.nn.functional.linear(x[token], gate_up_proj[e]).chunk(2, dim=-1)
-        y = torch.nn.functional.linear(_act_torch(gate, activation) * up, down_proj[e])
+        y = torch.nn.functional.linear(act_torch(gate, activation) * up, down_proj[e])
         out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
     return out
 
@@ -351,9 +350,9 @@ def _unpermute_backward(ctx, dout):
 
 
 _permute_2d = Differentiable(moe_permute_fwd, _permute_save, _permute_backward,
-                             reference="liger_gen.ops.moe.moe_permute_torch")
+                             reference="liger_gen.reference.moe_permute_torch")
 _unpermute_2d = Differentiable(moe_unpermute_fwd, _unpermute_save, _unpermute_backward,
-                               reference="liger_gen.ops.moe.moe_unpermute_torch")
+                               reference="liger_gen.reference.moe_unpermute_torch")
 
 
 # ------------------------------------------------------------------------------------------------ public ops
@@ -579,7 +578,7 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
             another dtype. ValueError: shapes that do not match, an unknown activation, indices out of range
             (checked on the CPU), tensors on different devices.
     """
-    from liger_gen.ops.glu import GLU_ACTIVATIONS, glu_gate_up_product
+    from liger_gen.ops.glu.glu import glu_gate_up_product
 
     op = "moe_experts"
     _check_rows(op, "x", x)

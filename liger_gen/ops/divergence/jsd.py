@@ -9,8 +9,9 @@ With P = exp(teacher_logp), Q = exp(student_logp), per row (sum over the vocab):
     beta = 1: KL(Q ‖ P)  (reverse KL, student ‖ teacher)
     loss  = Σ_rows JSD / max(n_valid, 1)
 
-Kernels: ``templates/jsd.py.jinja``. Launch settings and search space are ``liger_gen.ops.kl_div``'s
-(``DivergenceConfig``/``DivergenceSpace``): the same vocab-streaming layout.
+Kernels: ``templates/jsd.py.jinja``. Launch settings and search space are the family's, as ``kl_div``'s
+(``DivergenceConfig``/``DivergenceSpace`` in ``rows``): the same vocab-streaming layout; so is the per-row JSD
+(``jsd_rows``).
 """
 
 from __future__ import annotations
@@ -22,48 +23,18 @@ import torch
 from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, IGNORE_INDEX, REL_TOL, TARGET_BYTES, Inputs,
                                         Problem, VocabProblem, chunk_rows, log_probs, randn, targets)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.kl_div import DivergenceSpace, tuning_row_cap, tuning_rows
+from liger_gen.ops.divergence.rows import DivergenceSpace, jsd_mode, jsd_rows, tuning_row_cap, tuning_rows
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    uses_triton)
 
-# kernel MODE constexpr: the two endpoints are the limits JSD_b / beta and JSD_b / (1 − beta), not JSD_b itself
-FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
-
 # ------------------------------------------------------------------------------------------------ references
-
-
-def jsd_mode(beta: float) -> int:
-    """The kernel's MODE constexpr for ``beta``: the endpoints are separate formulas, not limits of the mixture."""
-    return FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE
-
-
-def _jsd_rows(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
-    """Per-row divergence Σ_vocab of (rows..., vocab) log-probabilities, in their dtype, differentiable by
-    autograd without NaN where a probability is exactly 0 (such a term is 0, its limit)."""
-    dead = (s == -math.inf) & (t == -math.inf)  # both probabilities 0: the term is 0
-    s = s.masked_fill(dead, 0.0)
-    t = t.masked_fill(dead, 0.0)
-
-    def plogr(p: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-        """p·log_ratio with 0 where p = 0, also in the gradient (no 0·inf)."""
-        zero = p == 0
-        return torch.where(zero, 0.0, p * torch.where(zero, 0.0, log_ratio))
-
-    if beta == 0.0:
-        terms = plogr(t.exp(), t - s)
-    elif beta == 1.0:
-        terms = plogr(s.exp(), s - t)
-    else:
-        log_m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
-        terms = plogr(beta * t.exp(), t - log_m) + plogr((1 - beta) * s.exp(), s - log_m)
-    return terms.masked_fill(dead, 0.0).sum(-1)
 
 
 def _jsd_mean(s: torch.Tensor, t: torch.Tensor, beta: float, ignore_index: int, label: torch.Tensor | None,
               dtype: torch.dtype) -> torch.Tensor:
     """Σ over valid rows of the per-row divergence / max(n_valid, 1), computed in ``dtype``."""
-    rows = _jsd_rows(s.to(dtype), t.to(dtype), beta)
+    rows = jsd_rows(s.to(dtype), t.to(dtype), beta)
     if label is None:
         return rows.sum() / max(rows.numel(), 1)
     valid = (label != ignore_index).reshape(rows.shape)
@@ -145,7 +116,7 @@ class JSDProblem(VocabProblem):
             rows = slice(lo, lo + step)
             s64 = s[rows].double().requires_grad_()
             with torch.enable_grad():
-                part = torch.where(valid[rows], _jsd_rows(s64, t[rows].double(), beta), 0.0).sum()
+                part = torch.where(valid[rows], jsd_rows(s64, t[rows].double(), beta), 0.0).sum()
                 (ds[rows],) = torch.autograd.grad(part * scale, s64)
             total += part.detach()
         return {"loss": total / n_valid, "dstudent": ds}
@@ -211,7 +182,7 @@ class JSDProblem(VocabProblem):
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """Distillation over the model's vocabulary: one problem per token count (capped, see
-    ``liger_gen.ops.kl_div.tuning_rows``), beta = 0.5 with labels."""
+    ``liger_gen.ops.divergence.rows.tuning_rows``), beta = 0.5 with labels."""
     return [JSDProblem(dtype, model.vocab_size, r, device, seed=seed) for r in tuning_rows(model.vocab_size, rows)]
 
 
@@ -240,7 +211,7 @@ def _fwd_impl(s: torch.Tensor, t: torch.Tensor, label: torch.Tensor | None, beta
         module.forward(s, t, label, loss, n_valid, jsd_mode(beta), beta, ignore_index)
         return loss, n_valid
     # CPU without the interpreter: the reference math (only reached when the op is called directly)
-    rows_loss = _jsd_rows(s.float(), t.float(), beta)
+    rows_loss = jsd_rows(s.float(), t.float(), beta)
     valid = torch.ones(rows, dtype=torch.bool) if label is None else label != ignore_index
     n_valid.copy_(valid.sum())
     loss.copy_(torch.where(valid, rows_loss, 0.0).sum() / n_valid.clamp_min(1))
@@ -261,7 +232,7 @@ def _bwd_impl(g: torch.Tensor, n_valid: torch.Tensor, s: torch.Tensor, t: torch.
     # CPU without the interpreter: autograd of the reference math
     with torch.enable_grad():
         sf = s.detach().float().requires_grad_()
-        rows_loss = _jsd_rows(sf, t.float(), beta)
+        rows_loss = jsd_rows(sf, t.float(), beta)
         if label is not None:
             rows_loss = torch.where(label != ignore_index, rows_loss, 0.0)
         (grad,) = torch.autograd.grad(rows_loss.sum(), sf)

@@ -1,0 +1,17 @@
+"""The gated linear units: SwiGLU and GeGLU (``glu``), gpt-oss's clamped SwiGLU, and the mixture-of-experts
+experts built on them (``moe``). ``activations`` holds what they share (the activations and their references).
+
+``GLUMLP`` and ``SwiGLUMLP`` were defined in a module ``liger_gen.ops.glu`` before the ops were grouped by
+family, and a pickled model names a class by the module that defined it: they stay reachable here, so such
+pickles still load.
+"""
+
+import importlib
+
+_MOVED = ("GLUMLP", "SwiGLUMLP")
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        return getattr(importlib.import_module("liger_gen.ops.glu.glu"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
