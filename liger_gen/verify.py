@@ -182,11 +182,13 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | No
     except ImportError:
         return None, "transformers is not installed (pip install 'liger-gen[transformers]')"
     from liger_gen.integrations import transformers as integration
+    from liger_gen.integrations.transformers.families import ALIASES
+    from liger_gen.integrations.transformers.rope import rope_functions
 
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         return None, f"model_type {model_type!r} is not one this transformers release ({transformers.__version__}) knows"
-    if integration._ALIASES.get(model_type, model_type) not in integration.MODEL_FAMILIES:  # before any building
+    if ALIASES.get(model_type, model_type) not in integration.MODEL_FAMILIES:  # before any building
         return None, (f"model_type {model_type!r} is not a family apply_to supports (supported: "
                       f"{', '.join(sorted(integration.MODEL_FAMILIES))})")
     layers = [c.get("num_hidden_layers") for c in (cfg, cfg.get("text_config")) if isinstance(c, dict)]
@@ -214,7 +216,7 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | No
         for log, level in zip(loggers, levels):
             log.setLevel(level)
     modeling = importlib.import_module(family.modeling_module)
-    functions = integration._rope_functions(family)  # what apply_to(rope=True) would route
+    functions = rope_functions(family)  # what apply_to(rope=True) would route
     ops = integration.patched_ops(model, rope=bool(functions) and all(callable(getattr(modeling, f, None))
                                                                       for f, _ in functions))
     return ops, f"those apply_to runs on {type(model).__name__} built from the config"

@@ -451,7 +451,7 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     assert plain["patch"]["rope"] == "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"
     assert plain["patch"]["norm_classes"] == ["LlamaRMSNorm (transformers.models.llama.modeling_llama."
                                               "LlamaRMSNorm.forward)"]
-    assert lg["patch"]["rope"].endswith("(wrapped by liger_gen.integrations.transformers)")
+    assert lg["patch"]["rope"].endswith("(wrapped by liger_gen.integrations.transformers.rope)")
     assert all("liger_gen" in c for c in lg["patch"]["norm_classes"] + lg["patch"]["mlp_classes"])
     assert lg["patch"]["forward"].endswith("FusedLossForward")
     (layer,) = lg["patch"]["decoder_layers"]

@@ -292,15 +292,15 @@ def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch
     import importlib
     import inspect
 
-    from liger_gen.integrations.transformers import _rope_functions
+    from liger_gen.integrations.transformers.rope import rope_functions
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     family = MODEL_FAMILIES[model_type]
-    if not _rope_functions(family):
+    if not rope_functions(family):
         pytest.skip(f"{model_type}: RoPE is not patched")
     model = mini_model(model_type)
     modeling = importlib.import_module(family.modeling_module)
-    originals = {name: getattr(modeling, name) for name, _ in _rope_functions(family)}
+    originals = {name: getattr(modeling, name) for name, _ in rope_functions(family)}
     rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
     gen = torch.Generator().manual_seed(5)
     position_ids = torch.arange(12)[None]

@@ -6,6 +6,7 @@ import torch
 import liger_gen
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.integrations import transformers as integration
+from liger_gen.integrations.transformers import layers
 
 from conftest import CPU_PATHS, rope_call
 
@@ -211,9 +212,9 @@ def test_layer_rewrite_edges(device):
 
     model = liger_gen.apply_to(_model("llama", device).train(), rope=False)
     integration.restore_layers()
-    assert callable(getattr(modeling_llama, integration._HELPER))
+    assert callable(getattr(modeling_llama, layers.HELPER))
     copy.deepcopy(model)
-    assert not integration._fused_norm_names(modeling_llama.LlamaDecoderLayer)
+    assert not layers.fused_norm_names(modeling_llama.LlamaDecoderLayer)
     assert liger_gen.apply_to(model, rope=False).liger_gen_report.fused_adds == 2  # apply_to rewrites again
 
     scripted = _model("llama", device).train()
@@ -221,7 +222,7 @@ def test_layer_rewrite_edges(device):
     assert liger_gen.apply_to(scripted, rope=False).liger_gen_report.fused_adds == 2
 
     olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
-    assert integration._fuse_layer_code(olmo2.Olmo2DecoderLayer) is None
+    assert layers.fuse_layer_code(olmo2.Olmo2DecoderLayer) is None
 
 
 def test_data_parallel_replicas_run_their_own_modules(device):
@@ -376,8 +377,8 @@ def test_a_patched_model_loaded_in_a_new_process_compiles_without_a_graph_break(
         "ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(3))\n"
         "got = torch.compile(m, backend='aot_eager', fullgraph=True)(input_ids=ids, labels=ids).loss\n"
         "expected = m(input_ids=ids, labels=ids).loss\n"
-        "from liger_gen.integrations.transformers import _count_fused_adds\n"
-        "print(_count_fused_adds(m))\n"  # the layers' rewritten code is made again when the model is loaded
+        "from liger_gen.integrations.transformers.patch import count_fused_adds\n"
+        "print(count_fused_adds(m))\n"  # the layers' rewritten code is made again when the model is loaded
         "print(abs(got.item() - expected.item()) / expected.item())\n")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt")], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
@@ -565,7 +566,7 @@ def test_layer_rewrite_reads_the_source_of_the_code_that_runs(tmp_path, monkeypa
     layer = toy.ToyDecoderLayer()
     x = torch.randn(3, 8)
     expected = layer(x).detach()
-    assert integration._fuse_layer_code(toy.ToyDecoderLayer) == ("post_attention_layernorm",)
+    assert layers.fuse_layer_code(toy.ToyDecoderLayer) == ("post_attention_layernorm",)
     assert torch.allclose(layer(x), expected, rtol=0, atol=1e-6)
     integration.restore_layers()
 
@@ -574,14 +575,14 @@ def test_layer_rewrite_reads_the_source_of_the_code_that_runs(tmp_path, monkeypa
                                             "hidden_states = self.mlp(hidden_states) * 2"))
     os.utime(edited, (0, 0))  # another mtime, as after an upgrade
     code = toy.ToyDecoderLayer.forward.__code__
-    assert integration._fuse_layer_code(toy.ToyDecoderLayer) is None
+    assert layers.fuse_layer_code(toy.ToyDecoderLayer) is None
     assert toy.ToyDecoderLayer.forward.__code__ is code
     assert torch.equal(layer(x).detach(), expected)  # not the edited body
     assert "has changed since" in integration.layer_code_refusal(toy.ToyDecoderLayer)
     edited.write_text(_LAYER_SOURCE)  # the file the class came from again: fused
     integration.restore_layers()
     assert integration.layer_code_refusal(toy.ToyDecoderLayer) is None
-    assert integration._fuse_layer_code(toy.ToyDecoderLayer) == ("post_attention_layernorm",)
+    assert layers.fuse_layer_code(toy.ToyDecoderLayer) == ("post_attention_layernorm",)
 
 
 def test_apply_to_reports_a_layer_whose_source_file_changed(device, monkeypatch):
@@ -613,3 +614,13 @@ def test_apply_to_reports_a_layer_whose_source_file_changed(device, monkeypatch)
     assert report.fused_adds == 0 and any("LlamaDecoderLayer ×2" in item and "has changed since" in item
                                           for item in report.left), report.summary()
     assert rel_l2(model(input_ids=ids, labels=ids).loss.detach(), expected) < REL_TOL[torch.float32]
+
+
+def test_a_layer_whose_source_cannot_be_read_is_reported():
+    """A decoder layer class whose forward has no source to read (an install of .pyc files only; here, code made
+    at run time) is left unfused, and says why, rather than silently."""
+    namespace = {}
+    exec(compile(_LAYER_SOURCE, "<no file>", "exec"), namespace)
+    cls = namespace["ToyDecoderLayer"]
+    assert layers.fuse_layer_code(cls) is None
+    assert "cannot be read" in integration.layer_code_refusal(cls)

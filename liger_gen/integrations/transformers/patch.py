@@ -1,0 +1,273 @@
+"""``apply_to``: the plan of what replaces what in one model, the changes, and the report of what was left
+and why; ``patched_ops``."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from liger_gen.integrations.transformers import layers, rope as routing
+from liger_gen.integrations.transformers.families import MODEL_FAMILIES, TESTED_TRANSFORMERS, family_of
+from liger_gen.integrations.transformers.loss import FusedLossForward
+from liger_gen.integrations.transformers.modules import (BatchedExpertsForward, ExpertsGate, FusedExpertsForward,
+                                                         experts_gate, install_forward, is_patched_experts,
+                                                         replace_mlp, replace_norm)
+from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
+
+logger = logging.getLogger("liger_gen")
+
+# ------------------------------------------------------------------------------------------------ apply_to
+
+
+@dataclass
+class PatchReport:
+    """What ``apply_to`` replaced in one model: counts per kind and the modules it left, with why."""
+
+    family: str
+    norms: int = 0
+    mlps: int = 0
+    experts: int = 0
+    fused_adds: int = 0
+    fused_layer_classes: list[str] | None = None
+    rope: bool = False
+    loss: bool = False
+    left: list[str] | None = None
+    note: str = ""
+
+    def __setstate__(self, state: dict) -> None:
+        # a model loaded in another process (torch.load) carries its modules but not the process-wide RoPE
+        # routing: the report says what holds here; ``apply_to`` on the loaded model routes RoPE again
+        self.__dict__.update(state)
+        # the rewritten layer code is process-wide and not part of the pickle: the loaded model's marked norms
+        # fuse again once their layer classes are rewritten here (the same rewrite apply_to makes)
+        for name in () if layers.restored() else state.get("fused_layer_classes") or ():
+            module_name, _, qualname = name.partition(":")
+            try:
+                cls = getattr(importlib.import_module(module_name), qualname, None)
+            except ImportError:
+                cls = None
+            if isinstance(cls, type):
+                layers.fuse_layer_code(cls)
+        family = MODEL_FAMILIES.get(self.family)
+        if self.rope and family is not None and not routing.rope_is_patched(family):
+            self.rope = False
+            self.note = "; ".join(filter(None, [self.note, "RoPE is not routed in this process: call "
+                                                "liger_gen.apply_to(model) on the loaded model"]))
+
+    def summary(self) -> str:
+        done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts"] if self.experts
+                                                                 else [])
+        done += [f"{self.fused_adds} residual adds fused into norms"] if self.fused_adds else []
+        done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
+        left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
+        return f"liger_gen.apply_to({self.family}): {', '.join(done)}{left}"
+
+
+def _group(left: list[tuple[str, str]]) -> list[str]:
+    """'<class> ×n (<why>)' lines from (class name, why) pairs, in first-seen order."""
+    counts: dict[tuple[str, str], int] = {}
+    for item in left:
+        counts[item] = counts.get(item, 0) + 1
+    return [f"{cls} ×{n} ({why})" for (cls, why), n in counts.items()]
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    """ValueError when ``model``'s parameters are already DTensors (FSDP2's ``fully_shard`` or tensor parallelism
+    ran first), or DeepSpeed ZeRO-3 already hooked its modules (``deepspeed.initialize`` ran first): the
+    replacement modules would hold sharded weights the kernels cannot take."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch without DTensor
+        DTensor = ()
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"liger_gen.apply_to: the model is already sharded (parameter {name!r} is a DTensor); "
+                             f"call liger_gen.apply_to(model) before fully_shard / parallelize_module, then shard "
+                             f"the patched model")
+    if hasattr(model, "ds_id"):  # deepspeed.initialize registered its ZeRO-3 hooks on the modules
+        raise ValueError("liger_gen.apply_to: DeepSpeed ZeRO-3 already manages this model (deepspeed.initialize "
+                         "registered its hooks on its modules; replacement modules would have none and see "
+                         "empty weights); call liger_gen.apply_to(model) before deepspeed.initialize (with "
+                         "transformers' Trainer: before the Trainer is built).")
+
+
+def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+             fused_linear_cross_entropy: bool = True, fused_add_rms_norm: bool = True,
+             strict: bool = False) -> nn.Module:
+    """Replace the supported parts of a transformers model in place and return the model.
+
+    Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
+    mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text, gemma, gemma2,
+    gemma3_text, phi3, phimoe, granite, granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2,
+    exaone4, falcon_h1, seed_oss); the module docstring says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before
+    still updates them) and the devices are unchanged; meta-device and half-precision models are patched alike.
+    Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as
+    ``model.liger_gen_report`` (a ``PatchReport``). Calling it again on a patched model changes nothing already
+    replaced (the log line says so).
+
+    Args:
+        model: a transformers model of a supported family (a ``*ForCausalLM`` or its base ``*Model``).
+        rms_norm: swap the norm modules (RMSNorm, or LayerNorm for the families that use it).
+        swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` and route MoE experts' gates.
+        rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
+        fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
+        fused_add_rms_norm: in decoder layers whose forward adds the attention output to the residual stream and
+            then applies an RMSNorm (``h = residual + h; residual = h; h = self.norm(h)``), do the add inside
+            the norm's kernel (``liger_gen.functional.fused_add_rms_norm``: one pass, same values). Needs
+            ``rms_norm``; layers of other layouts (post-norm, parallel blocks, LayerNorm) are left as they are.
+        strict: raise instead of leaving a module of a requested kind unpatched; the model is then unchanged.
+
+    Raises:
+        ValueError: the model's ``config.model_type`` is not a supported family; with ``strict``, a requested
+            replacement could not be made (the message lists the modules and why).
+        RuntimeError: the family's modeling module lacks a function or class the table names (a transformers
+            release whose modeling code changed); the message names it and the releases tested.
+
+    Distributed training: call it before sharding (``fully_shard``, tensor parallelism) or wrapping (DDP); the
+    replaced modules are then sharded like any other. A model whose parameters are already DTensors raises
+    ValueError saying so.
+    """
+    family = family_of(model)
+    _check_not_sharded(model)
+    try:
+        modeling = importlib.import_module(family.modeling_module)
+    except ImportError as e:
+        raise RuntimeError(f"liger_gen.apply_to: {family.modeling_module} cannot be imported ({e}); transformers "
+                           f"releases tested: {', '.join(TESTED_TRANSFORMERS)}") from e
+    report = PatchReport(family.model_type, note=family.note)
+    already = isinstance(getattr(model, "liger_gen_report", None), PatchReport)
+    # first the plan (what replaces what, what stays and why), then, unless strict refuses it, the changes:
+    # a refused call leaves the model and the process as they were
+    left: list[tuple[str, str]] = []
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    gates: list[tuple[nn.Module, ExpertsGate | BatchedExpertsForward | FusedExpertsForward]] = []
+    norm_swaps = 0
+    swapped_norms: set[int] = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            cls = type(child).__name__
+            if rms_norm and family.norm is not None and cls in family.norm_class_names \
+                    and not isinstance(child, (RMSNorm, LayerNorm)):
+                new = replace_norm(child, family.norm)
+                if new is None:
+                    left.append((cls, "weight is not one vector"))
+                else:
+                    swaps.append((parent, name, new))
+                    norm_swaps += 1
+                    swapped_norms.add(id(child))
+            elif type(child).__module__ != modeling.__name__:
+                continue
+            elif rms_norm and cls.endswith("NormGated"):
+                left.append((cls, "a gated norm (no liger-gen op)"))
+            elif swiglu and cls.endswith("Experts"):
+                if is_patched_experts(child):
+                    continue
+                gate, why = experts_gate(child, family) if isinstance(getattr(child, "gate_up_proj", None), nn.Parameter) \
+                    else (None, "experts: not a packed gate/up layout")
+                if gate is None:
+                    left.append((cls, why))
+                else:
+                    gates.append((child, gate))
+            elif swiglu and cls.endswith("MLP") and "down_proj" in dict(child.named_children()):
+                new, why = replace_mlp(child)
+                if new is None:
+                    left.append((cls, why))
+                else:
+                    swaps.append((parent, name, new))
+            elif swiglu and cls.endswith("MLP") and not any(n.endswith("experts") or n == "router"
+                                                             for n in dict(child.named_children())):
+                left.append((cls, "MLP layout not recognised"))  # e.g. per-expert w1/w2/w3 of older releases
+    if rms_norm and family.norm is not None and not norm_swaps and not any(
+            type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm))
+            for m in model.modules()):
+        # the table names classes this release does not have: say so rather than patch half a model
+        left.append(("/".join(family.norm_class_names), "no such module in the model (transformers releases "
+                     f"tested: {', '.join(TESTED_TRANSFORMERS)})"))
+    if rope and not routing.rope_functions(family):
+        left.append(("apply_rotary_pos_emb", family.note or "another RoPE layout"))
+    if fused_add_rms_norm and rms_norm and family.norm != "layer":
+        refused = {cls: layers.layer_code_refusal(cls) for cls in {type(m) for m in model.modules()}
+                   if cls.__module__ == modeling.__name__ and cls.__name__.endswith("DecoderLayer")}
+        left += [(type(m).__name__, refused[type(m)]) for m in model.modules() if refused.get(type(m))]
+    if strict and left:
+        raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
+                         f"{'; '.join(_group(left))}; nothing was changed")
+    fused_layers = [(m, names) for m in model.modules() if fused_add_rms_norm and rms_norm
+                    for names in [layers.fusable_norms(m, modeling, family.norm, swapped_norms)] if names]
+    for parent, name, new in swaps:
+        setattr(parent, name, new)
+    for module, gate in gates:
+        if isinstance(gate, (BatchedExpertsForward, FusedExpertsForward)):
+            install_forward(module, gate)
+        else:
+            module._apply_gate = gate
+    for layer, names in fused_layers:
+        for name in names:
+            getattr(layer, name).fuse_residual = True
+    if rope and routing.rope_functions(family):
+        routing.patch_rope(model, modeling, family)
+    if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
+        install_forward(model, FusedLossForward(model, family))  # a base *Model has no LM head: nothing to fuse
+    # the report counts what the model holds now, so a second call reports the same model
+    report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
+    report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
+    report.experts = sum(is_patched_experts(m) for m in model.modules())
+    report.fused_adds = count_fused_adds(model)
+    report.fused_layer_classes = sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in model.modules()
+                                         if layers.fused_norm_names(type(m))})
+    report.rope = routing.rope_is_patched(family)
+    report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
+    report.left = _group(left)
+    model.liger_gen_report = report
+    logger.info(report.summary() + ("; it was already patched" if already else ""))
+    return model
+
+
+def count_fused_adds(model: nn.Module) -> int:
+    """Marked norms of decoder layers whose forward is rewritten in this process: the adds that run fused."""
+    return sum(bool(getattr(getattr(layer, name, None), "fuse_residual", False))
+               for layer in model.modules() for name in layers.fused_norm_names(type(layer)))
+
+
+def _glu_op(activation: str) -> str:
+    """The op (table name) of a gated activation: swiglu for SiLU, geglu for either GELU, clamped_swiglu."""
+    return {"silu": "swiglu", "clamped_swiglu": "clamped_swiglu"}.get(activation, "geglu")
+
+
+def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
+    """The liger-gen ops a model patched by ``apply_to`` runs in training, in ``liger_gen.ops.all_specs`` order:
+    ``rms_norm`` / ``layer_norm`` for its norm modules, ``fused_add_rms_norm`` where decoder layers fuse their
+    residual add into the norm, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
+    gated MLPs and experts' gates, ``moe_permute`` where the experts run ``liger_gen.functional.moe_experts``,
+    ``rope`` when the family's rotary function is routed to liger-gen in this process, and
+    ``fused_linear_cross_entropy`` when its loss is fused. ``[]`` for a model ``apply_to`` has not patched.
+    ``rope``: whether to count RoPE as routed (None: whether this process routes the family's now)."""
+    from liger_gen.ops import all_specs
+
+    report = getattr(model, "liger_gen_report", None)
+    if not isinstance(report, PatchReport):
+        return []
+    ops = set()
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            ops.add("rms_norm")
+        elif isinstance(m, LayerNorm):
+            ops.add("layer_norm")
+        elif isinstance(m, GLUMLP):
+            ops.add(_glu_op(m.activation))
+        for hook in (m.__dict__.get("_apply_gate"), m.__dict__.get("forward")):
+            if isinstance(hook, (ExpertsGate, BatchedExpertsForward, FusedExpertsForward)):
+                ops.add(_glu_op(hook.activation))
+            if isinstance(hook, FusedExpertsForward):
+                ops.add("moe_permute")
+    if count_fused_adds(model):
+        ops.add("fused_add_rms_norm")
+    family = MODEL_FAMILIES.get(report.family)
+    if rope if rope is not None else (family is not None and routing.rope_is_patched(family)):
+        ops.add("rope")
+    if report.loss:
+        ops.add("fused_linear_cross_entropy")
+    return [spec.name for spec in all_specs() if spec.name in ops]
