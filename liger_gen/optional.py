@@ -45,3 +45,20 @@ def missing_extra_message(exc: BaseException) -> str | None:
     if isinstance(exc, ModuleNotFoundError) and name and name.split(".")[0] in EXTRAS:
         return f"{name.split('.')[0]} is not installed; install it with: {install_hint(name)}"
     return None
+
+
+def installed_version(dist: str, module: str | None = None) -> str | None:
+    """The installed version of the distribution ``dist`` (its metadata), or, where it has none and ``module`` is
+    given, that module's ``__version__`` ("unknown" without one); None when neither is there."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        pass
+    if module:
+        try:
+            return getattr(importlib.import_module(module), "__version__", "unknown")
+        except Exception:  # noqa: BLE001 - a module that fails to import has no version to report
+            return None
+    return None

@@ -510,8 +510,9 @@ def test_a_host_on_other_software_cannot_join(monkeypatch):
     storage = optuna.storages.InMemoryStorage()
     first = dataclasses.replace(job(storage=storage), run_id="r", shared=True)
     join_run(first, storage)
-    real = fleet._version
-    monkeypatch.setattr(fleet, "_version", lambda dist: "0.0.0" if dist == "triton" else real(dist))
+    real = fleet.installed_version
+    monkeypatch.setattr(fleet, "installed_version", lambda dist, module=None: "0.0.0" if dist == "triton"
+                        else real(dist, module))
     with pytest.raises(SharedRunError, match=r"software: the run has .*'triton': '0\.0\.0'"):
         join_run(dataclasses.replace(job(storage=storage), run_id="r", shared=True, write_tables=False), storage)
 

@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from liger_gen.bench.ops import CASES, Case, Inputs, bench_model, get_case
+from liger_gen.optional import installed_version
 
 PROVIDERS = ("liger-gen", "liger-gen-heuristic", "torch-eager", "torch-compile", "liger-kernel", "cut-cross-entropy")
 SCHEMA_VERSION = 1
@@ -508,21 +509,6 @@ def _time_reps(fn: Callable[[], Any], device: torch.device, reps: int) -> list[f
 # ------------------------------------------------------------------------------------------------ metadata
 
 
-def _version(dist: str, module: str | None = None) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        pass
-    if module:
-        try:
-            return getattr(__import__(module), "__version__", "unknown")
-        except Exception:  # noqa: BLE001
-            return None
-    return None
-
-
 def git_state() -> dict:
     """Commit of the liger-gen checkout (``$LIGER_GEN_COMMIT`` overrides it; best effort, None without git)."""
     env = os.environ.get("LIGER_GEN_COMMIT")
@@ -551,10 +537,11 @@ def run_metadata(device: torch.device, command: str | None) -> dict:
     else:
         meta["gpu"] = "cpu"
     meta["versions"] = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton", "triton"),
-        "transformers": _version("transformers"), "liger-kernel": _version("liger-kernel", "liger_kernel"),
-        "cut-cross-entropy": _version("cut-cross-entropy", "cut_cross_entropy"),
-        "liger-gen": _version("liger-gen", "liger_gen"),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": installed_version("triton", "triton"),
+        "transformers": installed_version("transformers"),
+        "liger-kernel": installed_version("liger-kernel", "liger_kernel"),
+        "cut-cross-entropy": installed_version("cut-cross-entropy", "cut_cross_entropy"),
+        "liger-gen": installed_version("liger-gen", "liger_gen"),
     }
     meta["python"] = sys.version.split()[0]
     meta["git"] = git_state()

@@ -124,6 +124,7 @@ import torch
 from liger_gen.bench.profile import CLASS_LABELS, KERNEL_CLASSES, device_events, summarize_profile
 from liger_gen.files import ResultsNotWritten, write_atomic, write_results
 from liger_gen.models import ARCHITECTURES, Architecture
+from liger_gen.optional import installed_version
 from liger_gen.training import (DEFAULT_TEXT, DTYPES, apply_liger_kernel, build_model, byte_tokens, compare_losses,
                                 loss_rel_tolerance, make_batches, make_optimizer, sync, train_step)
 
@@ -174,15 +175,6 @@ def config_summary(config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 # Providers
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _dist_version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def provider_unavailable(provider: str, device: torch.device) -> str | None:
@@ -595,9 +587,9 @@ def run_metadata(device: torch.device, command: str | None) -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": _dist_version("triton"),
-        "transformers": _dist_version("transformers"),
-        "liger_kernel": _dist_version("liger-kernel") or _dist_version("liger_kernel"),
+        "triton": installed_version("triton"),
+        "transformers": installed_version("transformers"),
+        "liger_kernel": installed_version("liger-kernel") or installed_version("liger_kernel"),
         "liger_gen": __version__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }

@@ -65,6 +65,7 @@ except ImportError:  # a training-only install: ``liger-gen tune`` says what to 
 
 from liger_gen.codegen.spaces import dtype_from_name
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.optional import installed_version
 from liger_gen.tuning.claims import (CLAIM_PREFIX, Heartbeat, TakenOver, attempt_name, attempts, base_name, claim,
                                      claim_problem, owner_text, pid_alive, problem_claim, retry_index, same_host,
                                      study_attrs, this_process)
@@ -355,22 +356,14 @@ def _software(ops: Sequence[str], specs: Mapping[str, Any]) -> dict[str, Any]:
 
     from liger_gen.codegen.render import template_hash
 
-    out: dict[str, Any] = {"triton": _version("triton"), "torch": torch.__version__, "liger-gen": _version("liger-gen")}
+    out: dict[str, Any] = {"triton": installed_version("triton"), "torch": torch.__version__,
+                           "liger-gen": installed_version("liger-gen")}
     for op in ops:
         space = getattr(specs.get(op), "space", None)
         for template in (getattr(space, "template", None), *getattr(space, "also_renders", ())):
             if template is not None:
                 out[f"template {template}"] = template_hash(template)
     return out
-
-
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _tuplify(value: Any) -> Any:
