@@ -422,7 +422,8 @@ def show(gpu, show_trials, ops) -> None:
 @click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
               help="Comma-separated ops the model runs. Default: for a config.json of a supported family, the ops "
                    "apply_to runs for it (its norm, RoPE, gated MLP or experts, fused linear cross-entropy); "
-                   "otherwise rms_norm,rope,swiglu,fused_linear_cross_entropy (a Llama-like model).")
+                   "otherwise rms_norm,fused_add_rms_norm,rope,swiglu,fused_linear_cross_entropy (a Llama-like "
+                   "model).")
 @click.option("--allow-heuristic", is_flag=True,
               help="Exit 0 even when some shapes would run the analytic heuristic (no tuned entry).")
 @click.option("--require-compiled", is_flag=True,
@@ -705,9 +706,10 @@ def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, de
     if not names or not provider_names:
         raise click.BadParameter("name at least one loss and one provider", param_hint="--losses / --providers")
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("no CUDA GPU is visible; `liger-gen bench-losses --device cpu --hidden 64 --vocab "
-                                   "512 --batch 2 --seq 32 --providers torch-eager,liger-gen` is a functional run "
-                                   "on the CPU")
+        raise click.ClickException("no CUDA GPU is visible; `TRITON_INTERPRET=1 liger-gen bench-losses --device cpu "
+                                   "--hidden 64 --vocab 320 --batch 2 --seq 16 --iters 2` is a functional run on "
+                                   "the CPU (the kernels in Triton's interpreter; without TRITON_INTERPRET=1 the "
+                                   "CPU runs the plain-PyTorch path)")
     folder = out_dir or _writable_out(Path("."))
     try:
         result = run_losses(names, provider_names, hidden, vocab, batch, seq, iters, warmup, device,

@@ -48,6 +48,52 @@ def seeded(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
+
+def lm_head_tol(dtype: torch.dtype) -> float:
+    """Relative tolerance of a chunked LM-head op's outputs against float64: 16-bit logits are rounded to x's
+    dtype (as transformers' lm_head output), which moves each token's value by about u·|logit|."""
+    return {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+
+
+
+def assert_compiles_like_eager(f, x: torch.Tensor) -> None:
+    """``f(x)`` (a scalar) under ``torch.compile(backend="aot_eager", fullgraph=True)`` and eagerly, each on its
+    own leaf copy of ``x``: the same value and the same gradient. Resets dynamo afterwards."""
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(x1)
+    got.backward()
+    ref = f(x2)
+    ref.backward()
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch._dynamo.reset()
+
+
+
+#: Structural variants of the row-norm template as RMSNorm and the fused residual add + RMSNorm use it (dW
+#: strategy, backward prefetch, rows per program): the tuner's gate must pass each one.
+RMS_NORM_BRANCHES = [
+    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 1, "BLOCK_M_BWD": 1},
+    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 4, "BLOCK_M_BWD": 2, "BWD_PREFETCH": 1},
+    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 1, "BWD_PREFETCH": 1, "BLOCK_M_FWD": 4, "BLOCK_M_BWD": 2},
+    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 2, "BLOCK_M_BWD": 4, "num_warps_bwd": 2},
+]
+
+
+def assert_norm_heuristic_valid(space_cls, dtype: torch.dtype, max_n: int) -> None:
+    """A row norm's heuristic at every width 1..299 and 2^k − 1, 2^k, 2^k + 1 from 512 up to ``max_n``, under the
+    default, the interpreter's and a 99 KiB-shared-memory device: valid, with one tile covering the row."""
+    from liger_gen.codegen.spaces import DeviceLimits
+
+    widths = list(range(1, 300)) + [2**k + d for k in range(9, max_n.bit_length()) for d in (-1, 0, 1)
+                                    if 2**k + d <= max_n]
+    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=101376)):
+        for n in widths:
+            space = space_cls(n, dtype, limits)
+            config = space.heuristic()
+            assert config.BLOCK_N >= n and not space.violations(config)
+
+
 @pytest.fixture
 def device():
     """The device kernel tests run on: CUDA when present, else the CPU through the interpreter."""

@@ -1,7 +1,6 @@
 """Clamped SwiGLU (gpt-oss's expert activation): kernels (Triton interpreter on the CPU) against float64 and
 transformers' expression, the interleaved layout, bad input, torch.compile and the custom ops."""
 
-import zlib
 
 import pytest
 import torch
@@ -11,13 +10,9 @@ from liger_gen.ops.glu.clamped_swiglu import (GPT_OSS_ALPHA, GPT_OSS_LIMIT, Clam
                                               clamped_swiglu, clamped_swiglu_float64, clamped_swiglu_gate_up,
                                               clamped_swiglu_torch)
 
-from conftest import CPU_PATHS
+from conftest import CPU_PATHS, assert_compiles_like_eager, seeded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _gen(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _gate_up(shape, dtype, gen, limit=GPT_OSS_LIMIT):
@@ -45,7 +40,7 @@ def test_gate_up_matches_float64(shape, dtype, interpret, monkeypatch):
     """The interleaved op: y and the interleaved gradient against float64 autograd of the formula, with values
     beyond and exactly at both clamps (their gradients follow torch.clamp: zero outside, passed at the bound)."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("gate-up", shape, dtype, interpret)
+    gen = seeded("gate-up", shape, dtype, interpret)
     alpha = 1.3 + torch.rand((), generator=gen).item()
     limit = (5.5, 6.25, 7.0)[int(torch.randint(0, 3, (), generator=gen))]
     gate_up = _gate_up(shape, dtype, gen, limit).requires_grad_()
@@ -69,7 +64,7 @@ def test_separate_gate_and_up_and_strided_views(dtype, interpret, monkeypatch):
     """clamped_swiglu on separate tensors, on the interleaved views of one projection (read in place), and on
     views of different column strides (copied), all equal to the interleaved op and to float64."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("separate", dtype, interpret)
+    gen = seeded("separate", dtype, interpret)
     gate_up = _gate_up((3, 5, 2 * 48), dtype, gen).requires_grad_()
     dy = torch.randn(3, 5, 48, generator=gen).to(dtype)
     ref, ref_d = _float64(gate_up, dy, GPT_OSS_ALPHA, GPT_OSS_LIMIT)
@@ -94,7 +89,7 @@ def test_equals_transformers_gpt_oss_gate():
                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=16, vocab_size=64)
     experts = modeling.GptOssExperts(config)
-    gen = _gen("transformers")
+    gen = seeded("transformers")
     for dtype in (torch.float32, torch.bfloat16):
         gate_up = _gate_up((9, 96), dtype, gen)
         with pytest.MonkeyPatch.context() as mp:
@@ -146,20 +141,13 @@ def test_bad_input_names_argument():
 @pytest.mark.parametrize("interpret", CPU_PATHS)
 def test_torch_compile_and_empty_input(interpret, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("compile", interpret)
+    gen = seeded("compile", interpret)
     gate_up = _gate_up((6, 40), torch.float32, gen)
 
     def f(gu):
         return clamped_swiglu_gate_up(gu, 1.5, 6.0).square().sum() + clamped_swiglu(gu[:, :20], gu[:, 20:]).sum()
 
-    a, b = gate_up.clone().requires_grad_(), gate_up.clone().requires_grad_()
-    got = torch.compile(f, backend="aot_eager", fullgraph=True)(a)
-    got.backward()
-    ref = f(b)
-    ref.backward()
-    torch.testing.assert_close(got, ref)
-    torch.testing.assert_close(a.grad, b.grad)
-    torch._dynamo.reset()
+    assert_compiles_like_eager(f, gate_up)
     empty = torch.zeros(0, 8, requires_grad=True)
     y = clamped_swiglu_gate_up(empty)
     y.sum().backward()
@@ -167,7 +155,7 @@ def test_torch_compile_and_empty_input(interpret, monkeypatch):
 
 
 def test_opcheck_custom_ops(device):
-    gen = _gen("opcheck")
+    gen = seeded("opcheck")
     gate_up = _gate_up((5, 24), torch.float32, gen).to(device)
     gate, up = gate_up[:, ::2], gate_up[:, 1::2]
     dy = torch.randn(5, 12, generator=gen).to(device)
@@ -181,7 +169,7 @@ def test_opcheck_custom_ops(device):
 
 def test_reference_is_the_formula():
     """The references against the formula written out: (u + 1)·g·σ(αg) with the two clamps."""
-    gen = _gen("formula")
+    gen = seeded("formula")
     gate, up = 5 * torch.randn(50, generator=gen, dtype=torch.float64), 5 * torch.randn(50, generator=gen,
                                                                                         dtype=torch.float64)
     g, u = torch.minimum(gate, torch.tensor(7.0, dtype=torch.float64)), up.clamp(-7.0, 7.0)

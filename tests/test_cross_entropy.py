@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zlib
 
 import pytest
 import torch
@@ -15,19 +14,16 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, rel_l2
 from liger_gen.codegen.spaces import DeviceLimits
-from liger_gen.ops.lm_head.cross_entropy import (CrossEntropyConfig, CrossEntropyProblem, CrossEntropySpace,
-                                                 cross_entropy, cross_entropy_float64, cross_entropy_loss_and_grad,
-                                                 cross_entropy_mean_scale, cross_entropy_reduce, cross_entropy_torch)
+from liger_gen.ops.lm_head.cross_entropy import (CrossEntropyProblem, cross_entropy, cross_entropy_float64,
+                                                 cross_entropy_torch)
+from liger_gen.ops.lm_head.cross_entropy_rows import (cross_entropy_loss_and_grad, cross_entropy_mean_scale,
+                                                      cross_entropy_reduce)
+from liger_gen.ops.lm_head.cross_entropy_space import CrossEntropyConfig, CrossEntropySpace
 
-from conftest import CPU_PATHS
+from conftest import CPU_PATHS, assert_compiles_like_eager, seeded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def _gen(*key):
-    """A generator seeded from the test's parameters (stable across runs, different between cases)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _case(rows, vocab, dtype, device, gen, *, ignore=(), scale=3.0):
@@ -45,7 +41,7 @@ def _case(rows, vocab, dtype, device, gen, *, ignore=(), scale=3.0):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_loss_and_grad_chunked_mean_matches_float64(dtype, in_place, device):
     """Two chunks with a shared mean scale, gradient written in place or into a separate fp32 buffer."""
-    gen = _gen("api", dtype, in_place)
+    gen = seeded("api", dtype, in_place)
     v = 77
     x, t = _case(13, v, dtype, device, gen, ignore=(1, 6))
     w = (0.5 + torch.rand(v, generator=gen)).to(device)
@@ -82,7 +78,7 @@ def test_custom_ops_on_the_plain_cpu_path_match_float64(dtype, reduction, monkey
     """cross_entropy_fwd/bwd called as ops (as a compiled graph calls them) on CPU tensors without the interpreter,
     every option on: loss, z-loss, lse, q = 1 − p_y and the gradient against float64 autograd."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    gen = _gen("plain-ops", dtype, reduction)
+    gen = seeded("plain-ops", dtype, reduction)
     v = 37
     x, t = _case(11, v, dtype, "cpu", gen, ignore=(2, 7))
     w = 0.5 + torch.rand(v, generator=gen)
@@ -106,7 +102,7 @@ def test_custom_ops_on_the_plain_cpu_path_match_float64(dtype, reduction, monkey
 
 def test_loss_and_grad_rows_and_grad_output(device):
     """Unscaled per-row values; the gradient of Σ g_i·(s_ce·ce_i + s_z·zl_i) with a (rows,) grad_output."""
-    gen = _gen("api-rows")
+    gen = seeded("api-rows")
     x, t = _case(8, 40, torch.float32, device, gen, ignore=(3,))
     g = torch.randn(8, generator=gen).to(device)
     s = torch.tensor([0.25, 0.5], device=device)
@@ -160,7 +156,7 @@ def _assert_matches_float64(x, t, upstream=None, loss_tol=FP32_OUT_TOL, **opts):
     assert loss.dtype == torch.float32 and z.dtype == torch.float32
     assert not z.requires_grad
     if upstream is None:  # seeded; a mean's factor kept in [0.5, 2] (tiny factors only test fp16's subnormals)
-        gen = _gen("upstream", tuple(x.shape), x.dtype)
+        gen = seeded("upstream", tuple(x.shape), x.dtype)
         upstream = (torch.randn(loss.shape, generator=gen) if loss.dim() else 0.5 + 1.5 * torch.rand((), generator=gen))
     g = upstream.to(x.device, torch.float32)
     loss.backward(g)
@@ -180,7 +176,7 @@ def test_fp16_never_stores_the_gradient_for_a_unit_upstream(device):
     assert CrossEntropySpace(32000, torch.float16).heuristic().GRAD_IN_FWD == 0
     space = CrossEntropySpace(32000, torch.float16)
     assert any("float16" in p for p in space.violations(dataclasses.replace(space.heuristic(), GRAD_IN_FWD=1)))
-    gen = _gen("fp16-scale")
+    gen = seeded("fp16-scale")
     x, t = _case(16, 3000, torch.float16, device, gen)
     x = x.requires_grad_()
     (cross_entropy(x, t) * 65536.0).backward()
@@ -195,7 +191,7 @@ def test_fp16_never_stores_the_gradient_for_a_unit_upstream(device):
 
 
 def test_regression_1_none_reduction_upstream_gradient_equals_pytorch(strategy, device):
-    gen = _gen("reg1")
+    gen = seeded("reg1")
     x, t = _case(8, 15, torch.float32, device, gen)
     t[2] = t[5] = -100
     g = torch.randn(8, generator=gen).to(device)
@@ -212,7 +208,7 @@ def test_regression_1_none_reduction_upstream_gradient_equals_pytorch(strategy, 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_regression_2_every_target_ignored(reduction, label_smoothing, weighted, strategy, device):
-    gen = _gen("reg2")
+    gen = seeded("reg2")
     x, _ = _case(4, 7, torch.float32, device, gen)
     t = torch.full((4,), -100, device=device)
     w = (0.5 + torch.rand(7, generator=gen)).to(device) if weighted else None
@@ -225,7 +221,7 @@ def test_regression_2_every_target_ignored(reduction, label_smoothing, weighted,
 
 
 def test_regression_3_confident_bf16_row_keeps_its_tiny_true_class_gradient(strategy, device):
-    gen = _gen("reg3")
+    gen = seeded("reg3")
     v = 32000
     x = 3.0 * torch.randn(4, v, generator=gen)
     t = torch.randint(0, v, (4,), generator=gen)
@@ -250,7 +246,7 @@ def test_streamed_gradient_kernel_keeps_confident_rows_to_fp32_accuracy(block_v,
     1 − p_y apart from the target in its second pass (the target's tile read first) and rewrites the target
     column last: confident rows keep their tiny loss and target gradient to fp32 relative accuracy wherever the
     target sits and whatever the logits' shift, also when the gradient overwrites the logits."""
-    gen = _gen("confident-streamed", block_v, in_place, tuple(opts))
+    gen = seeded("confident-streamed", block_v, in_place, tuple(opts))
     rows, v = 8, 9000
     x = torch.randn(rows, v, generator=gen, dtype=torch.float64)
     t = torch.tensor([0, 255, 256, v - 1, 600, -100, 8192, 8191])
@@ -289,7 +285,7 @@ def test_streamed_gradient_kernel_keeps_confident_rows_to_fp32_accuracy(block_v,
 def test_a_row_whose_first_tiles_are_all_minus_inf_is_finite(want_grad, device):
     """The running max starts at −inf: a row whose first vocab tiles hold only −inf (masked-out vocabulary)
     must not fold exp(−inf − (−inf)) = NaN into its sum, with or without the gradient."""
-    gen = _gen("minus-inf-tiles", want_grad)
+    gen = seeded("minus-inf-tiles", want_grad)
     rows, v = 5, 1100
     x = torch.randn(rows, v, generator=gen)
     x[0, :600] = float("-inf")
@@ -312,7 +308,7 @@ def test_a_row_whose_first_tiles_are_all_minus_inf_is_finite(want_grad, device):
 
 def test_regression_5_bf16_vocab_256000_loss(device):
     """16M elements; about 1 s in the interpreter on this machine."""
-    gen = _gen("reg5")
+    gen = seeded("reg5")
     x, t = _case(64, 256000, torch.bfloat16, device, gen, ignore=(7,), scale=2.0)
     loss = cross_entropy(x, t)
     ref, _ = cross_entropy_float64(x, t)
@@ -327,7 +323,7 @@ def test_regression_5_bf16_vocab_256000_loss(device):
     lambda b: b.view(3, 2, 15, 90)[:, :, 1:, 3:], # 4-D that no 2-D view covers (reshaped to rows)
 ], ids=["transposed", "col-slice", "row-step", "3d-shifted", "4d"])
 def test_regression_7_non_contiguous_logits(make_view, strategy, device):
-    gen = _gen("reg7")
+    gen = seeded("reg7")
     base = (2.0 * torch.randn(90, 90, generator=gen)).to(device)
     x = make_view(base)
     assert not x.is_contiguous()
@@ -377,7 +373,7 @@ def _options(opts, vocab, device, gen, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_option_matches_float64(opts, dtype, strategy, device):
     _skip_duplicate(dtype, strategy)
-    gen = _gen("opts", opts, dtype)
+    gen = seeded("opts", opts, dtype)
     x, t = _case(11, 133, dtype, device, gen, ignore=(0, 4))  # 133: no tile divides it
     t[7] = 3
     t[t == -100] = opts.get("ignore_index", -100)
@@ -388,7 +384,7 @@ def test_every_option_matches_float64(opts, dtype, strategy, device):
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_float64_reference_equals_torch(opts):
     """The float64 reference is torch.nn.functional.cross_entropy for every option they share."""
-    gen = _gen("ref", opts)
+    gen = seeded("ref", opts)
     x, t = _case(10, 29, torch.float64, "cpu", gen, ignore=(2, 3))
     t[5] = 3
     t[t == -100] = opts.get("ignore_index", -100)
@@ -400,7 +396,7 @@ def test_float64_reference_equals_torch(opts):
 
 def test_z_loss_and_softcap_reference_formulas():
     """z-loss = λ·lse² per non-ignored row (mean: over their count, also with weights); softcap = s·tanh(x/s) first."""
-    gen = _gen("zl")
+    gen = seeded("zl")
     x, t = _case(6, 11, torch.float64, "cpu", gen, ignore=(1,))
     w = 0.5 + torch.rand(11, generator=gen, dtype=torch.float64)
     lse = torch.logsumexp(x, -1)
@@ -417,7 +413,7 @@ def test_z_loss_and_softcap_reference_formulas():
 def test_shapes_and_dtypes(shape, dtype, strategy, device):
     """One row, one class, 1-D and 3-D logits, and a vocab streamed in tiles with a partial last tile."""
     _skip_duplicate(dtype, strategy)
-    gen = _gen("shapes", shape, dtype)
+    gen = seeded("shapes", shape, dtype)
     x = (2.0 * torch.randn(shape, generator=gen)).to(device, dtype)
     t = torch.randint(0, shape[-1], shape[:-1], generator=gen).to(device)
     for reduction in ("mean", "none"):
@@ -425,7 +421,7 @@ def test_shapes_and_dtypes(shape, dtype, strategy, device):
 
 
 def test_int32_targets_and_weight_dtypes(device):
-    gen = _gen("int32")
+    gen = seeded("int32")
     x, t = _case(9, 64, torch.bfloat16, device, gen, ignore=(4,))
     w32 = (0.5 + torch.rand(64, generator=gen)).to(device)
     for w in (w32, w32.bfloat16()):  # torch requires weight in logits' dtype; any float dtype is read as fp32
@@ -438,7 +434,7 @@ def test_int32_targets_and_weight_dtypes(device):
 @pytest.mark.parametrize("scale", [1.0, 0.25, 0.0])
 def test_upstream_gradient_scaling_of_reduced_loss(scale, strategy, device):
     """A mean loss multiplied before backward (gradient accumulation): the stored gradient is rescaled."""
-    gen = _gen("scale", scale)
+    gen = seeded("scale", scale)
     x, t = _case(6, 300, torch.float32, device, gen, ignore=(2,))
     _assert_matches_float64(x, t, upstream=torch.tensor(scale, device=device), lse_square_scale=1e-3)
 
@@ -449,7 +445,7 @@ def test_out_of_range_target_raises_on_both_cpu_paths(monkeypatch):
     ValueError naming the value, on the plain path torch's own error. (CUDA: a device-side assertion, tested in a
     subprocess by ``test_out_of_range_target_is_a_device_side_assertion_on_gpu``.) The row-level kernel API,
     which FLCE calls after checking once, leaves such a row NaN."""
-    gen = _gen("oob")
+    gen = seeded("oob")
     x, t = _case(5, 20, torch.float32, "cpu", gen)
     for bad in (20, -1):
         t2 = t.clone()
@@ -532,7 +528,7 @@ def test_target_check_is_captured_by_a_cuda_graph():
 def test_cpu_path_is_torch(monkeypatch):
     """Without the interpreter, CPU tensors run plain PyTorch: float32 is bit-identical to F.cross_entropy."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    gen = _gen("cpu")
+    gen = seeded("cpu")
     x, t = _case(12, 40, torch.float32, "cpu", gen, ignore=(3,))
     w = 0.5 + torch.rand(40, generator=gen)
     for red in REDUCTIONS:
@@ -561,7 +557,7 @@ def test_empty_inputs_match_pytorch(shape, reduction, device):
 
 
 def test_no_grad_and_inference_mode(device):
-    gen = _gen("nograd")
+    gen = seeded("nograd")
     x, t = _case(4, 30, torch.float32, device, gen)
     x = x.requires_grad_()
     with torch.no_grad():
@@ -609,7 +605,7 @@ def test_z_loss_is_returned_but_not_differentiable(device):
 
 
 def test_torch_compile_has_no_graph_break(device):
-    gen = _gen("compile")
+    gen = seeded("compile")
     x, t = _case(8, 70, torch.float32, device, gen, ignore=(1,))
     w = (0.5 + torch.rand(70, generator=gen)).to(device)
 
@@ -840,7 +836,7 @@ def test_kernels_compile_for_sm90():
         from triton.compiler import ASTSource
         from triton.backends.compiler import GPUTarget
         from liger_gen.codegen.build import load_variant
-        from liger_gen.ops.lm_head.cross_entropy import CrossEntropySpace
+        from liger_gen.ops.lm_head.cross_entropy_space import CrossEntropySpace
         mod = load_variant("cross_entropy", CrossEntropySpace(128256, torch.bfloat16).heuristic().to_dict())
         F32 = ("label_smoothing", "lse_square_scale", "softcap")
         def sig(fn, consts):
@@ -894,7 +890,7 @@ def test_out_of_range_target_raises_under_torch_compile_on_cpu(op):
     """The check runs inside the op, so a compiled graph raises too (it used to give a NaN loss silently)."""
     from liger_gen.functional import fused_linear_cross_entropy
 
-    gen = _gen("oob-compile", op)
+    gen = seeded("oob-compile", op)
     x = torch.randn(6, 8, generator=gen)
     w = torch.randn(20, 8, generator=gen)
     t = torch.randint(0, 20, (6,), generator=gen)
@@ -913,7 +909,7 @@ def test_torch_compile_with_dynamic_shapes_and_float_options(op, device):
     (fullgraph failed with "Unsupported torch.* op returned non-Tensor")."""
     from liger_gen.functional import fused_linear_cross_entropy
 
-    gen = _gen("dynamic", op)
+    gen = seeded("dynamic", op)
     w = torch.randn(20, 8, generator=gen).to(device)
 
     def f(x, t, lse_square_scale, softcap):
@@ -990,7 +986,7 @@ def test_token_scaling_matches_float64(opts, dtype, interpret, monkeypatch):
     """use_token_scaling weighs each row (loss, smoothing and z-loss terms, and so its gradient) by its detached
     target probability: loss and dlogits against the float64 reference on both CPU paths, every option."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("token-scaling", opts, dtype, interpret)
+    gen = seeded("token-scaling", opts, dtype, interpret)
     x, t = _case(13, 71, dtype, "cpu", gen, ignore=(1, 6), scale=1.5)  # scale 1.5: p_y is not negligible
     _assert_matches_float64(x, t, use_token_scaling=True, **_options(opts, 71, "cpu", gen))
 
@@ -1000,7 +996,7 @@ def test_token_scaling_is_the_dft_loss(interpret, monkeypatch):
     """With the plain loss, token scaling is Dynamic Fine-Tuning's −sg(p_y)·log p_y averaged over non-ignored
     rows, written here from log_softmax in float64; its gradient is p_y times the plain cross-entropy's."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("dft", interpret)
+    gen = seeded("dft", interpret)
     logits = (torch.randn(3, 7, 53, generator=gen) * 1.5).requires_grad_()
     target = torch.randint(0, 53, (3, 7), generator=gen)
     target[1, ::2] = -100
@@ -1024,21 +1020,14 @@ def test_token_scaling_is_the_dft_loss(interpret, monkeypatch):
 def test_token_scaling_under_torch_compile(interpret, monkeypatch):
     """Token scaling compiles without a graph break (the custom ops carry the flag) and equals eager mode."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("token-scaling-compile", interpret)
+    gen = seeded("token-scaling-compile", interpret)
     x, t = _case(9, 40, torch.float32, "cpu", gen, ignore=(2,), scale=1.5)
     w = 0.5 + torch.rand(40, generator=gen)
 
     def f(x):
         return cross_entropy(x, t, w, lse_square_scale=1e-2, softcap=5.0, use_token_scaling=True)
 
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got = torch.compile(f, backend="aot_eager", fullgraph=True)(x1)
-    got.backward()
-    ref = f(x2)
-    ref.backward()
-    torch.testing.assert_close(got, ref)
-    torch.testing.assert_close(x1.grad, x2.grad)
-    torch._dynamo.reset()
+    assert_compiles_like_eager(f, x)
 
 
 @pytest.mark.parametrize("interpret", CPU_PATHS)
@@ -1049,7 +1038,7 @@ def test_every_row_ignored_gives_a_nan_mean_and_a_zero_gradient(opts, interpret,
     """A batch of only ignored rows (e.g. prompt tokens): the mean is NaN, as torch's, and the gradient is zero
     on both CPU paths, as torch's cross-entropy gives it (not NaN, which would poison the weights)."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("all-ignored", opts, interpret)
+    gen = seeded("all-ignored", opts, interpret)
     x = torch.randn(5, 12, generator=gen, requires_grad=True)
     t = torch.full((5,), -100)
     loss = cross_entropy(x, t, **_options(opts, 12, "cpu", gen))

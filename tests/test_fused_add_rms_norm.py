@@ -14,7 +14,7 @@ from liger_gen.ops.norms.fused_add_rms_norm import (FusedAddRMSNormConfig, Fused
                                                     fused_add_rms_norm, fused_add_rms_norm_float64,
                                                     fused_add_rms_norm_torch, tuning_problems)
 
-from conftest import seeded
+from conftest import RMS_NORM_BRANCHES, assert_norm_heuristic_valid, seeded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -284,11 +284,7 @@ def test_inference_mode_inputs_with_trained_weight(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heuristic_valid_for_every_width(dtype):
-    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=101376)):
-        for n in list(range(1, 300)) + [2**k + d for k in range(9, 16) for d in (-1, 0, 1) if 2**k + d <= 32768]:
-            space = FusedAddRMSNormSpace(n, dtype, limits)
-            config = space.heuristic()
-            assert config.BLOCK_N >= n and not space.violations(config)
+    assert_norm_heuristic_valid(FusedAddRMSNormSpace, dtype, 32768)
     with pytest.raises(ValueError, match="32768"):
         FusedAddRMSNormSpace(32769, torch.bfloat16)
 
@@ -316,12 +312,7 @@ def test_constraints_count_the_extra_streams():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("casting_mode", ["llama", "gemma", "none"])
-@pytest.mark.parametrize("changes", [
-    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 1, "BLOCK_M_BWD": 1},
-    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 4, "BLOCK_M_BWD": 2, "BWD_PREFETCH": 1},
-    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 1, "BWD_PREFETCH": 1, "BLOCK_M_FWD": 4, "BLOCK_M_BWD": 2},
-    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 2, "BLOCK_M_BWD": 4, "num_warps_bwd": 2},
-])
+@pytest.mark.parametrize("changes", RMS_NORM_BRANCHES)
 def test_every_template_branch_passes_the_tuners_gate(changes, casting_mode, dtype, device):
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each structural variant."""
     problem = FusedAddRMSNormProblem(dtype, 150, 37, device, casting_mode=casting_mode, seed=5)

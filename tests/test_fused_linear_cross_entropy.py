@@ -15,12 +15,12 @@ from liger_gen.tuning.search import Tuner
 from liger_gen.models import PRESETS
 from liger_gen.ops.lm_head import chunks
 from liger_gen.ops.lm_head import fused_linear_cross_entropy as flce_mod
-from liger_gen.ops.lm_head.fused_linear_cross_entropy import (FusedLinearCrossEntropyConfig,
-                                                              FusedLinearCrossEntropyProblem,
-                                                              FusedLinearCrossEntropySpace, fused_linear_cross_entropy,
+from liger_gen.ops.lm_head.fused_linear_cross_entropy import (FusedLinearCrossEntropyProblem, fused_linear_cross_entropy,
                                                               fused_linear_cross_entropy_float64,
                                                               fused_linear_cross_entropy_float64_chunked,
                                                               fused_linear_cross_entropy_torch, tuning_problems)
+from liger_gen.ops.lm_head.fused_linear_cross_entropy_plan import (FusedLinearCrossEntropyConfig,
+                                                                   FusedLinearCrossEntropySpace)
 from liger_gen.runtime.ops import clear_caches
 
 from conftest import CPU_PATHS, seeded

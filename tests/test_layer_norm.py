@@ -17,7 +17,7 @@ from liger_gen.ops.norms.layer_norm import (LayerNorm, LayerNormConfig, LayerNor
                                             layer_norm_float64, tuning_problems)
 from liger_gen.runtime import tables
 
-from conftest import seeded
+from conftest import assert_norm_heuristic_valid, seeded
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -188,11 +188,7 @@ def test_dw_db_are_deterministic(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heuristic_valid_for_every_width(dtype):
-    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=101376)):
-        for n in list(range(1, 300)) + [2**k + d for k in range(9, 17) for d in (-1, 0, 1) if 2**k + d <= 65536]:
-            space = LayerNormSpace(n, dtype, limits)
-            config = space.heuristic()
-            assert config.BLOCK_N >= n and not space.violations(config)
+    assert_norm_heuristic_valid(LayerNormSpace, dtype, 65536)
     with pytest.raises(ValueError, match="65536"):
         LayerNormSpace(65537, torch.bfloat16)
 

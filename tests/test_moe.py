@@ -1,7 +1,6 @@
 """Mixture-of-experts experts: routing, the permutation kernels (Triton interpreter on the CPU) and
 ``moe_experts`` against float64 and transformers' experts modules, determinism and bad input."""
 
-import zlib
 
 import pytest
 import torch
@@ -10,13 +9,9 @@ from liger_gen.codegen.problems import REL_TOL, rel_l2
 from liger_gen.ops.glu.moe import (MoEPermuteProblem, MoEPermuteSpace, moe_experts, moe_experts_torch, moe_permute,
                                    moe_routing, moe_unpermute)
 
-from conftest import CPU_PATHS
+from conftest import CPU_PATHS, seeded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _gen(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _routing(tokens, experts, k, gen, skip_expert=None):
@@ -35,7 +30,7 @@ def _experts(experts, hidden, width, dtype, gen):
 
 
 def test_routing_is_a_stable_sort_by_expert_and_its_inverse():
-    gen = _gen("routing")
+    gen = seeded("routing")
     index, _ = _routing(37, 6, 3, gen, skip_expert=2)
     token, pos, offsets = moe_routing(index, 6)
     flat = index.reshape(-1)
@@ -57,7 +52,7 @@ def test_moe_experts_matches_float64(dtype, interpret, monkeypatch):
     """Output and the gradients of x, both weight tensors and the routing weights against float64 autograd of
     transformers' eager expert loop, with an expert that no token chose."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("experts", dtype, interpret)
+    gen = seeded("experts", dtype, interpret)
     tokens, hidden, width, experts, k = 13, 24, 16, 5, 2
     index, weights = _routing(tokens, experts, k, gen, skip_expert=3)
     gate_up, down = _experts(experts, hidden, width, dtype, gen)
@@ -86,7 +81,7 @@ def test_equals_transformers_experts_module(activation, monkeypatch):
     config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=6,
                                          num_hidden_layers=1, hidden_act=act)
     module = modeling.Qwen3MoeExperts(config)
-    gen = _gen("transformers", activation)
+    gen = seeded("transformers", activation)
     with torch.no_grad():
         module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) * 0.2)
         module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * 0.2)
@@ -99,7 +94,7 @@ def test_equals_transformers_experts_module(activation, monkeypatch):
 def test_permutations_are_deterministic_and_sum_in_order():
     """The interpreter kernels give bit-identical results on repeated runs (each token's k rows are added in a
     fixed order, no atomics), equal to the fp32 reference sum."""
-    gen = _gen("determinism")
+    gen = seeded("determinism")
     index, weights = _routing(29, 8, 4, gen)
     token, pos, _ = moe_routing(index, 8)
     ys = torch.randn(29 * 4, 40, generator=gen).bfloat16().requires_grad_()
@@ -129,7 +124,7 @@ def test_problem_and_space(device):
 
 
 def test_bad_input_names_argument():
-    gen = _gen("bad")
+    gen = seeded("bad")
     index, weights = _routing(4, 3, 2, gen)
     gate_up, down = _experts(3, 8, 6, torch.float32, gen)
     x = torch.randn(4, 8)
@@ -157,7 +152,7 @@ def test_moe_experts_compiles_without_a_graph_break(interpret, monkeypatch):
     """Under torch.compile(fullgraph=True) the per-expert fallback does not read the offsets on the host; the
     compiled result and gradients equal eager mode's."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("compile", interpret)
+    gen = seeded("compile", interpret)
     index, weights = _routing(9, 4, 2, gen, skip_expert=1)
     gate_up, down = _experts(4, 16, 8, torch.float32, gen)
     x = torch.randn(9, 16, generator=gen)
@@ -237,7 +232,7 @@ def test_permutations_match_float64_for_any_valid_pos(source, dtype, interpret, 
     """moe_routing's (token, pos) and any other permutation pos with its inverse token are accepted, and both
     ops' outputs and gradients (x; ys and the weights) match float64 autograd of the plain indexing."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("valid pos", source, dtype, interpret)
+    gen = seeded("valid pos", source, dtype, interpret)
     tokens, k, hidden = 11, 3, 20
     token, pos = _pair(source, tokens, k, gen)
     for index_dtype in (torch.int64, torch.int32):
@@ -262,7 +257,7 @@ def test_unpermute_refuses_a_repeated_row(interpret, monkeypatch):
     """A pos that names one row of ys twice (and so another never) is refused on both paths, naming pos, its
     shape and dtype and the first repeated row; the kernel path would otherwise return a wrong dys."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("repeated row", interpret)
+    gen = seeded("repeated row", interpret)
     tokens, k, hidden = 9, 2, 16
     for index_dtype in (torch.int64, torch.int32):
         _, pos = _pair("routing", tokens, k, gen)
@@ -287,7 +282,7 @@ def test_permute_refuses_pos_that_is_not_the_inverse_of_token(interpret, monkeyp
     """Two ways pos can break the inverse that the permute backward sums over, both refused on both paths:
     a permutation that sends a pair to another token's row, and a token's own row named twice."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("not inverse", interpret)
+    gen = seeded("not inverse", interpret)
     tokens, k, hidden = 10, 3, 16
     x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
     for index_dtype in (torch.int64, torch.int32):
@@ -314,7 +309,7 @@ def test_pos_checks_compile_without_a_graph_break(interpret, monkeypatch):
     cost no host synchronisation): valid input gives eager mode's result, a repeated row or a pos that is not
     token's inverse stops the call."""
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    gen = _gen("compiled checks", interpret)
+    gen = seeded("compiled checks", interpret)
     tokens, k, hidden = 7, 2, 16
     token, pos = _pair("routing", tokens, k, gen)
     x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)  # the checks guard the backwards

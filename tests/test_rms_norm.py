@@ -9,7 +9,7 @@ from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.ops.norms.rms_norm import RMSNormConfig, RMSNormProblem, RMSNormSpace
 from liger_gen.reference import rms_norm_float64, rms_norm_torch
 from liger_gen.runtime import tables
-from conftest import CPU_PATHS, seeded
+from conftest import CPU_PATHS, RMS_NORM_BRANCHES, assert_norm_heuristic_valid, seeded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -186,11 +186,7 @@ def test_float64_runs_on_plain_cpu_path(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heuristic_valid_for_every_width(dtype):
-    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=101376)):
-        for n in list(range(1, 300)) + [2**k + d for k in range(9, 17) for d in (-1, 0, 1) if 2**k + d <= 65536]:
-            space = RMSNormSpace(n, dtype, limits)
-            config = space.heuristic()
-            assert config.BLOCK_N >= n and not space.violations(config)
+    assert_norm_heuristic_valid(RMSNormSpace, dtype, 65536)
 
 
 def test_constraints_reject_bad_configs():
@@ -216,12 +212,7 @@ def test_heuristic_only_context_restores_state():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("casting_mode", ["llama", "gemma", "none"])
-@pytest.mark.parametrize("changes", [
-    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 1, "BLOCK_M_BWD": 1},
-    {"dw_strategy": "blocked", "TILES_PER_PROGRAM": 4, "BLOCK_M_BWD": 2, "BWD_PREFETCH": 1},
-    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 1, "BWD_PREFETCH": 1, "BLOCK_M_FWD": 4, "BLOCK_M_BWD": 2},
-    {"dw_strategy": "persistent", "PROGRAMS_PER_SM": 2, "BLOCK_M_BWD": 4, "num_warps_bwd": 2},
-])
+@pytest.mark.parametrize("changes", RMS_NORM_BRANCHES)
 def test_every_template_branch_passes_the_tuners_gate(changes, casting_mode, dtype, device):
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each structural variant."""
     import dataclasses

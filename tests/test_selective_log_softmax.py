@@ -11,7 +11,7 @@ import liger_gen
 from liger_gen.ops.lm_head import selective_log_softmax as S
 from liger_gen.codegen.problems import REL_TOL, rel_l2
 
-from conftest import CPU_PATHS, seeded
+from conftest import CPU_PATHS, lm_head_tol, seeded
 
 F = liger_gen.functional
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -27,11 +27,6 @@ def _inputs(rows, hidden, vocab, dtype, key, bias=False, ignored=(1,)):
         if i < rows:
             t[i] = -100
     return x, w, b, t
-
-
-def _tol(dtype):
-    # 16-bit logits are rounded to x's dtype (as transformers' lm_head output): about u·|logit| per token
-    return {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
 
 
 @pytest.mark.parametrize("interpret", CPU_PATHS)
@@ -50,7 +45,7 @@ def test_log_probs_entropy_and_gradients_match_float64(interpret, dtype, opts, m
     grads = torch.autograd.grad((logp * g1).sum() + (ent * g2).sum(), leaves)
     options = S.LogProbOptions(-100, opts.get("temperature", 1.0), opts.get("softcap"), opts.get("logit_scale", 1.0))
     ref = S.selective_log_softmax_float64(x, w, t, b, options, g1, g2)
-    tol = _tol(dtype)
+    tol = lm_head_tol(dtype)
     assert rel_l2(logp, ref[0]) < tol and rel_l2(ent, ref[1]) < tol
     for got, want in zip(grads, ref[2:]):
         assert rel_l2(got, want) < REL_TOL[dtype]

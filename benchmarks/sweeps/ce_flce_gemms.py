@@ -16,7 +16,8 @@ import triton
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.lm_head.cross_entropy import CrossEntropyConfig, CrossEntropyProblem
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyProblem
+from liger_gen.ops.lm_head.cross_entropy_space import CrossEntropyConfig
 OUT = os.environ.get("OUT", "/tmp")
 dev = "cuda"
 def bench(fn, rep=60):

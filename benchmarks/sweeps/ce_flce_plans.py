@@ -13,8 +13,11 @@ import triton
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.lm_head.cross_entropy import CrossEntropyConfig, CrossEntropyOptions, CrossEntropyProblem
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyProblem
+from liger_gen.ops.lm_head.cross_entropy_rows import CrossEntropyOptions
+from liger_gen.ops.lm_head.cross_entropy_space import CrossEntropyConfig
 from liger_gen.ops.lm_head import fused_linear_cross_entropy as F
+from liger_gen.ops.lm_head.fused_linear_cross_entropy_plan import FusedLinearCrossEntropySpace
 dev = "cuda"
 def bench(fn, rep=60):
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
@@ -39,7 +42,7 @@ m_, hd, v = 8192, 4096, 128256
 x = torch.randn(m_, hd, device=dev, dtype=torch.bfloat16)
 w = (torch.randn(v, hd, device=dev) * (2 / hd ** 0.5)).to(torch.bfloat16)
 t = torch.randint(0, v, (m_,), device=dev)
-sp = F.FusedLinearCrossEntropySpace({"hidden": hd, "vocab": v}, torch.bfloat16)
+sp = FusedLinearCrossEntropySpace({"hidden": hd, "vocab": v}, torch.bfloat16)
 hh = sp.heuristic(); print("FLCE heuristic", hh)
 for chunk in (512, 768, 1024):
     for bv, bm, wp in ((2048, 1, 4), (1024, 2, 4), (4096, 1, 8)):

@@ -16,7 +16,8 @@ import triton.language as tl
 import triton.testing
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.ops.lm_head.cross_entropy import CrossEntropyOptions, CrossEntropyProblem, _launch_forward
+from liger_gen.ops.lm_head.cross_entropy import CrossEntropyProblem, _launch_forward
+from liger_gen.ops.lm_head.cross_entropy_rows import CrossEntropyOptions
 
 dev = "cuda"
 ROWS, VOCAB = 8192, 128256

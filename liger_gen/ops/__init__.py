@@ -2,7 +2,8 @@
 
     norms/        row_norm (shared) · rms_norm · fused_add_rms_norm · layer_norm
     glu/          activations (shared) · glu (swiglu, geglu) · clamped_swiglu · moe (moe_permute)
-    lm_head/      chunks (shared) · cross_entropy · fused_linear_cross_entropy · selective_log_softmax
+    lm_head/      chunks (shared) · cross_entropy (+ cross_entropy_space, cross_entropy_rows)
+                  · fused_linear_cross_entropy (+ fused_linear_cross_entropy_plan) · selective_log_softmax
                   · fused_linear_jsd (distillation) · post_training (preference and RL losses)
     divergence/   rows (shared) · kl_div · jsd
     rope.py
@@ -12,7 +13,12 @@ An op module defines, top to bottom: the plain-PyTorch and float64 references; t
 (inputs, float64 truth, launchers, bytes moved); ``SPEC``, the op's ``OpSpec`` (``liger_gen.codegen.spec``)
 that the tuner, the tables, the bench and the contract tests read; the ``torch.library`` custom ops with one
 autograd definition (``liger_gen.runtime.binding``); and the public function that ``liger_gen.functional``
-re-exports. Kernel source lives in ``templates/<template>.py.jinja``.
+re-exports. Kernel source lives in ``templates/<template>.py.jinja``. An op too large for one module keeps its
+op module (the one ``OP_MODULES`` names, with ``SPECS``) and moves whole layers into companion modules of its
+family named after it: ``<op>_space`` (settings and search space), ``<op>_rows`` (a row-level API other ops of
+the family build on), ``<op>_plan`` (a launch plan and how a call resolves it). Under the import rule below a
+companion module is one more module of the family, not its shared module: it may import the family's other
+modules (``cross_entropy_rows`` launches cross-entropy's kernels), and ``chunks`` imports none of them.
 
 Where two ops of a family need the same piece, it lives once in the family's shared module. The imports follow
 one rule (``tests/test_architecture.py``): an op module imports its own family's modules and the machinery below

@@ -269,7 +269,10 @@ def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate:
         module, _, _ = kernel_module(_SPACE_OF[activation], gate, n_cols, rows, activation=activation)
         module.backward(dy, gate, up, dgate, dup)
     else:  # the backward formulas autograd runs for act(gate) * up, which is what the kernel reproduces
-        # both results before either store: dgate and dup may be gate and up themselves (_GLUOverwrite)
+        # both results before either store: dgate and dup may be gate and up themselves (_GLUOverwrite); the
+        # halves of a packed gate_up are strided views, on which PyTorch's CPU gelu_backward takes a scalar path
+        # whose erf rounds differently in bf16 from the vectorised one autograd runs on a whole tensor
+        gate, up = gate.contiguous(), up.contiguous()
         d_up = dy * act_torch(gate, activation)
         da = dy * up
         if activation == "silu":

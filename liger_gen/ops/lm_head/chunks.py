@@ -1,6 +1,7 @@
-"""The LM-head chunk machinery the chunked losses share: the checks of the head's weight, and the GEMMs around
-a chunk's loss kernel — the logits of a chunk of hidden states in x's dtype or fp32 (``lm_head_logits``,
-``mm_fp32_out``) and the fp32 accumulation of dW (``accumulate_dw``) — with the CPU paths' vocabulary slicing.
+"""The LM-head chunk machinery the chunked losses share: the checks of the head's weight (and the targets'
+dtypes, ``TARGET_DTYPES``), and the GEMMs around a chunk's loss kernel — the logits of a chunk of hidden states in
+x's dtype or fp32 (``lm_head_logits``, ``mm_fp32_out``) and the fp32 accumulation of dW (``accumulate_dw``) —
+with the CPU paths' vocabulary slicing.
 Imports none of the ops: the chunk loops themselves are ``fused_linear_cross_entropy._Chunked`` and
 ``selective_log_softmax.Chunks`` (which the distillation and preference losses build on).
 """
@@ -12,6 +13,8 @@ import torch
 from liger_gen.runtime.ops import describe
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: the dtypes of the LM-head losses' class-index targets
+TARGET_DTYPES = (torch.int64, torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------ checks

@@ -31,9 +31,9 @@ from liger_gen.codegen.problems import Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.divergence.rows import jsd_mode, jsd_rows
-from liger_gen.ops.lm_head.chunks import check_lm_head, lm_head_logits
-from liger_gen.ops.lm_head.cross_entropy import scale_in_place
-from liger_gen.ops.lm_head.selective_log_softmax import (MAX_TUNING_ROWS, TARGET_DTYPES, Chunks,
+from liger_gen.ops.lm_head.chunks import TARGET_DTYPES, check_lm_head, lm_head_logits
+from liger_gen.ops.lm_head.cross_entropy_rows import scale_in_place
+from liger_gen.ops.lm_head.selective_log_softmax import (MAX_TUNING_ROWS, Chunks,
                                                          SelectiveLogSoftmaxProblem, SelectiveLogSoftmaxSpace,
                                                          lm_head_tuning_problems)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from liger_gen.ops.lm_head.cross_entropy import scale_in_place
+from liger_gen.ops.lm_head.cross_entropy_rows import scale_in_place
 from liger_gen.ops.lm_head.selective_log_softmax import Chunks, LogProbOptions, check_inputs, selective_log_softmax
 from liger_gen.runtime import plans
 from liger_gen.runtime.ops import check_float_arg, check_targets, describe, host_checkable, no_double_backward

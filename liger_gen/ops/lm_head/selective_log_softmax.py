@@ -32,12 +32,11 @@ import torch
 from liger_gen.codegen.problems import REL_TOL, TARGET_BYTES, Inputs, Problem, randn, targets
 from liger_gen.codegen.spaces import KernelConfig, Param, Space
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.lm_head.chunks import LOW_PRECISION, accumulate_dw, check_lm_head, lm_head_logits
+from liger_gen.ops.lm_head.chunks import LOW_PRECISION, TARGET_DTYPES, accumulate_dw, check_lm_head, lm_head_logits
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
                                    check_targets, describe, kernel_module, uses_triton)
 
-TARGET_DTYPES = (torch.int64, torch.int32)
 #: the per-token outputs, in the order the 2-D op returns them
 OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
