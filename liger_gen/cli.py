@@ -396,8 +396,15 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
 @click.option("--trials", "show_trials", is_flag=True, help="Also list every trial.")
 @click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
               help="Comma-separated ops whose tables to print. Default: every table.")
-def show(gpu, show_trials, ops) -> None:
-    """Print the tuned tables for the current or named GPU."""
+@click.option("--detail", is_flag=True,
+              help="Print each table in full: its header, every entry's times and its configs (--trials implies "
+                   "it).")
+def show(gpu, show_trials, ops, detail) -> None:
+    """Print the tuned tables for the current or named GPU.
+
+    One line per table: the op, the shapes tuned, the median gain over the heuristic, the compiled kernels
+    present, and whether the runtime uses it here or why not. --detail prints the tables in full.
+    """
     from liger_gen.tuning.report import show_tables
     from liger_gen.runtime.devices import current_gpu
 
@@ -406,24 +413,42 @@ def show(gpu, show_trials, ops) -> None:
         if visible is None:
             raise click.ClickException("no CUDA GPU is visible: name one with --gpu (e.g. --gpu h200)")
         gpu = visible[0]
-    if not show_tables(gpu, all_specs(), show_trials=show_trials, ops=ops):
+    if not show_tables(gpu, all_specs(), show_trials=show_trials, ops=ops, detail=detail):
         sys.exit(1)
+
+
+def _model_folder_config(model_name: str) -> str:
+    """--model as resolve_model reads it: a Hugging Face model folder (a directory, e.g. a downloaded snapshot)
+    stands for the config.json in it; a folder without one is a usage error. A preset or a file (or anything named
+    *.json: resolve_model says what is wrong with it) is unchanged."""
+    from liger_gen.models import PRESETS
+
+    folder = Path(model_name)
+    if model_name in PRESETS or model_name.endswith(".json") or not folder.is_dir():
+        return model_name
+    config = folder / "config.json"
+    if not config.is_file():
+        raise click.BadParameter(f"{model_name} is a folder without a config.json: name a Hugging Face model folder, "
+                                 f"a config.json or a preset", param_hint="--model")
+    return str(config)
 
 
 @main.command()
 @click.option("--gpu", callback=_gpu_name, default=None,
               help="GPU short name (h200, ...); default: the visible GPU. Required without a GPU.")
 @click.option("--model", "model_name", default="llama3-8b", show_default=True,
-              help="Model preset or a path to a Hugging Face config.json: the shapes to check.")
+              help="Model preset, a Hugging Face model folder (holding config.json) or a path to a config.json: "
+                   "the shapes to check.")
 @click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=_csv_ints,
               help="Token counts to check (capped per op as the tuner caps them).")
 @click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=_csv_dtypes,
               help="Comma-separated activation dtypes.")
 @click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
-              help="Comma-separated ops the model runs. Default: for a config.json of a supported family, the ops "
-                   "apply_to runs for it (its norm, RoPE, gated MLP or experts, fused linear cross-entropy); "
-                   "otherwise rms_norm,fused_add_rms_norm,rope,swiglu,fused_linear_cross_entropy (a Llama-like "
-                   "model).")
+              help="Comma-separated ops the model runs. Default: for a preset or config.json of a supported "
+                   "family, the ops apply_to runs for it (its norm, RoPE, gated MLP or experts, fused linear "
+                   "cross-entropy), predicted with transformers (without transformers verify refuses to guess: "
+                   "name the ops or install it); for a family apply_to does not support, rms_norm,"
+                   "fused_add_rms_norm,rope,swiglu,fused_linear_cross_entropy (a Llama-like model).")
 @click.option("--allow-heuristic", is_flag=True,
               help="Exit 0 even when some shapes would run the analytic heuristic (no tuned entry).")
 @click.option("--require-compiled", is_flag=True,
@@ -447,8 +472,9 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
             raise click.ClickException("no CUDA GPU is visible: name the GPU to check for with --gpu (e.g. "
                                        "--gpu h200)")
         gpu = visible[0]
+    model_source = _model_folder_config(model_name)  # a model folder's config.json; else --model as given
     try:
-        model = resolve_model(model_name)
+        model = resolve_model(model_source)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--model") from None
     try:
@@ -461,7 +487,7 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
         from liger_gen.models import PRESETS
         from liger_gen.verify import default_ops
 
-        ops, ops_source = default_ops(model_name, from_file=model_name not in PRESETS)
+        ops, ops_source = default_ops(model_source, from_file=model_source not in PRESETS)
     else:
         ops_source = "those named by --ops"
     report = check(gpu, model, rows, dtype_list, ops)
@@ -548,7 +574,7 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
             "no CUDA GPU is visible, and `liger-gen bench` measures kernels on the GPU. Run it on a machine with "
             "a GPU; or use `--device cpu` for a functional run with tiny shapes (e.g. `liger-gen bench --device "
             "cpu --model tiny --providers liger-gen,torch-eager`, in Triton's interpreter with TRITON_INTERPRET=1); "
-            "`liger-gen bench --render result.json` needs no GPU.")
+            "`liger-gen bench --render <result>.json` (the JSON of a GPU run) needs no GPU.")
     if device == "cpu":
         from liger_gen.runtime.ops import interpreter_enabled
 
@@ -654,12 +680,17 @@ def bench_step(first_step, repeats, **options) -> None:
     from liger_gen.bench.step import run_step_benchmark
 
     if options.get("device") is None and not torch.cuda.is_available():
+        from click.core import ParameterSource
+
+        given = click.get_current_context().get_parameter_source("models") is not ParameterSource.DEFAULT
+        models = ",".join(options["models"]) if given else "tiny"
         raise click.ClickException(
-            "no CUDA GPU is visible, and `liger-gen bench-step` by default trains the Llama-3.2-1B and Qwen2.5-0.5B "
-            "shapes at 8 x 2048 tokens per step (tens of GB of memory and hours on a CPU). Run it on a machine "
-            "with a GPU; for a functional run on the CPU name the device and a tiny model: `TRITON_INTERPRET=1 "
-            "liger-gen bench-step --device cpu --models tiny --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 "
-            "--profile-steps 0`.")
+            "no CUDA GPU is visible, and `liger-gen bench-step` trains "
+            + (f"{models}" if given else "the Llama-3.2-1B and Qwen2.5-0.5B shapes")
+            + " at --batch-size x --seq-len tokens per step (by default 8 x 2048: tens of GB of memory and hours on "
+            "a CPU for a real model's shapes). Run it on a machine with a GPU; for a functional run on the CPU name "
+            f"the device{'' if given else ' and a tiny model'}: `TRITON_INTERPRET=1 liger-gen bench-step --device "
+            f"cpu --models {models} --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0`.")
     try:
         result = run_step_benchmark(**options)
     except ValueError as exc:  # a bad option value (unknown model/provider/device, bad number, too little text)

@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from liger_gen.codegen.spaces import DeviceLimits, dtype_name
+from liger_gen.console import output_console
 from liger_gen.runtime import tables
 from liger_gen.runtime.compiled import real_root
 
@@ -52,6 +53,7 @@ class Report:
     compiled: list[str] = field(default_factory=list)  # one line per usable compiled kernel store
     usable_compiled: int = 0
     missing_compiled: list[str] = field(default_factory=list)  # ops a usable store holds no kernel of
+    compiled_ops: dict[str, int] = field(default_factory=dict)  # op -> kernels of its templates in usable stores
     roots: list[tuple[str, str]] = field(default_factory=list)  # (source, folder) in lookup order
     no_tables: str | None = None  # set when no folder looked up holds a table for the GPU: what to say
     ops_source: str = ""  # where the checked ops came from (--ops, the config's family, the Llama-like default)
@@ -239,8 +241,11 @@ def ops_for_config(path: str | Path) -> list[str] | None:
 
 def default_ops(model_name: str, from_file: bool) -> tuple[list[str], str]:
     """The ops ``liger-gen verify`` checks without ``--ops``, and where they come from: those ``apply_to`` runs for
-    the preset or config file (``from_file``), else the Llama-like ``LLAMA_OPS`` with the reason."""
+    the preset or config file (``from_file``), else the Llama-like ``LLAMA_OPS`` with the reason (a model without
+    a family, a family apply_to does not support). Without transformers the ops cannot be predicted, and they are
+    not guessed: ``MissingExtraError`` names the pip command (the command line exits with it) and ``--ops``."""
     from liger_gen.models import preset_hf_config, read_hf_config
+    from liger_gen.optional import MissingExtraError, require
 
     try:
         cfg = read_hf_config(model_name) if from_file else preset_hf_config(model_name)
@@ -249,6 +254,11 @@ def default_ops(model_name: str, from_file: bool) -> tuple[list[str], str]:
     else:
         why = "" if cfg is not None else f"{model_name!r} has no family"
     if cfg is not None:
+        try:
+            require("transformers", f"predicting the ops apply_to runs for {model_name}")
+        except MissingExtraError as exc:
+            raise MissingExtraError(f"liger-gen verify does not guess the ops a model runs: {exc}; or name the "
+                                    f"ops to check with --ops") from exc
         ops, why = ops_apply_to_runs(cfg, quiet=True)
         if ops:
             return ops, why
@@ -313,6 +323,8 @@ def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tupl
                                    + ", ".join(f"{op} {n}" for op, n in held.items() if n)
                                    + (f"; none for {', '.join(missing)} (compiled at first use)" if missing else ""))
             report.usable_compiled += 1
+            for op, n in held.items():
+                report.compiled_ops[op] = report.compiled_ops.get(op, 0) + n
     if not found and report.no_tables is None:  # without tables, building kernels is not the next step
         report.notices.append(f"no compiled kernels for {gpu}: every kernel is compiled at its first use in a "
                               f"process (`liger-gen build --gpu {gpu} --model ...` makes them)")
@@ -353,7 +365,7 @@ def _find(report: Report, spec, space, dtype: torch.dtype, rows: int, roots, loa
 
 
 def print_report(report: Report, gpu: str, model_name: str, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or output_console()
     if report.ops_source:
         console.print(Text(f"ops checked: {report.ops_source}"), soft_wrap=True)
     if report.no_tables is None:
@@ -386,7 +398,7 @@ def print_report(report: Report, gpu: str, model_name: str, console: Console | N
 def print_verdict(report: Report, allow_heuristic: bool, console: Console | None = None,
                   require_compiled: bool = False) -> None:
     """One line saying why the exit status is what it is."""
-    console = console or Console()
+    console = console or output_console()
     heuristic = sum(f.source == "heuristic" for f in report.findings)
     if report.file_problems:
         console.print(Text(f"exit 1: {len(report.file_problems)} unusable table file(s), entries or compiled "

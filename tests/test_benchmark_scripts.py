@@ -118,3 +118,34 @@ def test_ce_target_column_sweep_renders_the_template_it_is_given():
     finally:
         sweep.with_template(None)
     assert render.render("cross_entropy", params) == current and marker not in current
+
+
+def test_headline_figure_plots_the_committed_step_json_figures():
+    """The front page's figure reads its numbers from the committed bench-step JSON, unchanged."""
+    module = _load("headline_figure")
+    path = module.DEFAULT_STEP_JSON
+    assert path.is_file() and path.is_relative_to(ROOT / "benchmarks" / "results")
+    data = json.loads(path.read_text())
+    figure = module.load(path)
+    assert figure["gpu"] == data["metadata"]["gpu"] and data["metadata"]["date"].startswith(figure["date"])
+    assert figure["command"].startswith("liger-gen bench-step ") and "--out" not in figure["command"]
+    assert len(figure["models"]) >= 3 and set(figure["models"]) <= set(data["models"])
+    for model in figure["models"]:
+        runs = data["models"][model]["providers"]
+        plotted = {r["provider"]: r for r in figure["rows"] if r["model"] == model}
+        assert set(plotted) == {"transformers", "liger-kernel", "liger-gen"}
+        for provider, row in plotted.items():
+            assert row["tokens_per_s"] == runs[provider]["tokens_per_s"]
+            assert row["peak_gib"] == runs[provider]["peak_allocated_gib"]
+            assert row["vs_transformers"] == runs[provider]["tokens_per_s"] / runs["transformers"]["tokens_per_s"]
+
+
+def test_benchmark_pages_link_only_to_files_that_exist():
+    """BENCHMARKS.md and the dated results folders' READMEs (where its history lives) link to committed files."""
+    import re
+
+    link = re.compile(r"!?\[[^\]]*\]\((?!https?://|mailto:|#)([^)\s#]+)(?:#[^)\s]*)?\)")
+    pages = [ROOT / "BENCHMARKS.md", *sorted((ROOT / "benchmarks" / "results").rglob("README.md"))]
+    broken = [f"{page.relative_to(ROOT)}: {m.group(1)}" for page in pages
+              for m in link.finditer(page.read_text(encoding="utf-8")) if not (page.parent / m.group(1)).exists()]
+    assert not broken, broken

@@ -93,7 +93,7 @@ def test_show_lists_a_user_table(runner, tmp_path, monkeypatch):
                      "timing_ms": {"fwd": {"tuned": 0.05, "heuristic": 0.06}, "bwd": {"tuned": 0.1, "heuristic": 0.1}},
                      "bytes": {"fwd": 268_500_000, "bwd": 402_800_000}}]
     tables.write_table(tables.table_path(tmp_path, "h200", "rms_norm"), t)
-    result = runner.invoke(main, ["show", "--gpu", "h200"], terminal_width=200)
+    result = runner.invoke(main, ["show", "--gpu", "h200", "--detail"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "n_cols=4096" in result.output and "16384" in result.output and "1.07x" in result.output and "in use" in result.output
     only = runner.invoke(main, ["show", "--gpu", "h200", "--ops", "rope"], terminal_width=200)

@@ -31,6 +31,7 @@ def test_installed_wheel_verifies_a_shipped_tuned_folder(tmp_path):
     wheel_files = {p.relative_to(site).as_posix() for p in site.rglob("*") if p.is_file()}
     assert "liger_gen/templates/rms_norm.py.jinja" in wheel_files and "liger_gen/tuned/h200/rms_norm.json" in wheel_files
     assert any(name.endswith("LICENSE") for name in wheel_files)
+    assert not [name for name in wheel_files if name.endswith(".trials.json")]  # tuner logs stay in the repository
     metadata = next(site.glob("liger_gen-*.dist-info")) / "METADATA"
     text = metadata.read_text()
     assert "License-Expression: Apache-2.0" in text and "Requires-Dist: optuna" not in text.split("Provides-Extra")[0]

@@ -6,17 +6,16 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from liger_gen.console import output_console
 from liger_gen.runtime.tables import entry_sort_key
 
-console = Console() if sys.stdout.isatty() else Console(width=160)  # logs: no wrapping inside numbers
+console = output_console()  # a terminal's width, else no wrapping (logs: no number folded)
 
 #: The issue's acceptance: median gain over the heuristic of at least 10%, no tuned entry slower.
 TARGET_MEDIAN_GAIN = 0.10
@@ -195,10 +194,59 @@ def summary_table(op: str, entries: list[dict]) -> Table:
     return table
 
 
+def median_gain(entries: Sequence[Any]) -> float | None:
+    """The median of heuristic / tuned - 1 (forward + backward) over the entries timed both ways; None without
+    one (lenient, for ``show``'s summary: an entry without positive times is left out, never an error)."""
+    gains = []
+    for e in entries:
+        heur, tuned = entry_times(e) if isinstance(e, Mapping) else (None, None)
+        if heur is not None and tuned is not None and heur > 0 and tuned > 0:
+            gains.append(heur / tuned - 1)
+    return statistics.median(gains) if gains else None
+
+
+def compiled_kernels_per_op(gpu: str, specs: Sequence[Any]) -> dict[str, int]:
+    """Kernels of each op's templates in the compiled kernel stores of ``gpu`` that this Triton can use (checked
+    as ``liger-gen verify`` checks them: ``verify.check_compiled``); an op without any is missing."""
+    from liger_gen.codegen.spaces import template_names
+    from liger_gen.runtime import tables
+    from liger_gen.runtime.compiled import real_root
+    from liger_gen.verify import Report, check_compiled
+
+    roots, seen = [], set()
+    for source, root in tables.table_roots():  # the same folder twice (a symlink) is counted once
+        if real_root(root) not in seen:
+            seen.add(real_root(root))
+            roots.append((source, root))
+    report = Report()
+    check_compiled(report, gpu, roots, {spec.name: template_names(spec.space) for spec in specs})
+    return {op: n for op, n in report.compiled_ops.items() if n}
+
+
+def _summary_line(path: Path, source: str, table: Mapping[str, Any], status: str, in_use: bool,
+                  compiled: Mapping[str, int]) -> Text:
+    """``show``'s line for one table file: op, shapes tuned, median gain over the heuristic, compiled kernels
+    present, in use here or why not (plain text: ``safe_text``)."""
+    entries = table.get("entries") or []
+    gain = median_gain(entries)
+    kernels = compiled.get(table["op"], 0)
+    line = Text()
+    line.append(safe_text(table["op"]), style="bold")
+    line.append(safe_text(f": {len(entries)} shape(s) tuned; median gain over the heuristic "
+                          + ("n/a" if gain is None else f"{100 * gain:+.1f}%")
+                          + (f"; {kernels} compiled kernel(s) usable here" if kernels else
+                             "; no compiled kernels usable here (compiled at first use)")
+                          + f"; {source} {path.name}: "))
+    line.append(safe_text(status), style="green" if in_use else "yellow")
+    return line
+
+
 def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
-                ops: Sequence[str] | None = None) -> bool:
+                ops: Sequence[str] | None = None, detail: bool = False) -> bool:
     """Print every table found for ``gpu`` in the lookup order, judged against the op ``specs`` of this
-    installation (a table of another op is listed as not used); False if none was found. ``show_trials``: also
+    installation (a table of another op is listed as not used); False if none was found. By default one line per
+    table file (``_summary_line``: op, shapes tuned, median gain, compiled kernels, in use or why not);
+    ``detail``: each table's header line, its times and its configs. ``show_trials`` (implies ``detail``): also
     list each entry's trials, read from the trial log beside the table. ``ops``: only the tables of these ops
     (their file names), None for all.
 
@@ -208,6 +256,8 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
     from liger_gen.runtime import tables
 
     spaces = {spec.name: spec.space for spec in specs}
+    detail = detail or show_trials
+    compiled = {} if detail else compiled_kernels_per_op(gpu, specs)
     found = False
     for source, root in tables.table_roots():
         folder = Path(root) / gpu
@@ -228,14 +278,17 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
                        else [f"op {table['op']!r} is not one of this installation's ops"])
             if path.name != f"{table['op']}.json":
                 reasons.append(f"the runtime reads only {table['op']}.json")
+            mismatch = tables.triton_mismatch(table) if not reasons else None
+            status = "not used: " + "; ".join(reasons) if reasons else (
+                f"in use ({mismatch}; ${tables.STRICT_TABLES_ENV}=1 would refuse it)" if mismatch else "in use")
+            if not detail:
+                console.print(_summary_line(path, source, table, status, not reasons, compiled))
+                continue
             line = Text()
             line.append(safe_text(path), style="bold")
             line.append(f" ({source}) — {safe_text(table.get('device_name', '?'))}, Triton "
                         f"{safe_text(table['triton_version'])}, torch {safe_text(table.get('torch_version', '?'))}, "
                         f"created {safe_text(table.get('created', '?'))}; ")
-            mismatch = tables.triton_mismatch(table) if not reasons else None
-            status = "not used: " + "; ".join(reasons) if reasons else (
-                f"in use ({mismatch}; ${tables.STRICT_TABLES_ENV}=1 would refuse it)" if mismatch else "in use")
             line.append(safe_text(status), style="green" if not reasons else "yellow")
             console.print(line)
             if table["entries"] and "timing_ms" in table["entries"][0]:
@@ -253,6 +306,9 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
                     for phase, records in (trials.items() if isinstance(trials, dict) else ()):
                         console.print(Text(safe_text(f"{e['dtype']} {e['rows']} {_dims(e)} {phase}: " + ", ".join(
                             _trial_text(r) for r in (records if isinstance(records, list) else ())))))
+    if found and not detail:
+        console.print(Text(f"each table's times and configs: liger-gen show --gpu {safe_text(gpu)}"
+                           + (f" --ops {','.join(ops)}" if ops else "") + " --detail"))
     if not found:
         console.print(Text(safe_text(tables.no_tables_message(gpu, spaces)) + "; looked up: "
                            + ", ".join(safe_text(r) for _, r in tables.table_roots())))

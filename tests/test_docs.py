@@ -1,0 +1,122 @@
+"""The docs site: every python example of docs/getting-started.md runs as written (in this process's mode: the
+interpreter without a GPU, with tiny models), and ``mkdocs build --strict`` passes (skipped without MkDocs unless
+LIGER_GEN_REQUIRE_MKDOCS=1, as in .ci/run)."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
+README = ROOT / "README.md"
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.S)
+
+
+@pytest.fixture(autouse=True)
+def _restore_rope():
+    """The examples call apply_to, whose RoPE routing is process-wide: undo it for the tests that follow."""
+    yield
+    from liger_gen.integrations.transformers import restore_rope
+
+    restore_rope()
+
+
+def _names(corpus, tmp_path):
+    """What the examples take from the reader's own code: a model folder with its tokenizer and a dataset
+    (``model_name``, ``dataset``), and for the post-training losses tiny Llamas as policy, reference, student and
+    teacher (the teacher wider) with a batch of two chosen/rejected pairs."""
+    import torch
+    import transformers
+
+    tokenizer, dataset = corpus
+
+    def llama(hidden, seed, vocab=97):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                          max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+        return transformers.LlamaForCausalLM(config)
+
+    model_dir = tmp_path / "tiny-llama"
+    llama(64, 0, vocab=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (4, 12), generator=gen)
+    masks = torch.ones(4, 12, dtype=torch.long)
+    masks[1, -2:] = 0  # padding
+    completion = masks.clone()
+    completion[:, :5] = 0  # the prompt
+    return {"model_name": str(model_dir), "dataset": dataset.select(range(16)),
+            "policy": llama(32, 0), "reference": llama(32, 1), "student": llama(32, 2), "teacher": llama(48, 3),
+            "chosen_ids": ids[:2], "rejected_ids": ids[2:], "chosen_mask": masks[:2], "rejected_mask": masks[2:],
+            "chosen_completion_mask": completion[:2], "rejected_completion_mask": completion[2:]}
+
+
+def test_getting_started_has_the_three_examples():
+    blocks = python_blocks(GETTING_STARTED)
+    assert len(blocks) >= 3, "docs/getting-started.md lost an example"
+    assert "apply_to" in blocks[0] and any("SFTTrainer" in b for b in blocks) and any("fused_linear_dpo" in b for b in blocks)
+
+
+def test_readme_examples_are_getting_started_examples():
+    """The README's python examples are the ones this file runs (so the README's Trainer example runs too)."""
+    docs = python_blocks(GETTING_STARTED)
+    for block in python_blocks(README):
+        assert block in docs, f"README example not in docs/getting-started.md:\n{block}"
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks(GETTING_STARTED))))
+def test_getting_started_example_runs(index, corpus, tmp_path, monkeypatch):
+    import torch
+
+    pytest.importorskip("transformers")
+    block = python_blocks(GETTING_STARTED)[index]
+    uses_trl = "trl" in block
+    if uses_trl:
+        trl = pytest.importorskip("trl")
+        import functools
+
+        # the CPU run of the docs' paragraph below the example (tests/test_trl.py's settings), two steps
+        monkeypatch.setattr(trl, "SFTConfig", functools.partial(
+            trl.SFTConfig, use_cpu=not torch.cuda.is_available(), report_to=[], max_length=64, max_steps=2,
+            per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0))
+    if uses_trl or "fused_linear_dpo" in block:  # the trainer and the losses on the plain CPU path, as test_trl does
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.chdir(tmp_path)  # the trainer's output_dir
+    namespace = _names(corpus, tmp_path) if ("model_name" in block or "policy" in block) else {}
+    exec(compile(block, f"{GETTING_STARTED}:example {index}", "exec"), namespace)
+    if "labels=ids" in block:
+        assert namespace["model"].lm_head.weight.grad is not None  # the loss reached the LM head without logits
+        assert namespace["y"].shape == namespace["x"].shape and namespace["loss"].ndim == 0
+    if "SFTTrainer" in block:
+        losses = [h["loss"] for h in namespace["trainer"].state.log_history if "loss" in h]
+        assert namespace["trainer"].state.global_step > 0 and all(map(lambda v: v == v, losses))
+    if "fused_linear_dpo" in block:
+        assert torch.isfinite(namespace["out"].loss) and namespace["policy"].lm_head.weight.grad is not None
+        assert namespace["out"].chosen_rewards.shape == (2,)
+        assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0
+
+
+def test_mkdocs_build_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
+        if os.environ.get("LIGER_GEN_REQUIRE_MKDOCS") == "1":
+            pytest.fail("LIGER_GEN_REQUIRE_MKDOCS=1 but MkDocs is not installed: pip install -e '.[docs]'")
+        pytest.skip("MkDocs is not installed (pip install -e '.[docs]')")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    families = (tmp_path / "site" / "model-families" / "index.html").read_text(encoding="utf-8")
+    from liger_gen.integrations.transformers import MODEL_FAMILIES
+
+    assert all(f"<td>{name}</td>" in families for name in MODEL_FAMILIES)  # the generated table, every family
+    ops = (tmp_path / "site" / "ops" / "index.html").read_text(encoding="utf-8")
+    assert 'id="liger_gen.functional.rms_norm"' in ops and 'id="liger_gen.nn.RMSNorm"' in ops
