@@ -179,3 +179,18 @@ def corpus():
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
     passages = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 80][:48]
     return tokenizer, datasets.Dataset.from_dict({"text": passages})
+
+
+def preference_batch(llama) -> dict:
+    """The names the post-training examples use: tiny Llamas from ``llama(hidden, seed)`` as policy, reference,
+    student and teacher (the teacher wider), and a batch of two chosen/rejected pairs over a 97-token vocabulary
+    (one padded, the first 5 tokens the prompt)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (4, 12), generator=gen)
+    masks = torch.ones(4, 12, dtype=torch.long)
+    masks[1, -2:] = 0  # padding
+    completion = masks.clone()
+    completion[:, :5] = 0  # the prompt
+    return {"policy": llama(32, 0), "reference": llama(32, 1), "student": llama(32, 2), "teacher": llama(48, 3),
+            "chosen_ids": ids[:2], "rejected_ids": ids[2:], "chosen_mask": masks[:2], "rejected_mask": masks[2:],
+            "chosen_completion_mask": completion[:2], "rejected_completion_mask": completion[2:]}

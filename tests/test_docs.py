@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import preference_batch
+
 ROOT = Path(__file__).resolve().parent.parent
 GETTING_STARTED = ROOT / "docs" / "getting-started.md"
 README = ROOT / "README.md"
@@ -48,16 +50,7 @@ def _names(corpus, tmp_path):
     model_dir = tmp_path / "tiny-llama"
     llama(64, 0, vocab=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 97, (4, 12), generator=gen)
-    masks = torch.ones(4, 12, dtype=torch.long)
-    masks[1, -2:] = 0  # padding
-    completion = masks.clone()
-    completion[:, :5] = 0  # the prompt
-    return {"model_name": str(model_dir), "dataset": dataset.select(range(16)),
-            "policy": llama(32, 0), "reference": llama(32, 1), "student": llama(32, 2), "teacher": llama(48, 3),
-            "chosen_ids": ids[:2], "rejected_ids": ids[2:], "chosen_mask": masks[:2], "rejected_mask": masks[2:],
-            "chosen_completion_mask": completion[:2], "rejected_completion_mask": completion[2:]}
+    return {"model_name": str(model_dir), "dataset": dataset.select(range(16)), **preference_batch(llama)}
 
 
 def test_getting_started_has_the_three_examples():

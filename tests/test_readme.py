@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import preference_batch
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -43,15 +45,7 @@ def test_preference_and_distillation_example_runs(monkeypatch):
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
         return transformers.LlamaForCausalLM(config)
 
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 97, (4, 12), generator=gen)
-    masks = torch.ones(4, 12, dtype=torch.long)
-    masks[1, -2:] = 0  # padding
-    completion = masks.clone()
-    completion[:, :5] = 0  # the prompt
-    namespace = {"policy": llama(32, 0), "reference": llama(32, 1), "student": llama(32, 2), "teacher": llama(48, 3),
-                 "chosen_ids": ids[:2], "rejected_ids": ids[2:], "chosen_mask": masks[:2], "rejected_mask": masks[2:],
-                 "chosen_completion_mask": completion[:2], "rejected_completion_mask": completion[2:]}
+    namespace = preference_batch(llama)
     exec(compile(block, str(README), "exec"), namespace)
     assert torch.isfinite(namespace["out"].loss) and namespace["policy"].lm_head.weight.grad is not None
     assert namespace["out"].chosen_rewards.shape == (2,)
