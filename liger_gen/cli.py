@@ -413,7 +413,11 @@ def show(gpu, show_trials, ops, detail) -> None:
         if visible is None:
             raise click.ClickException("no CUDA GPU is visible: name one with --gpu (e.g. --gpu h200)")
         gpu = visible[0]
-    if not show_tables(gpu, all_specs(), show_trials=show_trials, ops=ops, detail=detail):
+    from liger_gen.verify import compiled_kernels_per_op
+
+    specs = all_specs()
+    compiled = None if detail or show_trials else compiled_kernels_per_op(gpu, specs)
+    if not show_tables(gpu, specs, show_trials=show_trials, ops=ops, detail=detail, compiled=compiled):
         sys.exit(1)
 
 

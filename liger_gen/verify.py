@@ -414,3 +414,18 @@ def print_verdict(report: Report, allow_heuristic: bool, console: Console | None
     else:
         console.print("exit 0: every table found is usable" + (
             f"; {heuristic} shape(s) run the heuristic (--allow-heuristic)" if heuristic else ""))
+
+
+def compiled_kernels_per_op(gpu: str, specs) -> dict[str, int]:
+    """Kernels of each op's templates in the compiled kernel stores of ``gpu`` that this Triton can use (checked
+    as ``liger-gen verify`` checks them: ``check_compiled``); an op without any is missing."""
+    from liger_gen.codegen.spaces import template_names
+
+    roots, seen = [], set()
+    for source, root in tables.table_roots():  # the same folder twice (a symlink) is counted once
+        if real_root(root) not in seen:
+            seen.add(real_root(root))
+            roots.append((source, root))
+    report = Report()
+    check_compiled(report, gpu, roots, {spec.name: template_names(spec.space) for spec in specs})
+    return {op: n for op, n in report.compiled_ops.items() if n}

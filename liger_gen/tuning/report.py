@@ -205,24 +205,6 @@ def median_gain(entries: Sequence[Any]) -> float | None:
     return statistics.median(gains) if gains else None
 
 
-def compiled_kernels_per_op(gpu: str, specs: Sequence[Any]) -> dict[str, int]:
-    """Kernels of each op's templates in the compiled kernel stores of ``gpu`` that this Triton can use (checked
-    as ``liger-gen verify`` checks them: ``verify.check_compiled``); an op without any is missing."""
-    from liger_gen.codegen.spaces import template_names
-    from liger_gen.runtime import tables
-    from liger_gen.runtime.compiled import real_root
-    from liger_gen.verify import Report, check_compiled
-
-    roots, seen = [], set()
-    for source, root in tables.table_roots():  # the same folder twice (a symlink) is counted once
-        if real_root(root) not in seen:
-            seen.add(real_root(root))
-            roots.append((source, root))
-    report = Report()
-    check_compiled(report, gpu, roots, {spec.name: template_names(spec.space) for spec in specs})
-    return {op: n for op, n in report.compiled_ops.items() if n}
-
-
 def _summary_line(path: Path, source: str, table: Mapping[str, Any], status: str, in_use: bool,
                   compiled: Mapping[str, int]) -> Text:
     """``show``'s line for one table file: op, shapes tuned, median gain over the heuristic, compiled kernels
@@ -242,13 +224,15 @@ def _summary_line(path: Path, source: str, table: Mapping[str, Any], status: str
 
 
 def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
-                ops: Sequence[str] | None = None, detail: bool = False) -> bool:
+                ops: Sequence[str] | None = None, detail: bool = False,
+                compiled: Mapping[str, int] | None = None) -> bool:
     """Print every table found for ``gpu`` in the lookup order, judged against the op ``specs`` of this
     installation (a table of another op is listed as not used); False if none was found. By default one line per
     table file (``_summary_line``: op, shapes tuned, median gain, compiled kernels, in use or why not);
     ``detail``: each table's header line, its times and its configs. ``show_trials`` (implies ``detail``): also
     list each entry's trials, read from the trial log beside the table. ``ops``: only the tables of these ops
-    (their file names), None for all.
+    (their file names), None for all. ``compiled``: usable compiled kernels per op, for the summary lines (the
+    caller counts them as ``liger-gen verify`` does: ``liger_gen.verify.compiled_kernels_per_op``).
 
     Everything read from a table is printed as plain text: rich markup in it is not interpreted and terminal
     control characters are replaced (``safe_text``), so a table can neither break the listing nor drive the
@@ -257,7 +241,7 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
 
     spaces = {spec.name: spec.space for spec in specs}
     detail = detail or show_trials
-    compiled = {} if detail else compiled_kernels_per_op(gpu, specs)
+    compiled = compiled or {}
     found = False
     for source, root in tables.table_roots():
         folder = Path(root) / gpu
