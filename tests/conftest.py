@@ -82,7 +82,8 @@ RMS_NORM_BRANCHES = [
 
 def assert_norm_heuristic_valid(space_cls, dtype: torch.dtype, max_n: int) -> None:
     """A row norm's heuristic at every width 1..299 and 2^k − 1, 2^k, 2^k + 1 from 512 up to ``max_n``, under the
-    default, the interpreter's and a 99 KiB-shared-memory device: valid, with one tile covering the row."""
+    default, the interpreter's and a 99 KiB-shared-memory device: valid, with one tile covering the row; a row
+    wider than ``max_n`` is refused, naming the limit."""
     from liger_gen.codegen.spaces import DeviceLimits
 
     widths = list(range(1, 300)) + [2**k + d for k in range(9, max_n.bit_length()) for d in (-1, 0, 1)
@@ -92,6 +93,8 @@ def assert_norm_heuristic_valid(space_cls, dtype: torch.dtype, max_n: int) -> No
             space = space_cls(n, dtype, limits)
             config = space.heuristic()
             assert config.BLOCK_N >= n and not space.violations(config)
+    with pytest.raises(ValueError, match=str(max_n)):
+        space_cls(max_n + 1, dtype)
 
 
 @pytest.fixture

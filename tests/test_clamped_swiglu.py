@@ -11,6 +11,7 @@ from liger_gen.ops.glu.clamped_swiglu import (GPT_OSS_ALPHA, GPT_OSS_LIMIT, Clam
                                               clamped_swiglu_torch)
 
 from conftest import CPU_PATHS, assert_compiles_like_eager, seeded
+from helpers import assert_passes_the_gate
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -104,12 +105,7 @@ def test_problem_and_space(device):
     space = ClampedSwiGLUSpace({"n_cols": 2880}, torch.bfloat16)
     assert not space.violations(space.heuristic())
     problem = ClampedSwiGLUProblem(torch.float32, 100, 12, device, seed=3)
-    from liger_gen.codegen.build import load_variant
-
-    module = load_variant("clamped_swiglu", problem.space.heuristic().to_dict())
-    for phase in problem.phases:
-        problem.launcher(module, phase)()
-        assert problem.check(module, phase) is None
+    module = assert_passes_the_gate(problem)
     problem.buffers["gate_up"][0, 0] += 1.0  # a wrong input: the check must fail
     problem.launcher(module, "fwd")()
     assert problem.check(module, "fwd") is not None

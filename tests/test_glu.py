@@ -14,6 +14,7 @@ from liger_gen.ops.glu.glu import (GeGLUProblem, GeGLUSpace, GLUConfig, GLUProbl
 from liger_gen.runtime import tables
 
 from conftest import seeded
+from helpers import HEURISTIC_LIMITS, assert_passes_the_gate, valid_heuristics
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (template activation, approximate for geglu or None for swiglu)
@@ -35,6 +36,22 @@ def _leaf(t):
 
 def _randn(shape, dtype, device, gen, scale=1.0):
     return (scale * torch.randn(shape, generator=gen)).to(device, dtype)
+
+
+def _assert_nearly_eagers_bits(activation, approximate, gate, up, draw_dy):
+    """Output and gradients (for ``dy = draw_dy(shape)``) equal eager ``glu_torch``'s in over 95% of the elements
+    and within two units in the last place of the 16-bit dtype elsewhere (an absolute floor below 1/64)."""
+    y = _glu(activation, approximate, gate, up)
+    dy = draw_dy(y.shape)
+    grads = torch.autograd.grad(y, (gate, up), dy)
+    gate2, up2 = _leaf(gate.detach()), _leaf(up.detach())
+    ref = glu_torch(gate2, up2, activation)
+    ref_grads = torch.autograd.grad(ref, (gate2, up2), dy)
+    eps = torch.finfo(gate.dtype).eps
+    for name, got, want in (("y", y, ref), ("dgate", grads[0], ref_grads[0]), ("dup", grads[1], ref_grads[1])):
+        got, want = got.float(), want.float()
+        assert (got == want).float().mean() > 0.95, name
+        assert ((got - want).abs() <= 2 * eps * want.abs().clamp_min(2 ** -6)).all(), name
 
 
 def _assert_matches_float64(activation, approximate, gate, up, tol=None):
@@ -109,17 +126,8 @@ def test_kernel_rounds_where_pytorch_rounds(activation, approximate, device):
     gen = torch.Generator().manual_seed(21)
     gate = _leaf(_randn((64, 512), torch.float16, device, gen, scale=2.0))
     up = _leaf(_randn((64, 512), torch.float16, device, gen))
-    y = _glu(activation, approximate, gate, up)
-    dy = torch.randn(y.shape).to(device, torch.float16)
-    grads = torch.autograd.grad(y, (gate, up), dy)
-    gate2, up2 = _leaf(gate.detach()), _leaf(up.detach())
-    ref = glu_torch(gate2, up2, activation)
-    ref_grads = torch.autograd.grad(ref, (gate2, up2), dy)
-    eps = torch.finfo(torch.float16).eps
-    for name, got, want in (("y", y, ref), ("dgate", grads[0], ref_grads[0]), ("dup", grads[1], ref_grads[1])):
-        got, want = got.float(), want.float()
-        assert (got == want).float().mean() > 0.95, name
-        assert ((got - want).abs() <= 2 * eps * want.abs().clamp_min(2 ** -6)).all(), name
+    _assert_nearly_eagers_bits(activation, approximate, gate, up,
+                               lambda shape: torch.randn(shape).to(device, torch.float16))
 
 
 @pytest.mark.parametrize("make_views", [
@@ -425,13 +433,9 @@ WIDTHS = (list(range(1, 200)) + [2 ** k + d for k in range(8, 18) for d in (-1, 
 @pytest.mark.parametrize("space_cls", [GLUSpace, GeGLUSpace])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heuristic_valid_for_every_width(space_cls, dtype):
-    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=49152),
-                   DeviceLimits(max_threads_per_block=256)):
-        for n in WIDTHS:
-            space = space_cls(n, dtype, limits)
-            config = space.heuristic()
-            assert not space.violations(config), (n, limits)
-            assert config.BLOCK_N_FWD <= max(16, 2 * n) and config.BLOCK_N_BWD <= max(16, 2 * n)
+    for n, config in valid_heuristics(space_cls, WIDTHS, dtype,
+                                      HEURISTIC_LIMITS + (DeviceLimits(max_shared_memory_per_block=49152),)):
+        assert config.BLOCK_N_FWD <= max(16, 2 * n) and config.BLOCK_N_BWD <= max(16, 2 * n)
 
 
 def test_constraints_reject_bad_configs():
@@ -462,12 +466,7 @@ def test_constraints_reject_bad_configs():
 def test_every_template_branch_passes_the_tuners_gate(changes, activation, dtype, device):
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each structural variant."""
     problem_cls = GLUProblem if activation == "silu" else GeGLUProblem
-    problem = problem_cls(dtype, 100, 19, device, activation=activation, seed=5)
-    config = dataclasses.replace(problem.space.heuristic(), **changes)
-    assert not problem.space.violations(config)
-    module = load_variant("glu", problem.template_params(config))
-    assert problem.check(module, "fwd") is None
-    assert problem.check(module, "bwd") is None
+    assert_passes_the_gate(problem_cls(dtype, 100, 19, device, activation=activation, seed=5), changes)
 
 
 def test_gate_catches_a_wrong_kernel(device):
@@ -594,17 +593,8 @@ def test_kernel_rounds_like_pytorch_eager_on_gpu(activation, approximate):
     gen = torch.Generator(device="cuda").manual_seed(1)
     gate = _leaf(2 * torch.randn(256, 4096, device="cuda", generator=gen).to(torch.bfloat16))
     up = _leaf(torch.randn(256, 4096, device="cuda", generator=gen).to(torch.bfloat16))
-    y = _glu(activation, approximate, gate, up)
-    dy = torch.randn(y.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    grads = torch.autograd.grad(y, (gate, up), dy)
-    gate2, up2 = _leaf(gate.detach()), _leaf(up.detach())
-    ref = glu_torch(gate2, up2, activation)
-    ref_grads = torch.autograd.grad(ref, (gate2, up2), dy)
-    eps = torch.finfo(torch.bfloat16).eps
-    for name, got, want in (("y", y, ref), ("dgate", grads[0], ref_grads[0]), ("dup", grads[1], ref_grads[1])):
-        got, want = got.float(), want.float()
-        assert (got == want).float().mean() > 0.95, name
-        assert ((got - want).abs() <= 2 * eps * want.abs().clamp_min(2 ** -6)).all(), name
+    _assert_nearly_eagers_bits(activation, approximate, gate, up,
+                               lambda shape: torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16))
 
 
 def _gelu_tanh_mlp_grads(hidden=2048, intermediate=4096, batch=2, seq=2048, device="cuda", dtype=torch.bfloat16,

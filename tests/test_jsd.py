@@ -10,13 +10,13 @@ import torch.nn.functional as F
 
 from liger_gen.codegen.build import load_variant
 from liger_gen.codegen.problems import REL_TOL, rel_l2
-from liger_gen.codegen.spaces import DeviceLimits
 from liger_gen.tuning.search import Tuner
 from liger_gen.models import ModelShape
 from liger_gen.ops.divergence.jsd import JSDProblem, JSDSpace, jsd, jsd_float64, jsd_torch, tuning_problems
 from liger_gen.ops.divergence.rows import DivergenceConfig
 
 from conftest import seeded
+from helpers import assert_passes_the_gate, assert_trains_past_an_inference_mode_target, valid_heuristics
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BETAS = [0.0, 0.3, 0.5, 1.0]
@@ -285,13 +285,8 @@ def test_opcheck_custom_ops(device):
 
 
 def test_inference_mode_teacher_with_trained_student(device):
-    with torch.inference_mode():
-        t = torch.randn(4, 30, device=device).log_softmax(-1)
-    s = torch.randn(4, 30, device=device).log_softmax(-1).requires_grad_()
-    jsd(s, t).backward()
-    s64 = s.detach().double().requires_grad_()
-    jsd_float64(s64, t.clone()).backward()
-    assert rel_l2(s.grad, s64.grad) < REL_TOL[torch.float32]
+    assert_trains_past_an_inference_mode_target(jsd, jsd_float64,
+                                                lambda: torch.randn(4, 30, device=device).log_softmax(-1), device)
 
 
 # ------------------------------------------------------------------------------------------------ space/tuning
@@ -300,10 +295,7 @@ def test_inference_mode_teacher_with_trained_student(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_heuristic_valid_for_every_vocab(dtype):
     vocabs = list(range(1, 200)) + [2**k + d for k in range(9, 19) for d in (-1, 0, 1)] + [128256, 152064]
-    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_threads_per_block=256)):
-        for v in vocabs:
-            space = JSDSpace(v, dtype, limits)
-            assert not space.violations(space.heuristic()), (v, limits)
+    list(valid_heuristics(JSDSpace, vocabs, dtype))
 
 
 def test_space_and_template_are_jsd_own():
@@ -327,11 +319,7 @@ def test_space_and_template_are_jsd_own():
 def test_every_template_branch_passes_the_tuners_gate(changes, beta, with_label, dtype, device):
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each kernel branch."""
     problem = JSDProblem(dtype, 333, 13, device, beta=beta, with_label=with_label, ignore_fraction=0.3, seed=5)
-    config = dataclasses.replace(problem.space.heuristic(), **changes)
-    assert not problem.space.violations(config)
-    module = load_variant("jsd", problem.template_params(config))
-    assert problem.check(module, "fwd") is None
-    assert problem.check(module, "bwd") is None
+    assert_passes_the_gate(problem, changes)
 
 
 def test_float64_reference_is_the_same_in_row_chunks(monkeypatch, device):

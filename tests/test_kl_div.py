@@ -20,6 +20,8 @@ from liger_gen.ops.divergence.rows import DivergenceConfig, tuning_rows
 from liger_gen.runtime import tables
 
 from conftest import seeded
+from helpers import (HEURISTIC_LIMITS, assert_error_names, assert_passes_the_gate,
+                     assert_trains_past_an_inference_mode_target, valid_heuristics)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -181,11 +183,7 @@ def test_empty_inputs_match_pytorch(shape, reduction, device):
     ((torch.ones(4, 8), "target"), TypeError, ["target", "str"]),
 ])
 def test_bad_input_names_tensor_shape_dtype(args, exc, words, device):
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    with pytest.raises(exc) as info:
-        kl_div(*args)
-    for word in words:
-        assert word in str(info.value)
+    assert_error_names(kl_div, args, exc, words, device)
 
 
 def test_bad_options(device):
@@ -260,13 +258,8 @@ def test_opcheck_custom_ops(device):
 
 
 def test_inference_mode_target_with_trained_input(device):
-    with torch.inference_mode():
-        t = torch.rand(4, 30, device=device)
-    x = torch.randn(4, 30, device=device).log_softmax(-1).requires_grad_()
-    kl_div(x, t).backward()
-    x64 = x.detach().double().requires_grad_()
-    kl_div_float64(x64, t.clone()).backward()
-    assert rel_l2(x.grad, x64.grad) < REL_TOL[torch.float32]
+    assert_trains_past_an_inference_mode_target(kl_div, kl_div_float64, lambda: torch.rand(4, 30, device=device),
+                                                device)
 
 
 # ------------------------------------------------------------------------------------------------ space/tuning
@@ -276,12 +269,8 @@ def test_inference_mode_target_with_trained_input(device):
 def test_heuristic_valid_for_every_vocab(dtype):
     vocabs = list(range(1, 300)) + [2**k + d for k in range(9, 19) for d in (-1, 0, 1)]
     vocabs += [32000, 32768, 128256, 151936, 152064, 256000]
-    for limits in (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_shared_memory_per_block=101376),
-                   DeviceLimits(max_threads_per_block=256)):
-        for v in vocabs:
-            space = KLDivSpace(v, dtype, limits)
-            config = space.heuristic()
-            assert not space.violations(config), (v, limits)
+    list(valid_heuristics(KLDivSpace, vocabs, dtype,
+                          HEURISTIC_LIMITS + (DeviceLimits(max_shared_memory_per_block=101376),)))
 
 
 def test_constraints_reject_bad_configs():
@@ -314,11 +303,7 @@ def test_every_template_branch_passes_the_tuners_gate(changes, reduction, log_ta
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each kernel branch."""
     problem = KLDivProblem(dtype, 333, 13, device, reduction=reduction, log_target=log_target,
                            target_grad=target_grad, seed=5)
-    config = dataclasses.replace(problem.space.heuristic(), **changes)
-    assert not problem.space.violations(config)
-    module = load_variant("kl_div", problem.template_params(config))
-    assert problem.check(module, "fwd") is None
-    assert problem.check(module, "bwd") is None
+    assert_passes_the_gate(problem, changes)
 
 
 def test_float64_reference_is_the_same_in_row_chunks(monkeypatch, device):

@@ -10,6 +10,7 @@ from liger_gen.ops.glu.moe import (MoEPermuteProblem, MoEPermuteSpace, moe_exper
                                    moe_routing, moe_unpermute)
 
 from conftest import CPU_PATHS, seeded
+from helpers import assert_passes_the_gate
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -112,13 +113,8 @@ def test_permutations_are_deterministic_and_sum_in_order():
 def test_problem_and_space(device):
     space = MoEPermuteSpace({"hidden": 2048}, torch.bfloat16)
     assert not space.violations(space.heuristic())
-    from liger_gen.codegen.build import load_variant
-
     problem = MoEPermuteProblem(torch.float32, 48, 10, device, seed=2)
-    module = load_variant("moe_permute", problem.space.heuristic().to_dict())
-    for phase in problem.phases:
-        problem.launcher(module, phase)()
-        assert problem.check(module, phase) is None
+    module = assert_passes_the_gate(problem)
     problem.buffers["pos"][0, 0] = problem.buffers["pos"][0, 1]  # a wrong permutation must fail the check
     assert problem.check(module, "fwd") is not None
 

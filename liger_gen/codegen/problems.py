@@ -160,18 +160,23 @@ class Problem:
       written once); ``step_bytes`` those of a training step (forward + backward; by default the phases' sum)
       with ``BYTES_FORMULA`` its formula; ``step_flops`` for matmul ops.
 
-    Subclasses set ``op`` and ``SPACE`` and, in ``__init__``, fill ``self.buffers`` (name → tensor, inputs and
-    outputs), ``self.ref`` (output name → float64 truth), ``self.tol`` (output name → relative L2 tolerance) and
-    ``self.outputs`` (phase → output names), and implement ``launcher``. ``variant`` holds render-time options
-    that are not tuned (e.g. ``casting_mode``); they are part of the table entry.
+    Subclasses set ``SPACE`` (``op`` is its op's name) and, in ``__init__``, fill ``self.buffers`` (name →
+    tensor, inputs and outputs), ``self.ref`` (output name → float64 truth), ``self.tol`` (output name → relative
+    L2 tolerance) and ``self.outputs`` (phase → output names), and implement ``launcher``. ``variant`` holds
+    render-time options that are not tuned (e.g. ``casting_mode``); they are part of the table entry.
     """
 
-    op: ClassVar[str]
+    op: ClassVar[str]  # the op's name: its SPACE's, unless a subclass sets another
     SPACE: ClassVar[type]
     OUTPUTS: ClassVar[tuple[str, ...]] = ()  # the op's differentiable outputs, in its return order
     DEFAULT_ROWS: ClassVar[int] = 16384  # token count of the bench's default shape
     BYTES_FORMULA: ClassVar[str] = ""  # ``step_bytes`` as a formula (R rows, H hidden, ..., s element size)
     FLOPS_FORMULA: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "SPACE" in cls.__dict__ and "op" not in cls.__dict__:  # the op is named once, by its space
+            cls.op = cls.SPACE.op
 
     @classmethod
     def shape(cls, model) -> dict[str, int]:

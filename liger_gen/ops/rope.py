@@ -263,7 +263,6 @@ class RoPEProblem(Problem):
     """RoPE at rows = batch·seq tokens in ``dtype``: q, k in transformers' layout (a (b, s, h, d) projection
     viewed as (b, h, s, d)), cos/sin (1, seq, rotary_dim) in ``dtype`` as LlamaRotaryEmbedding gives them."""
 
-    op = "rope"
     SPACE = RoPESpace
     OUTPUTS = ("q_out", "k_out")
     # each pass: q, k (or their gradients) in and out, cos and sin in

@@ -23,10 +23,10 @@ import torch
 from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, IGNORE_INDEX, REL_TOL, TARGET_BYTES, Inputs,
                                         Problem, VocabProblem, chunk_rows, log_probs, randn, targets)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.divergence.rows import DivergenceSpace, jsd_mode, jsd_rows, tuning_row_cap, tuning_rows
+from liger_gen.ops.divergence.rows import (DivergenceSpace, check_beta, jsd_mode, jsd_rows, tuning_row_cap,
+                                           tuning_rows)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   uses_triton)
+from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -76,7 +76,6 @@ class JSDProblem(VocabProblem):
     serves every call option. Tuning uses beta = 0.5 (the mixture, the costliest mode) with labels, about
     one row in ten ignored. Rows are capped for tuning as for kl_div (``tuning_rows``)."""
 
-    op = "jsd"
     SPACE = JSDSpace
     OUTPUTS = ("loss",)
     # the step's floor: student and teacher read, d student written, labels read; the tuned phases are two
@@ -329,9 +328,7 @@ def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.
             raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
     if label is not None and not isinstance(label, torch.Tensor):
         raise TypeError(f"{op}: label must be a tensor or None, got {type(label).__name__}")
-    beta = check_float_arg(op, "beta", beta)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"{op}: beta must be in [0, 1], got {beta}")
+    beta = check_beta(op, beta)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
     if student_logp.dim() < 1:

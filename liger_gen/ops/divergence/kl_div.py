@@ -76,7 +76,6 @@ class KLDivProblem(VocabProblem):
     ``reduction`` and ``log_target`` are kernel constexprs, not template variants: one table entry serves
     every call option (tuning uses the default, "batchmean" with probabilities as target)."""
 
-    op = "kl_div"
     SPACE = KLDivSpace
     OUTPUTS = ("loss",)
     # the step's floor: input and target read, d input written (the target is not differentiated); the tuned

@@ -16,6 +16,7 @@ import torch
 
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import capped_rows
+from liger_gen.runtime.ops import check_float_arg
 
 # ------------------------------------------------------------------------------------------------ space
 
@@ -130,6 +131,14 @@ def tuning_rows(vocab: int, rows: list[int]) -> list[int]:
 
 # kernel MODE constexpr: the two endpoints are the limits JSD_b / beta and JSD_b / (1 − beta), not JSD_b itself
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+
+
+def check_beta(op: str, beta) -> float:
+    """The generalised JSD's beta as a float in [0, 1]; TypeError / ValueError naming ``op`` and the value."""
+    beta = check_float_arg(op, "beta", beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"{op}: beta must be in [0, 1], got {beta}")
+    return beta
 
 
 def jsd_mode(beta: float) -> int:

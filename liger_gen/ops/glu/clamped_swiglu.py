@@ -94,7 +94,6 @@ class ClampedSwiGLUProblem(GLUProblem):
     y (rows, n_cols), and the interleaved gradient of gate_up. Gate values ~ N(0, 4²) and up ~ N(0, 4²), so
     that a share of both passes each clamp (7 = 1.75 σ)."""
 
-    op = "clamped_swiglu"
     SPACE = ClampedSwiGLUSpace
     ACTIVATION_CHOICES = ("clamped_silu",)
     OUTPUTS = ("y",)

@@ -138,7 +138,6 @@ class GLUProblem(Problem):
     that rounding (2^-24 relative) is far below every tolerance, and halves the memory of the 65536-row problems.
     """
 
-    op = "swiglu"
     SPACE = GLUSpace
     ACTIVATION_CHOICES: tuple[str, ...] = ("silu",)
     REF_CHUNK_ELEMENTS = 2 * REF_CHUNK_ELEMENTS  # elements per float64 reference chunk
@@ -221,7 +220,6 @@ class GeGLUSpace(GLUSpace):
 class GeGLUProblem(GLUProblem):
     """GeGLU at (rows, n_cols): ``activation`` "gelu_tanh" (default, Gemma) or "gelu"."""
 
-    op = "geglu"
     SPACE = GeGLUSpace
     ACTIVATION_CHOICES = ("gelu_tanh", "gelu")
 

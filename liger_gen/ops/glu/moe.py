@@ -160,7 +160,6 @@ class MoEPermuteProblem(Problem):
     x and unpermutes expert outputs ys with routing weights w; the backward gives dys, dw (the unpermute's) and
     dx (the permute's, a fixed-order sum over each token's rows)."""
 
-    op = "moe_permute"
     SPACE = MoEPermuteSpace
     OUTPUTS = ("xs", "out")
     DEFAULT_ROWS = 8192

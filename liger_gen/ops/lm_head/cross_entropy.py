@@ -204,7 +204,6 @@ class CrossEntropyProblem(VocabProblem):
     its logits and dlogits (a stored one would be 17 GB at 16384 x 128256).
     """
 
-    op = "cross_entropy"
     SPACE = CrossEntropySpace
     OUTPUTS = ("loss",)
     # the logits read once, dlogits written once, the targets read

@@ -22,13 +22,12 @@ recomputes each chunk's logits.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, TARGET_BYTES, Inputs, Problem, randn, targets
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, TARGET_BYTES, Inputs
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.lm_head.chunks import LOW_PRECISION, TARGET_DTYPES, accumulate_dw, check_lm_head, lm_head_logits
+from liger_gen.ops.lm_head.chunks import (LOW_PRECISION, MAX_TUNING_ROWS, TARGET_DTYPES, ChunkEngine, LMHeadProblem,
+                                          check_lm_head, lm_head_tuning_problems)
 from liger_gen.ops.lm_head.cross_entropy import cross_entropy_float64, cross_entropy_torch
 from liger_gen.ops.lm_head.cross_entropy_rows import (CrossEntropyOptions, check_prediction_flags,
                                                       cross_entropy_mean_scale, cross_entropy_reduce,
@@ -38,7 +37,7 @@ from liger_gen.ops.lm_head.fused_linear_cross_entropy_plan import (FusedLinearCr
                                                                    FusedLinearCrossEntropySpace, chunk_ce_config,
                                                                    cpu_chunk_rows)
 from liger_gen.runtime.binding import Differentiable, Kernel, refuse_dtensors, saved
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe, kernel_module,
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_same_device, check_targets, describe,
                                    transforms_active, use_custom_op, uses_triton)
 
 # ------------------------------------------------------------------------------------------------ references
@@ -138,46 +137,26 @@ def fused_linear_cross_entropy_float64_chunked(x, lm_head_weight, target, bias=N
 # ------------------------------------------------------------------------------------------------ chunk loop
 
 
-def _plan(x: torch.Tensor, hidden: int, vocab: int, rows: int, plan) -> FusedLinearCrossEntropyConfig:
-    """The launch plan: ``plan`` itself (a config, or a dict of its fields), else the table's or the heuristic."""
-    if isinstance(plan, FusedLinearCrossEntropyConfig):
-        return plan
-    if isinstance(plan, dict):
-        return FusedLinearCrossEntropyConfig.from_dict(plan)
-    dims = {"hidden": hidden, "vocab": vocab}
-    if uses_triton(x):
-        _, config, _ = kernel_module(FusedLinearCrossEntropySpace, x, dims, max(1, rows))
-        return config
-    space = FusedLinearCrossEntropySpace(dims, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32)
-    return space.heuristic()
+class _Chunked(ChunkEngine):
+    """One call's chunk loop (``chunks.ChunkEngine``) with the cross-entropy kernel as each chunk's step."""
 
-
-class _Chunked:
-    """One call's chunk loop: inputs, launch plan, and the per-chunk GEMMs around the cross-entropy kernel."""
+    SPACE = FusedLinearCrossEntropySpace
 
     def __init__(self, x, w, target, bias, weight, options: CrossEntropyOptions, plan=None,
                  token_scaling: bool = False):
-        self.x, self.w, self.target = x, w, target
-        self.token_scaling = token_scaling
-        self.rows, self.hidden = x.shape
-        self.vocab = w.shape[0]
-        self.weight = None if weight is None else weight.detach()
         self.options = options
-        self.bias = bias
-        low = x.dtype in LOW_PRECISION
-        config = _plan(x, self.hidden, self.vocab, self.rows, plan)
-        self.chunk_rows = config.CHUNK_ROWS
-        if not x.is_cuda:
-            self.chunk_rows = cpu_chunk_rows(config, x.dtype, self.hidden, self.vocab,
-                                             interpreter=uses_triton(x), softcap=options.softcap is not None)
+        self.token_scaling = token_scaling
+        self.weight = None if weight is None else weight.detach()
+        super().__init__(x, w, bias, target, plan)
         self.ce_config = chunk_ce_config(self.hidden, self.vocab,
-                                         x.dtype if x.dtype in KERNEL_DTYPES else torch.float32, config)
-        self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
-        # dW summed in fp32 unless the plan adds each chunk's product into dW in x's dtype (bfloat16 only)
-        self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype
+                                         x.dtype if x.dtype in KERNEL_DTYPES else torch.float32, self.config)
         # bfloat16 and float32 gradients carry the mean's 1/Σw from the kernel on; float16 ones are left unscaled
         # (they would underflow) and are multiplied by grad_scale at the end
         self.prescale = x.dtype != torch.float16
+
+    def cpu_chunk_rows(self, config: FusedLinearCrossEntropyConfig) -> int:
+        return cpu_chunk_rows(config, self.x.dtype, self.hidden, self.vocab, interpreter=uses_triton(self.x),
+                              softcap=self.options.softcap is not None)
 
     def run(self, scale, grad_output, need_dx: bool, need_dw: bool, need_db: bool, need_pred: bool = False):
         """Loop over chunks: per-row (loss, z-loss) in fp32 and, if any need_*, dx (x's dtype), dW (fp32 or x's
@@ -189,32 +168,14 @@ class _Chunked:
         overwrites them), else None. With token scaling, each row's losses and upstream gradient are multiplied
         by its detached p_y, which a loss-only launch on the chunk computes first.
         """
-        x, rows, vocab, dtype = self.x, self.rows, self.vocab, self.x.dtype
-        want_grad = need_dx or need_dw or need_db
+        x, rows = self.x, self.rows
         f32 = dict(dtype=torch.float32, device=x.device)
         loss_rows, zl_rows = torch.empty(rows, **f32), torch.empty(rows, **f32)
-        dx = torch.empty((rows, self.hidden), dtype=dtype, device=x.device) if need_dx else None
-        dw = torch.empty((vocab, self.hidden), dtype=self.dw_dtype, device=x.device) if need_dw else None
-        db = torch.zeros(vocab, **f32) if need_db else None
         pred = torch.empty(rows, dtype=torch.int64, device=x.device) if need_pred else None
-        chunk = min(self.chunk_rows, max(rows, 1))
-        logits_buf = torch.empty((chunk, vocab), dtype=self.logits_dtype, device=x.device) if rows else None
-        # the gradient GEMMs take dlogits in x's dtype (one operand dtype): the kernel writes them there directly
-        # (rounded once from fp32); when the logits are already in x's dtype, in place
-        separate = want_grad and self.logits_dtype != dtype
-        grad_buf = torch.empty((chunk, vocab), dtype=dtype, device=x.device) if rows and separate else None
-        if need_dw and rows == 0:
-            dw.zero_()
-        for start in range(0, rows, chunk):
-            end = min(start + chunk, rows)
-            xc = x[start:end]
-            logits = logits_buf[:end - start]
-            # a GEMM in x's dtype with fp32 accumulation, rounded once (bias in the epilogue) when the logits have
-            # x's dtype; fp32 logits of 16-bit inputs are never rounded
-            lm_head_logits(xc, self.w, self.bias, logits)
+
+        def step(start, end, logits, grad):
             if pred is not None:  # softcap is monotone: the capped logits have the same argmax
                 torch.argmax(logits, dim=-1, out=pred[start:end])
-            grad = (grad_buf[:end - start] if separate else logits) if want_grad else None
             target_c = self.target[start:end]
             g_c = None if grad_output is None else grad_output[start:end]
             if self.token_scaling:  # the chunk's p_y from a loss-only pass (which leaves the logits as they are)
@@ -223,8 +184,8 @@ class _Chunked:
                 p = target_probability(logits, target_c, lse_c, self.options.softcap, self.options.ignore_index)
                 loss_rows[start:end] = loss_c * p
                 zl_rows[start:end] = zl_c * p
-                if not want_grad:
-                    continue
+                if grad is None:
+                    return
                 g_c = p if g_c is None else g_c.float() * p
             # the arguments were validated once by the public function: the unchecked entry point, per chunk
             loss_c, zl_c, _ = loss_and_grad_unchecked(logits, target_c, grad, self.weight, self.options, scale,
@@ -232,23 +193,8 @@ class _Chunked:
             if not self.token_scaling:
                 loss_rows[start:end] = loss_c
                 zl_rows[start:end] = zl_c
-            if not want_grad:
-                continue
-            if need_db:
-                db += grad.sum(dim=0, dtype=torch.float32)
-            if need_dx:
-                torch.mm(grad, self.w, out=dx[start:end])
-            if need_dw:
-                first = start == 0
-                if dw.dtype == dtype:  # x's dtype (bf16 plan, or fp32 inputs): the GEMM adds in fp32, rounds once
-                    if first:
-                        torch.mm(grad.t(), xc, out=dw)
-                    else:
-                        dw.addmm_(grad.t(), xc)
-                else:
-                    if first:
-                        dw.zero_()
-                    accumulate_dw(dw, grad.t(), xc)
+
+        dx, dw, db = self.walk(step, need_dx, need_dw, need_db)
         return loss_rows, zl_rows, dx, dw, db, pred
 
 
@@ -334,32 +280,19 @@ def loss_tolerance(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2 if dtype in LOW_PRECISION else FP32_OUT_TOL
 
 
-class FusedLinearCrossEntropyProblem(Problem):
+class FusedLinearCrossEntropyProblem(LMHeadProblem):
     """FLCE at (rows, hidden, vocab) in ``dtype``: reduction "mean" with 1 in 20 targets ignored.
 
     Phase "fwd" is the whole fused forward (loss, dx and dW; the backward only scales them). The float64 truth
     is computed chunk by chunk on the device.
     """
 
-    op = "fused_linear_cross_entropy"
     SPACE = FusedLinearCrossEntropySpace
     OUTPUTS = ("loss",)
-    DEFAULT_ROWS = 8192
     # x and W read, dx and dW written, targets read; the logits never leave the chip's chunks
     BYTES_FORMULA = "2·R·H·s + 2·V·H·s + 8·R"
     # three GEMMs of 2·R·H·V: logits, dx = dlogits @ W, dW = dlogits^T @ x
     FLOPS_FORMULA = "6·R·H·V"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"hidden": model.hidden_size, "vocab": model.vocab_size}
-
-    @classmethod
-    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
-        r, h, v = dims["rows"], dims["hidden"], dims["vocab"]
-        return Inputs({"x": randn(gen, (r, h), dtype, device),
-                       "w": randn(gen, (v, h), dtype, device, 2.0 / math.sqrt(h)),
-                       "target": targets(gen, r, v, device)}, grad_of=("x", "w"), upstream={"loss": None})
 
     @classmethod
     def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
@@ -406,19 +339,8 @@ class FusedLinearCrossEntropyProblem(Problem):
 
         return launch
 
-    def flops(self, phase: str) -> int:
-        return self.step_flops(self.problem_dims)
 
-
-MAX_TUNING_ROWS = 4096  # each trial is a full fused forward (3 GEMMs); the best chunk barely depends on rows
-
-
-def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The model's LM head at (hidden_size, vocab_size); token counts capped at MAX_TUNING_ROWS."""
-    dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
-    capped = sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})
-    return [FusedLinearCrossEntropyProblem(dtype, dims, r, device, seed=seed) for r in capped]
-
+tuning_problems = lm_head_tuning_problems(FusedLinearCrossEntropyProblem)
 
 SPEC = OpSpec("fused_linear_cross_entropy", FusedLinearCrossEntropySpace, FusedLinearCrossEntropyProblem,
               tuning_problems, max_tuning_rows=MAX_TUNING_ROWS,

@@ -28,17 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from liger_gen.codegen.problems import Inputs, Problem, randn, targets
-from liger_gen.codegen.spaces import KernelConfig, Param
+from liger_gen.codegen.spaces import Param
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.divergence.rows import jsd_mode, jsd_rows
-from liger_gen.ops.lm_head.chunks import TARGET_DTYPES, check_lm_head, lm_head_logits
+from liger_gen.ops.divergence.rows import check_beta, jsd_mode, jsd_rows
+from liger_gen.ops.lm_head.chunks import (CHUNK_PLAN_PARAMS, MAX_TUNING_ROWS, TARGET_DTYPES, ChunkEngine,
+                                          ChunkPlanConfig, check_lm_head, lm_head_logits, lm_head_tuning_problems)
 from liger_gen.ops.lm_head.cross_entropy_rows import scale_in_place
-from liger_gen.ops.lm_head.selective_log_softmax import (MAX_TUNING_ROWS, Chunks,
-                                                         SelectiveLogSoftmaxProblem, SelectiveLogSoftmaxSpace,
-                                                         lm_head_tuning_problems)
+from liger_gen.ops.lm_head.selective_log_softmax import SelectiveLogSoftmaxProblem, SelectiveLogSoftmaxSpace
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
-                                   describe, kernel_module, uses_triton)
+from liger_gen.runtime.ops import check_float_arg, check_kernel_dtypes, check_same_device, describe, uses_triton
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -93,19 +91,14 @@ def fused_linear_jsd_float64(student_x, student_w, teacher_x, teacher_w, target=
 
 
 @dataclass(frozen=True)
-class FusedLinearJSDConfig(KernelConfig):
-    """Chunk plan and launch settings of one variant.
+class FusedLinearJSDConfig(ChunkPlanConfig):
+    """Chunk plan (``chunks.ChunkPlanConfig``; with LOGITS_FP32=0 the student's gradient is written over its
+    logits) and launch settings of one variant.
 
-    CHUNK_ROWS: rows per chunk (the M of the two logits GEMMs and of dx, the K of dW).
-    LOGITS_FP32: 1 = fp32 logits and a separate gradient buffer in x's dtype; 0 = logits in x's dtype and the
-        student's gradient written over its logits.
-    DW_FP32: 1 = dW summed over chunks in fp32; 0 = added into dW in x's dtype per chunk (bfloat16 only).
     BLOCK_V, num_warps, num_stages: the divergence kernel (one program per row, BLOCK_V columns a step).
     """
 
     CHUNK_ROWS: int = 512
-    LOGITS_FP32: int = 0
-    DW_FP32: int = 0
     BLOCK_V: int = 4096
     num_warps: int = 8
     num_stages: int = 1
@@ -121,9 +114,7 @@ class FusedLinearJSDSpace(SelectiveLogSoftmaxSpace):
     config_cls = FusedLinearJSDConfig
     LOGITS_BUFFERS = 2
     PARAMS = (
-        Param("CHUNK_ROWS", SelectiveLogSoftmaxSpace.CHUNK_CHOICES, "fwd"),
-        Param("LOGITS_FP32", (0, 1), "fwd"),
-        Param("DW_FP32", (0, 1), "fwd"),
+        *CHUNK_PLAN_PARAMS,
         Param("BLOCK_V", SelectiveLogSoftmaxSpace.BLOCK_V_CHOICES, "fwd"),
         Param("num_warps", (1, 2, 4, 8, 16), "fwd"),
         Param("num_stages", (1, 2, 3), "fwd"),
@@ -144,31 +135,17 @@ class FusedLinearJSDSpace(SelectiveLogSoftmaxSpace):
 FP16_DZ_SCALE = 256.0
 
 
-def _config(x: torch.Tensor, hidden: int, vocab: int, rows: int):
-    """(config, kernel module or None): the table's or the heuristic's; no module on the plain CPU path."""
-    dims = {"hidden": hidden, "vocab": vocab}
-    if uses_triton(x):
-        module, config, _ = kernel_module(FusedLinearJSDSpace, x, dims, max(1, rows))
-        return config, module
-    space = FusedLinearJSDSpace(dims, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32)
-    return space.heuristic(), None
-
-
-class _Distill(Chunks):
-    """One call's chunk loop: the student and teacher logits GEMMs of each chunk and the kernel between; the
-    gradient allocation and GEMMs are selective_log_softmax's (x, w: the student's)."""
+class _Distill(ChunkEngine):
+    """One call's chunk loop (``chunks.ChunkEngine``, x and w the student's): each chunk's step is the teacher's
+    logits GEMM and the divergence kernel between the two."""
 
     SPACE = FusedLinearJSDSpace
+    CPU_BYTES_PER_LOGIT = 24  # two fp32 working copies of the logits on the CPU paths
 
     def __init__(self, xs, ws, xt, wt, target, beta: float, temperature: float, ignore_index: int, plan=None):
-        self.x, self.w, self.xt, self.wt, self.target = xs, ws, xt, wt, target
+        self.xt, self.wt = xt, wt
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
-        self.rows, self.hidden = xs.shape
-        self.vocab = ws.shape[0]
-        config, self.module = _config(xs, self.hidden, self.vocab, self.rows)
-        if plan is not None:
-            config = FusedLinearJSDConfig.from_dict(plan)
-        self.use_plan(config, cpu_bytes=24)  # two fp32 working copies of the logits on the CPU paths
+        super().__init__(xs, ws, None, target, plan)
         self.dz_scale = FP16_DZ_SCALE if xs.dtype == torch.float16 else 1.0
 
     def run(self, need_dx: bool, need_dw: bool):
@@ -176,8 +153,7 @@ class _Distill(Chunks):
         the gradients of the rows' sum, and the (1,) fp32 factor 1 / (max(valid rows, 1)·dz_scale) that makes
         them the mean's. Keeping the factor out of the logit gradients (and, for float16, multiplying them by
         FP16_DZ_SCALE) keeps 16-bit gradients of large vocabularies above float16's subnormal range."""
-        xs, dev, rows = self.x, self.x.device, self.rows
-        dx, dw, _ = self.grad_outputs(need_dx, need_dw, False)
+        dev, rows = self.x.device, self.rows
         loss_rows = torch.zeros(rows, dtype=torch.float32, device=dev)
         if self.target is None:
             scale = torch.full((1,), 1.0 / (max(rows, 1) * self.dz_scale), dtype=torch.float32, device=dev)
@@ -185,27 +161,21 @@ class _Distill(Chunks):
             valid = (self.target != self.ignore_index).sum().clamp(min=1).float()
             scale = (1.0 / (valid * self.dz_scale)).reshape(1)
         if rows == 0:
+            dx, dw, _ = self.grad_outputs(need_dx, need_dw, False)
             return loss_rows.sum(), dx, dw, scale
-        zs_buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
         zt_buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
-        want = need_dx or need_dw
-        gbuf = torch.empty((self.chunk, self.vocab), dtype=xs.dtype, device=dev) \
-            if want and self.logits_dtype != xs.dtype else None
         mode = jsd_mode(self.beta)
-        for lo in range(0, rows, self.chunk):
-            hi = min(lo + self.chunk, rows)
-            xc = xs[lo:hi]
-            zs = lm_head_logits(xc, self.w, None, zs_buf[:hi - lo])
+
+        def step(lo, hi, zs, grad):
             zt = lm_head_logits(self.xt[lo:hi], self.wt, None, zt_buf[:hi - lo])
-            grad = None if not want else (zs if gbuf is None else gbuf[:hi - lo])
             label = None if self.target is None else self.target[lo:hi]
             if self.module is not None:
                 self.module.divergence(zs, zt, grad, label, loss_rows[lo:hi], 1.0 / self.temperature,
                                        self.dz_scale, self.beta, mode, self.ignore_index)
             else:
                 self._divergence_torch(zs, zt, grad, label, loss_rows[lo:hi])
-            if want:
-                self.add_grads(grad, xc, lo == 0, None if dx is None else dx[lo:hi], dw, None)
+
+        dx, dw, _ = self.walk(step, need_dx, need_dw)
         return loss_rows.sum() * (scale[0] * self.dz_scale), dx, dw, scale
 
     # the plain CPU path's kernel, closed form (no autograd: it runs inside the custom op, below autograd)
@@ -240,7 +210,6 @@ class FusedLinearJSDProblem(SelectiveLogSoftmaxProblem):
     model shape, row count and flops (four GEMMs of 2·R·H·V: student and teacher logits, dx, dW) are
     selective_log_softmax's."""
 
-    op = "fused_linear_jsd"
     SPACE = FusedLinearJSDSpace
     OUTPUTS = ("loss",)
     # x_s, x_t, W_s and W_t read by the logits GEMMs, dx and dW written (dW read and written per chunk is not
@@ -380,9 +349,7 @@ def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, te
             raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
     if target is not None and not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: target must be a tensor or None, got {type(target).__name__}")
-    beta = check_float_arg(op, "beta", beta)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"{op}: beta must be in [0, 1], got {beta}")
+    beta = check_beta(op, beta)
     temperature = check_float_arg(op, "temperature", temperature)
     if not 1e-30 < temperature < math.inf:
         raise ValueError(f"{op}: temperature must be a finite number > 1e-30 (> 0), got {temperature}")

@@ -21,7 +21,6 @@ extra-memory budget as the fused linear cross-entropy (256 MiB).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -29,13 +28,15 @@ from typing import NamedTuple
 
 import torch
 
-from liger_gen.codegen.problems import REL_TOL, TARGET_BYTES, Inputs, Problem, randn, targets
-from liger_gen.codegen.spaces import KernelConfig, Param, Space
+from liger_gen.codegen.problems import REL_TOL, TARGET_BYTES, Inputs
+from liger_gen.codegen.spaces import Param
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.lm_head.chunks import LOW_PRECISION, TARGET_DTYPES, accumulate_dw, check_lm_head, lm_head_logits
+from liger_gen.ops.lm_head.chunks import (CHUNK_PLAN_PARAMS, MAX_TUNING_ROWS, TARGET_DTYPES, ChunkEngine,
+                                          ChunkPlanConfig, ChunkPlanSpace, LMHeadProblem, check_lm_head,
+                                          lm_head_tuning_problems)
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_float_arg, check_kernel_dtypes, check_same_device,
-                                   check_targets, describe, kernel_module, uses_triton)
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, check_targets, describe,
+                                   uses_triton)
 
 #: the per-token outputs, in the order the 2-D op returns them
 OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -129,20 +130,14 @@ def selective_log_softmax_float64(x, lm_head_weight, target, bias=None, options:
 
 
 @dataclass(frozen=True)
-class SelectiveLogSoftmaxConfig(KernelConfig):
-    """Chunk plan and launch settings of one variant.
+class SelectiveLogSoftmaxConfig(ChunkPlanConfig):
+    """Chunk plan (``chunks.ChunkPlanConfig``: CHUNK_ROWS, LOGITS_FP32, DW_FP32) and launch settings of one
+    variant.
 
-    CHUNK_ROWS: rows per chunk (the M of the logits and dx GEMMs, the K of the dW GEMM).
-    LOGITS_FP32: 1 = fp32 logits (never rounded) and a separate gradient buffer in x's dtype; 0 = logits in
-        x's dtype (as transformers' bf16 ``lm_head`` output) and the gradient written over them.
-    DW_FP32: 1 = dW summed over chunks in fp32; 0 = added into dW in x's dtype per chunk (bfloat16 only).
     BLOCK_V_*, num_warps_*, num_stages_*: the statistics (fwd) and gradient (bwd) kernels: one program per row,
         walking the vocab in BLOCK_V columns.
     """
 
-    CHUNK_ROWS: int = 1024
-    LOGITS_FP32: int = 0
-    DW_FP32: int = 0
     BLOCK_V_FWD: int = 4096
     num_warps_fwd: int = 8
     num_stages_fwd: int = 1
@@ -151,29 +146,21 @@ class SelectiveLogSoftmaxConfig(KernelConfig):
     num_stages_bwd: int = 1
 
 
-class SelectiveLogSoftmaxSpace(Space):
-    """Search space, constraints and heuristic at dims ``{"hidden": H, "vocab": V}`` and a dtype.
+class SelectiveLogSoftmaxSpace(ChunkPlanSpace):
+    """Search space, constraints and heuristic at dims ``{"hidden": H, "vocab": V}`` and a dtype: the chunk
+    plan's (``chunks.ChunkPlanSpace``: its memory budget MAX_EXTRA_BYTES) and the kernels' tiles.
 
     Tuned as one phase ("fwd": the forward and the backward of one training step, whose chunk plan they share).
-    Memory: the chunk buffers plus (DW_FP32=1 with bfloat16) the fp32 dW accumulator may take at most
-    MAX_EXTRA_BYTES, except that the smallest chunk is always allowed.
     """
 
     op = "selective_log_softmax"
     template = "selective_log_softmax"
     config_cls = SelectiveLogSoftmaxConfig
-    DIMS = ("hidden", "vocab")
-    phases = ("fwd",)
-    CHUNK_CHOICES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
-    MAX_EXTRA_BYTES = 256 * 2**20
     MAX_ELEMS_PER_THREAD = 32
-    LOGITS_BUFFERS = 1  # (CHUNK_ROWS, vocab) logits buffers of a chunk (plus a gradient buffer with fp32 logits)
     BLOCK_V_CHOICES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
     PARAMS = (
-        Param("CHUNK_ROWS", CHUNK_CHOICES, "fwd"),
-        Param("LOGITS_FP32", (0, 1), "fwd"),
-        Param("DW_FP32", (0, 1), "fwd"),
+        *CHUNK_PLAN_PARAMS,
         Param("BLOCK_V_FWD", BLOCK_V_CHOICES, "fwd"),
         Param("num_warps_fwd", (1, 2, 4, 8, 16), "fwd"),
         Param("num_stages_fwd", (1, 2, 3), "fwd"),
@@ -183,33 +170,14 @@ class SelectiveLogSoftmaxSpace(Space):
     )
 
     def check_dims(self) -> None:
-        self.hidden, self.vocab = self.dims["hidden"], self.dims["vocab"]
+        super().check_dims()
         self.max_block_v = max(self.BLOCK_V_CHOICES[0], 1 << max(0, (self.vocab - 1).bit_length()))
-
-    def extra_bytes(self, config: SelectiveLogSoftmaxConfig) -> int:
-        """Chunk buffers (+ the fp32 dW accumulator of bfloat16 with DW_FP32=1) in bytes."""
-        e = self.element_size
-        if e == 4:
-            return config.CHUNK_ROWS * self.vocab * 4 * self.LOGITS_BUFFERS
-        chunk = config.CHUNK_ROWS * self.vocab * (self.LOGITS_BUFFERS * (4 if config.LOGITS_FP32 else e)
-                                                  + (e if config.LOGITS_FP32 else 0))
-        accumulator = self.vocab * self.hidden * 4 if config.DW_FP32 and self.dtype == torch.bfloat16 else 0
-        return chunk + accumulator
 
     def heuristic(self) -> SelectiveLogSoftmaxConfig:
         """Logits in x's dtype, dW summed in x's dtype (bf16), the largest chunk within MAX_EXTRA_BYTES, and
         4096-column (or vocab-wide) tiles at 8 warps."""
-        fp32 = self.element_size == 4
         block = min(4096, self.max_block_v)
-        best = self.tile_config(block, self.fit_warps(8, block, 4), CHUNK_ROWS=self.CHUNK_CHOICES[0],
-                                LOGITS_FP32=int(fp32), DW_FP32=int(fp32 or self.dtype == torch.float16))
-        for choice in self.CHUNK_CHOICES:
-            config = dataclasses.replace(best, CHUNK_ROWS=choice)
-            if not self.shape_violations(config):
-                best = config
-        problems = self.violations(best)
-        assert not problems, f"heuristic is invalid for {self.dims}: {problems}"
-        return best
+        return self.largest_chunk(self.tile_config(block, self.fit_warps(8, block, 4), **self.smallest_plan()))
 
     def tile_config(self, block: int, warps: int, **plan):
         """A config with every kernel at ``block`` columns and ``warps`` warps, and the chunk plan ``plan``."""
@@ -222,68 +190,31 @@ class SelectiveLogSoftmaxSpace(Space):
                 ("bwd", config.BLOCK_V_BWD, config.num_warps_bwd, config.num_stages_bwd))
 
     def shape_violations(self, config: SelectiveLogSoftmaxConfig) -> list[str]:
-        problems = []
-        if self.element_size == 4 and not (config.LOGITS_FP32 and config.DW_FP32):
-            problems.append("fwd: float32 inputs have fp32 logits and dW: LOGITS_FP32 and DW_FP32 must be 1")
-        if self.dtype == torch.float16 and not config.DW_FP32:
-            problems.append("fwd: float16 dW sums over chunks could overflow: DW_FP32 must be 1")
+        problems = self.flag_violations(config)
         for name, block, warps, stages in self.tiles(config):
             if block > self.max_block_v:
                 problems.append(f"{name}: BLOCK_V={block} > {self.max_block_v} (vocab={self.vocab})")
             problems += self.threads_violations(name, warps, block, self.MAX_ELEMS_PER_THREAD)
             problems += self.smem_violations(name, (stages - 1) * block * 4)
-        size = self.extra_bytes(config)
-        if config.CHUNK_ROWS > self.CHUNK_CHOICES[0] and size > self.MAX_EXTRA_BYTES:
-            problems.append(f"fwd: CHUNK_ROWS={config.CHUNK_ROWS} needs {size / 2**20:.0f} MiB of extra memory at "
-                            f"{self.dims} > {self.MAX_EXTRA_BYTES / 2**20:.0f} MiB")
-        return problems
+        return problems + self.memory_violations(config)
 
 
 # ------------------------------------------------------------------------------------------------ chunk loop
 
 
-def _config(x: torch.Tensor, hidden: int, vocab: int, rows: int):
-    """(config, kernel module or None) for this call: the table's or the heuristic's; no module on the plain
-    CPU path."""
-    dims = {"hidden": hidden, "vocab": vocab}
-    if uses_triton(x):
-        module, config, _ = kernel_module(SelectiveLogSoftmaxSpace, x, dims, max(1, rows))
-        return config, module
-    space = SelectiveLogSoftmaxSpace(dims, x.dtype if x.dtype in KERNEL_DTYPES else torch.float32)
-    return space.heuristic(), None
+class Chunks(ChunkEngine):
+    """One call's chunk loop (``chunks.ChunkEngine``) with the statistics and gradient kernels of the
+    log-probabilities as its steps. The preference losses (``post_training``) drive it over chunks of whole
+    sequences."""
 
-
-class Chunks:
-    """One call's chunk loop over the rows of x: the logits GEMM of each chunk and the kernels around it. The
-    distillation loss (``fused_linear_jsd``) subclasses it and the preference losses (``post_training``) drive it."""
-
-    SPACE = SelectiveLogSoftmaxSpace  # the op's space: its chunk choices and memory budget
+    SPACE = SelectiveLogSoftmaxSpace
+    CPU_BYTES_PER_LOGIT = 12  # the plain path's fp32 working copies of a chunk's logits
 
     def __init__(self, x, w, bias, target, options: LogProbOptions):
-        self.x, self.w, self.bias, self.target, self.options = x, w, bias, target, options
-        self.rows, self.hidden = x.shape
-        self.vocab = w.shape[0]
-        config, self.module = _config(x, self.hidden, self.vocab, self.rows)
-        self.use_plan(config, cpu_bytes=12)
+        self.options = options
+        super().__init__(x, w, bias, target)
         self.kernel_args = (options.ignore_index, float(options.logit_scale), options.softcap,
                             1.0 / options.temperature)
-
-    def use_plan(self, config, cpu_bytes: int | None = None) -> None:
-        """Take ``config``'s chunk plan: the logits' and dW's dtypes and the rows per chunk. ``cpu_bytes``: on
-        the CPU paths, whose fp32 working copies take that many bytes per logit, fewer rows within the same
-        budget (None: the plan's rows)."""
-        x = self.x
-        low = x.dtype in LOW_PRECISION
-        self.logits_dtype = torch.float32 if (config.LOGITS_FP32 or not low) else x.dtype
-        self.dw_dtype = torch.float32 if (config.DW_FP32 or x.dtype != torch.bfloat16) else x.dtype
-        chunk = config.CHUNK_ROWS
-        if cpu_bytes is not None and not x.is_cuda:
-            chunk = max(self.SPACE.CHUNK_CHOICES[0],
-                        min(chunk, self.SPACE.MAX_EXTRA_BYTES // max(1, cpu_bytes * self.vocab)))
-        self.chunk = min(chunk, max(self.rows, 1))
-
-    def logits(self, xc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(xc, self.w, self.bias, out)
 
     def forward(self, need: tuple[bool, bool, bool, bool]):
         """(log_probs, entropy, log_sum_sq, mean, top1 as int8, lse) per row; unrequested ones are None."""
@@ -292,13 +223,8 @@ class Chunks:
         logp, lse = torch.empty(rows, **f32), torch.empty(rows, **f32)
         extra = [torch.empty(rows, **f32) if need[i] else None for i in range(3)]
         top1 = torch.empty(rows, dtype=torch.int8, device=dev) if need[3] else None
-        if rows:
-            buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
-        for lo in range(0, rows, self.chunk):
-            hi = min(lo + self.chunk, rows)
-            z = self.logits(self.x[lo:hi], buf[:hi - lo])
-            self.stats(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi],
-                       [None if t is None else t[lo:hi] for t in (*extra, top1)])
+        self.walk(lambda lo, hi, z, _: self.stats(z, self.target[lo:hi], logp[lo:hi], lse[lo:hi],
+                                                  [None if t is None else t[lo:hi] for t in (*extra, top1)]))
         return (logp, *extra, top1, lse)
 
     def stats(self, z, target, logp, lse, parts=(None, None, None, None)):
@@ -317,43 +243,13 @@ class Chunks:
 
     def backward(self, g_logp, g_entropy, lse, entropy, need_dx: bool, need_dw: bool, need_db: bool):
         """(dx, dW, db) of Σ g_logp·log_probs + Σ g_entropy·entropy; None where not needed."""
-        x, rows = self.x, self.rows
-        dx, dw, db = self.grad_outputs(need_dx, need_dw, need_db)
-        if rows == 0:
-            return dx, dw, db
-        buf, gbuf = self.buffers(self.chunk)
-        separate = gbuf is not None
         entropy = lse if entropy is None else entropy  # read only with an entropy gradient
-        for lo in range(0, rows, self.chunk):
-            hi = min(lo + self.chunk, rows)
-            xc = x[lo:hi]
-            z = self.logits(xc, buf[:hi - lo])
-            grad = gbuf[:hi - lo] if separate else z
-            gl = None if g_logp is None else g_logp[lo:hi]
-            ge = None if g_entropy is None else g_entropy[lo:hi]
-            self.logits_grad(z, grad, self.target[lo:hi], lse[lo:hi], entropy[lo:hi], gl, ge)
-            self.add_grads(grad, xc, lo == 0, None if dx is None else dx[lo:hi], dw, db)
-        return dx, dw, db
 
-    def grad_outputs(self, need_dx: bool, need_dw: bool, need_db: bool):
-        """(dx, dW, db) to fill, None where not needed: dW in x's dtype is written by the first chunk's GEMM,
-        an fp32 dW and db are summed from zero."""
-        dev, dtype = self.x.device, self.x.dtype
-        dx = torch.empty((self.rows, self.hidden), dtype=dtype, device=dev) if need_dx else None
-        dw = None
-        if need_dw:
-            dw = (torch.empty if self.dw_dtype == dtype and self.rows else torch.zeros)(
-                (self.vocab, self.hidden), dtype=self.dw_dtype, device=dev)
-        db = torch.zeros(self.vocab, dtype=torch.float32, device=dev) if need_db else None
-        return dx, dw, db
+        def step(lo, hi, z, grad):
+            self.logits_grad(z, grad, self.target[lo:hi], lse[lo:hi], entropy[lo:hi],
+                             None if g_logp is None else g_logp[lo:hi], None if g_entropy is None else g_entropy[lo:hi])
 
-    def buffers(self, rows: int):
-        """(logits buffer, gradient buffer) of ``rows`` rows; the gradient buffer is None when the gradient is
-        written over the logits (logits in x's dtype)."""
-        dev = self.x.device
-        buf = torch.empty((rows, self.vocab), dtype=self.logits_dtype, device=dev)
-        separate = self.logits_dtype != self.x.dtype
-        return buf, (torch.empty((rows, self.vocab), dtype=self.x.dtype, device=dev) if separate else None)
+        return self.walk(step, need_dx, need_dw, need_db, grad=True)
 
     def logits_grad(self, z, grad, target, lse, entropy, g_logp, g_entropy):
         """One chunk's d/d(logits) of Σ g_logp·log p + Σ g_entropy·H into ``grad`` (z itself allowed)."""
@@ -361,21 +257,6 @@ class Chunks:
             self.module.backward(z, grad, target, lse, entropy, g_logp, g_entropy, *self.kernel_args)
         else:
             grad.copy_(self._grad_torch(z, target, g_logp, g_entropy))
-
-    def add_grads(self, grad, xc, first: bool, dx, dw, db) -> None:
-        """dx = grad @ W for the chunk's rows (``dx`` None: not needed); grad.T @ xc added into dW (written by the
-        first chunk when dW is in x's dtype) and grad's column sums into db (each None: not needed)."""
-        if dx is not None:
-            torch.mm(grad, self.w, out=dx)
-        if dw is not None:
-            if dw.dtype == xc.dtype and first:
-                torch.mm(grad.t(), xc, out=dw)
-            elif dw.dtype == xc.dtype:
-                dw.addmm_(grad.t(), xc)
-            else:
-                accumulate_dw(dw, grad.t(), xc)
-        if db is not None:
-            db += grad.sum(dim=0, dtype=torch.float32)
 
     def _grad_torch(self, logits, target, g_logp, g_entropy):
         """The kernel's closed form in PyTorch (no autograd: it runs inside the custom op, below autograd, also
@@ -402,14 +283,12 @@ class Chunks:
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class SelectiveLogSoftmaxProblem(Problem):
+class SelectiveLogSoftmaxProblem(LMHeadProblem):
     """The op at (rows, hidden, vocab) in ``dtype``: one training step (forward and backward) with a random
     upstream gradient of the log-probabilities, 1 in 20 targets ignored."""
 
-    op = "selective_log_softmax"
     SPACE = SelectiveLogSoftmaxSpace
     OUTPUTS = ("log_probs",)
-    DEFAULT_ROWS = 8192
     # x and W read by the forward's and the backward's logits GEMMs, dx and dW written, the targets read by both
     # passes, log p and lse written (fp32), lse and the upstream gradient read; the logits stay in chunks
     BYTES_FORMULA = "3·R·H·s + 3·V·H·s + 2·8·R + 16·R"
@@ -417,16 +296,8 @@ class SelectiveLogSoftmaxProblem(Problem):
     FLOPS_FORMULA = "8·R·H·V"
 
     @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"hidden": model.hidden_size, "vocab": model.vocab_size}
-
-    @classmethod
-    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
-        r, h, v = dims["rows"], dims["hidden"], dims["vocab"]
-        g = torch.randn(r, generator=gen, device=gen.device, dtype=torch.float32).to(device)
-        return Inputs({"x": randn(gen, (r, h), dtype, device),
-                       "w": randn(gen, (v, h), dtype, device, 2.0 / math.sqrt(h)),
-                       "target": targets(gen, r, v, device)}, grad_of=("x", "w"), upstream={"log_probs": g})
+    def upstream_gradient(cls, gen: torch.Generator, rows: int, device) -> torch.Tensor:
+        return torch.randn(rows, generator=gen, device=gen.device, dtype=torch.float32).to(device)
 
     @classmethod
     def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
@@ -476,34 +347,12 @@ class SelectiveLogSoftmaxProblem(Problem):
         b = self.buffers
         run = Chunks(b["x"], b["w"], None, b["target"], LogProbOptions())
         run.module = module
-        _apply_plan(run, plan)
+        run.use_plan(SelectiveLogSoftmaxConfig.from_dict(plan))  # the variant's plan, as the tuner times it
         logp, _, _, _, _, lse = run.forward((False, False, False, False))
         dx, dw, _ = run.backward(self.g, None, lse, None, True, True, False)
         b["log_probs"].copy_(logp)
         b["dx"].copy_(dx)
         b["dw"].copy_(dw)
-
-    def flops(self, phase: str) -> int:
-        return self.step_flops(self.problem_dims)
-
-
-def _apply_plan(run: Chunks, plan: dict) -> None:
-    """Give a chunk loop the chunk plan of a rendered variant (the tuner times variants other than the table's)."""
-    run.use_plan(SelectiveLogSoftmaxConfig.from_dict(plan))
-
-
-MAX_TUNING_ROWS = 4096
-
-
-def lm_head_tuning_problems(problem: type[Problem]):
-    """``tuning_problems`` of an LM-head op: ``problem`` at the model's (hidden_size, vocab_size), token counts
-    capped at MAX_TUNING_ROWS."""
-
-    def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-        dims = {"hidden": model.hidden_size, "vocab": model.vocab_size}
-        return [problem(dtype, dims, r, device, seed=seed) for r in sorted({min(int(r), MAX_TUNING_ROWS) for r in rows})]
-
-    return tuning_problems
 
 
 tuning_problems = lm_head_tuning_problems(SelectiveLogSoftmaxProblem)

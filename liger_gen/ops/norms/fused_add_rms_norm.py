@@ -25,7 +25,7 @@ import torch
 from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, float64_grads, randn,
                                         reference_by_autograd, rel_l2)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormConfig, RowNormSpace, check_casting_mode,
+from liger_gen.ops.norms.row_norm import (RMSNormKernelProblem, RowNormConfig, RowNormSpace, check_casting_mode,
                                           check_floating, check_row_input, check_row_params, check_row_width,
                                           rms_norm_float64, rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime import plans
@@ -97,14 +97,13 @@ class FusedAddRMSNormSpace(RowNormSpace):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class FusedAddRMSNormProblem(DecoderNormProblem):
+class FusedAddRMSNormProblem(RMSNormKernelProblem):
     """Fused add + RMSNorm at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks, launchers.
 
     The backward is tuned with the sum's upstream gradient present (the residual stream continues in every
     decoder layer but the last).
     """
 
-    op = OP
     SPACE = FusedAddRMSNormSpace
     OUTPUTS = ("y", "s")
     # fwd: x, r, w in; y, s, rstd out.  bwd: dy, ds, s, w, rstd in; dx, dr, dw out.
@@ -129,16 +128,11 @@ class FusedAddRMSNormProblem(DecoderNormProblem):
         mn, m, n = dims["rows"] * dims["n_cols"], dims["rows"], dims["n_cols"]
         return {"fwd": 4 * mn * s + n * s + m * STAT_BYTES, "bwd": 5 * mn * s + 2 * n * s + m * STAT_BYTES}
 
-    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
-                 eps: float = 1e-6, seed: int = 0, limits=None):
-        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
-                         variant={"casting_mode": casting_mode})
-        self.casting_mode, self.eps = casting_mode, eps
-        m, n = self.rows, self.dims["n_cols"]
-        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {"eps": eps})
+    def build(self, inputs: Inputs) -> None:
+        dtype, eps, m, n = self.dtype, self.eps, self.rows, self.dims["n_cols"]
         x, r, w = inputs.tensors["x"], inputs.tensors["residual"], inputs.tensors["w"]
         dy, ds = inputs.upstream["y"], inputs.upstream["s"]
-        out_dtype = rms_norm_out_dtype(dtype, dtype, casting_mode)
+        out_dtype = rms_norm_out_dtype(dtype, dtype, self.casting_mode)
         s_in = x + r  # the backward's input: the sum as PyTorch rounds it
         self.buffers = {
             "x": x, "r": r, "w": w, "dy": dy, "ds": ds, "s_in": s_in,

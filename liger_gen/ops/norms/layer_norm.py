@@ -107,7 +107,6 @@ class LayerNormProblem(DecoderNormProblem):
     ``torch.nn.LayerNorm``); they are not render-time options, so they are not part of ``variant``.
     """
 
-    op = "layer_norm"
     SPACE = LayerNormSpace
     OUTPUTS = ("y",)
     # fwd: x, w, b in; y, mean, rstd out.  bwd: dy, x, w, mean, rstd in; dx, dw, db out.

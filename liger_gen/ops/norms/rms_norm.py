@@ -17,7 +17,7 @@ import torch
 from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, randn,
                                         reference_by_autograd)
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormConfig, RowNormSpace, check_casting_mode,
+from liger_gen.ops.norms.row_norm import (RMSNormKernelProblem, RowNormConfig, RowNormSpace, check_casting_mode,
                                           check_floating, check_row_input, check_row_params, check_row_width,
                                           rms_norm_float64, rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime import plans
@@ -52,10 +52,9 @@ class RMSNormSpace(RowNormSpace):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class RMSNormProblem(DecoderNormProblem):
+class RMSNormProblem(RMSNormKernelProblem):
     """RMSNorm at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers."""
 
-    op = "rms_norm"
     SPACE = RMSNormSpace
     OUTPUTS = ("y",)
     # fwd: x, w in; y, rstd out.  bwd: dy, x, w, rstd in; dx, dw out.
@@ -77,18 +76,13 @@ class RMSNormProblem(DecoderNormProblem):
         mn, m, n = dims["rows"] * dims["n_cols"], dims["rows"], dims["n_cols"]
         return {"fwd": 2 * mn * s + n * s + m * STAT_BYTES, "bwd": 3 * mn * s + 2 * n * s + m * STAT_BYTES}
 
-    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
-                 eps: float = 1e-6, seed: int = 0, limits=None):
-        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
-                         variant={"casting_mode": casting_mode})
-        self.casting_mode, self.eps = casting_mode, eps
-        m, n = self.rows, self.dims["n_cols"]
-        inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {"eps": eps})
+    def build(self, inputs: Inputs) -> None:
+        dtype, eps, m, n = self.dtype, self.eps, self.rows, self.dims["n_cols"]
         x, w = inputs.tensors["x"], inputs.tensors["w"]
         self.buffers = {
             "x": x, "w": w, "dy": inputs.upstream["y"],
             "rstd_in": torch.rsqrt(x.float().pow(2).mean(-1) + eps),
-            "y": torch.empty((m, n), dtype=rms_norm_out_dtype(dtype, dtype, casting_mode), device=self.device),
+            "y": torch.empty((m, n), dtype=rms_norm_out_dtype(dtype, dtype, self.casting_mode), device=self.device),
             "rstd": torch.empty(m, dtype=torch.float32, device=self.device),
             "dx": torch.empty((m, n), dtype=dtype, device=self.device),
             "dw": torch.empty(n, dtype=dtype, device=self.device),

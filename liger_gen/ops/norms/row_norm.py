@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_gen.codegen.problems import Problem
+from liger_gen.codegen.problems import Inputs, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.runtime.ops import describe
 
@@ -193,6 +193,22 @@ class DecoderNormProblem(Problem):
     @classmethod
     def options(cls, model) -> dict:
         return {"eps": model.rms_norm_eps}
+
+
+class RMSNormKernelProblem(DecoderNormProblem):
+    """A norm of the RMSNorm kernel (RMSNorm, fused add + RMSNorm) at (rows, n_cols): ``casting_mode`` is a
+    render-time variant of the template, the inputs are drawn at ``eps`` and handed to ``build``, which fills the
+    buffers, the float64 truth, the tolerances and the phases' outputs."""
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
+                 eps: float = 1e-6, seed: int = 0, limits=None):
+        super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
+                         variant={"casting_mode": casting_mode})
+        self.casting_mode, self.eps = casting_mode, eps
+        self.build(self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, {"eps": eps}))
+
+    def build(self, inputs: Inputs) -> None:
+        raise NotImplementedError
 
 
 # ------------------------------------------------------------------------------------------------ checks

@@ -1,0 +1,57 @@
+"""Assertions the kernel tests share: the tuner's gate on a rendered variant, heuristics valid over a sweep of
+widths and devices, error messages that name what is wrong, and gradients that flow past an inference-mode
+target. (Fixtures and seeding live in ``conftest``.)"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from liger_gen.codegen.build import load_variant
+from liger_gen.codegen.problems import REL_TOL, rel_l2
+from liger_gen.codegen.spaces import DeviceLimits
+
+#: the devices a heuristic must be valid on: the default, the interpreter's, and one of 256 threads per block
+HEURISTIC_LIMITS = (DeviceLimits(), DeviceLimits.interpreter(), DeviceLimits(max_threads_per_block=256))
+
+
+def assert_passes_the_gate(problem, changes=None):
+    """``problem``'s heuristic config with ``changes`` is valid, and its rendered variant passes the tuner's
+    float64 gate (NaN-poisoned outputs, per-dtype tolerance) in every phase; returns the variant's module."""
+    config = dataclasses.replace(problem.space.heuristic(), **(changes or {}))
+    assert not problem.space.violations(config)
+    module = load_variant(problem.template, problem.template_params(config))
+    for phase in problem.phases:
+        assert problem.check(module, phase) is None, phase
+    return module
+
+
+def valid_heuristics(space_cls, dims, dtype: torch.dtype, limits=HEURISTIC_LIMITS):
+    """(dims, config) of ``space_cls``'s heuristic at each of ``dims`` on each of ``limits``, each asserted valid."""
+    for device_limits in limits:
+        for d in dims:
+            space = space_cls(d, dtype, device_limits)
+            config = space.heuristic()
+            assert not space.violations(config), (d, device_limits)
+            yield d, config
+
+
+def assert_error_names(fn, args, exc: type[Exception], words, device) -> None:
+    """``fn(*args)``, its tensors moved to ``device``, raises ``exc`` with each of ``words`` in its message."""
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(exc) as info:
+        fn(*args)
+    for word in words:
+        assert word in str(info.value)
+
+
+def assert_trains_past_an_inference_mode_target(op, op_float64, make_target, device) -> None:
+    """A (4, 30) target made under ``torch.inference_mode`` (``make_target()``: a frozen teacher's output) and
+    log-probabilities that train: ``op``'s gradient matches ``op_float64``'s."""
+    with torch.inference_mode():
+        target = make_target()
+    x = torch.randn(4, 30, device=device).log_softmax(-1).requires_grad_()
+    op(x, target).backward()
+    x64 = x.detach().double().requires_grad_()
+    op_float64(x64, target.clone()).backward()
+    assert rel_l2(x.grad, x64.grad) < REL_TOL[torch.float32]
