@@ -11,5 +11,6 @@ use them load after ``import liger_gen``.
 from liger_gen import functional, nn
 from liger_gen._version import __version__
 from liger_gen.integrations.transformers import apply_to
+from liger_gen.runtime.fp8 import Float8Recipe
 
-__all__ = ["apply_to", "functional", "nn", "__version__"]
+__all__ = ["Float8Recipe", "apply_to", "functional", "nn", "__version__"]

@@ -7,6 +7,8 @@ formula it follows and the errors it raises) and re-exported here.
 from liger_gen.ops.glu.clamped_swiglu import clamped_swiglu, clamped_swiglu_gate_up
 from liger_gen.ops.lm_head.cross_entropy import cross_entropy
 from liger_gen.ops.norms.fused_add_rms_norm import fused_add_rms_norm
+from liger_gen.ops.fp8.linear import fp8_linear
+from liger_gen.ops.fp8.quantize import fp8_quantize
 from liger_gen.ops.lm_head.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_gen.ops.lm_head.fused_linear_jsd import fused_linear_jsd, fused_linear_kl_div
 from liger_gen.ops.glu.glu import geglu, geglu_gate_up
@@ -21,8 +23,9 @@ from liger_gen.ops.rope import rope
 from liger_gen.ops.lm_head.selective_log_softmax import selective_log_softmax
 from liger_gen.ops.glu.glu import swiglu, swiglu_gate_up
 
-__all__ = ["clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fused_add_rms_norm",
-           "fused_linear_cpo", "fused_linear_cross_entropy", "fused_linear_dpo", "fused_linear_grpo",
-           "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_kto", "fused_linear_orpo", "fused_linear_simpo", "geglu", "geglu_gate_up", "jsd", "kl_div", "layer_norm", "moe_experts",
-           "moe_permute", "moe_routing", "moe_unpermute", "rms_norm", "rope", "selective_log_softmax", "swiglu",
-           "swiglu_gate_up"]
+__all__ = ["clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fp8_linear", "fp8_quantize",
+           "fused_add_rms_norm", "fused_linear_cpo", "fused_linear_cross_entropy", "fused_linear_dpo",
+           "fused_linear_grpo", "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_kto",
+           "fused_linear_orpo", "fused_linear_simpo", "geglu", "geglu_gate_up", "jsd", "kl_div",
+           "layer_norm", "moe_experts", "moe_permute", "moe_routing", "moe_unpermute", "rms_norm", "rope",
+           "selective_log_softmax", "swiglu", "swiglu_gate_up"]

@@ -8,7 +8,9 @@ from torch import nn
 from liger_gen import functional as F
 from liger_gen.ops.norms.layer_norm import LayerNorm
 from liger_gen.ops.glu.glu import GLUMLP, SwiGLUMLP
+from liger_gen.ops.fp8.linear import check_fp8_linear, linear_2d_call
 from liger_gen.reference import CASTING_MODES
+from liger_gen.runtime.fp8 import Float8Recipe, fp8_unsupported_reason, gemm_dims_reason
 
 
 class RMSNorm(nn.Module):
@@ -100,4 +102,79 @@ class CrossEntropyLoss(nn.Module):
                                use_token_scaling=self.use_token_scaling)
 
 
-__all__ = ["CrossEntropyLoss", "GLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]
+class Float8Linear(nn.Linear):
+    """``torch.nn.Linear`` whose forward and backward GEMMs run in FP8 (``liger_gen.functional.fp8_linear``).
+
+    The parameters, their names and the state_dict are ``nn.Linear``'s (``weight`` (out_features, in_features)
+    bf16 or fp32, optional ``bias``); ``recipe`` (a ``liger_gen.Float8Recipe``) says how the GEMMs quantize.
+    ``from_linear`` converts an existing ``nn.Linear`` in place, which is what ``liger_gen.apply_to(model,
+    fp8=True)`` does to a decoder's projections.
+
+    Forward: a bf16 input runs the FP8 GEMMs and returns bf16. Under ``torch.autocast`` with a bf16 autocast
+    dtype (CUDA or CPU), an input of another float dtype is cast to bf16 first, as ``F.linear`` would compute in
+    bf16 there. Otherwise (a float32 or float16 input outside autocast, an fp16 autocast, a device without FP8
+    GEMMs such as a GPU before compute capability 8.9, or the meta device) the layer computes
+    ``torch.nn.functional.linear``, as ``nn.Linear`` does; nothing is logged per call.
+
+    Args:
+        in_features, out_features: K and N; both multiples of 16 (the FP8 GEMM's requirement).
+        bias, device, dtype: as ``nn.Linear``'s.
+        recipe: a ``Float8Recipe`` (None: the defaults).
+
+    Shape: (..., in_features) → (..., out_features).
+
+    Raises:
+        ValueError: in_features or out_features not a multiple of 16.
+        TypeError: recipe not a ``Float8Recipe``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 recipe: Float8Recipe | None = None):
+        _check_fp8_layer(in_features, out_features, recipe)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe if recipe is not None else Float8Recipe()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Float8Recipe | None = None) -> "Float8Linear":
+        """Make ``linear`` a ``Float8Linear`` in place and return it: its class changes and ``recipe`` is set, so
+        its Parameter objects, hooks, optimizer state and any DDP/FSDP wrapping around it stay valid. A
+        ``Float8Linear`` gets the new recipe.
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear`` (subclasses other than ``Float8Linear`` are refused:
+                their forward would be lost), or recipe is not a ``Float8Recipe``.
+            ValueError: its in_features or out_features is not a multiple of 16.
+        """
+        if type(linear) is not nn.Linear and not isinstance(linear, Float8Linear):
+            raise TypeError(f"Float8Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        _check_fp8_layer(linear.in_features, linear.out_features, recipe)
+        linear.__class__ = cls
+        linear.recipe = recipe if recipe is not None else Float8Recipe()
+        return linear
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input
+        if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):  # (no FP8 GEMM elsewhere)
+            if torch.get_autocast_dtype(x.device.type) != torch.bfloat16:
+                return nn.functional.linear(x, self.weight, self.bias)
+            if x.is_floating_point():
+                x = x.to(torch.bfloat16)
+        if x.dtype != torch.bfloat16 or fp8_unsupported_reason(x.device) is not None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        check_fp8_linear("Float8Linear", x, self.weight, self.bias)
+        return linear_2d_call(x, self.weight, self.bias, self.recipe, source=input)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def _check_fp8_layer(in_features: int, out_features: int, recipe) -> None:
+    if recipe is not None and not isinstance(recipe, Float8Recipe):
+        raise TypeError(f"Float8Linear: recipe must be a liger_gen.Float8Recipe, got {type(recipe).__name__}")
+    reason = gemm_dims_reason(in_features, out_features)
+    if reason:
+        raise ValueError(f"Float8Linear: the FP8 GEMM cannot take a ({out_features}, {in_features}) weight: "
+                         f"{reason}")
+
+
+__all__ = ["CrossEntropyLoss", "Float8Linear", "GLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

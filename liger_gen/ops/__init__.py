@@ -6,6 +6,7 @@
                   · fused_linear_cross_entropy (+ fused_linear_cross_entropy_plan) · selective_log_softmax
                   · fused_linear_jsd (distillation) · post_training (preference and RL losses)
     divergence/   rows (shared) · kl_div · jsd
+    fp8/          quantize (shared: the standalone FP8 quantize op) · linear (fp8_linear, GEMMs by torch._scaled_mm)
     rope.py
 
 An op module defines, top to bottom: the plain-PyTorch and float64 references; the launch-settings dataclass

@@ -44,6 +44,10 @@
   Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back after the rotation). Llama 4's
   complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same rotation of interleaved pairs:
   its real and imaginary parts are the cos/sin tables.
+- **FP8 training** (opt-in, ``fp8=True`` or a ``liger_gen.Float8Recipe``): the ``nn.Linear`` layers inside the
+  decoder layers become ``liger_gen.nn.Float8Linear`` in place (their GEMMs in FP8 through ``torch._scaled_mm``);
+  routers, fused experts, layers whose dims are not multiples of 16 and devices without FP8 GEMMs stay as they
+  are and are listed in the report (``fp8.py`` says what and why).
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,

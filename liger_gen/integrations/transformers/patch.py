@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from liger_gen.integrations.transformers import layers, rope as routing
+from liger_gen.integrations.transformers import fp8 as fp8_swaps, layers, rope as routing
 from liger_gen.integrations.transformers.families import MODEL_FAMILIES, TESTED_TRANSFORMERS, family_of
 from liger_gen.integrations.transformers.loss import FusedLossForward
 from liger_gen.integrations.transformers.modules import (BatchedExpertsForward, ExpertsGate, FusedExpertsForward,
                                                          experts_gate, install_forward, is_patched_experts,
                                                          replace_mlp, replace_norm)
 from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
+from liger_gen.runtime.fp8 import Float8Recipe
 
 logger = logging.getLogger("liger_gen")
 
@@ -24,7 +25,8 @@ logger = logging.getLogger("liger_gen")
 
 @dataclass
 class PatchReport:
-    """What ``apply_to`` replaced in one model: counts per kind and the modules it left, with why."""
+    """What ``apply_to`` replaced in one model: counts per kind (``fp8``: the ``Float8Linear`` layers) and the
+    modules it left, with why."""
 
     family: str
     norms: int = 0
@@ -34,6 +36,7 @@ class PatchReport:
     fused_layer_classes: list[str] | None = None
     rope: bool = False
     loss: bool = False
+    fp8: int = 0
     left: list[str] | None = None
     note: str = ""
 
@@ -61,6 +64,7 @@ class PatchReport:
         done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts"] if self.experts
                                                                  else [])
         done += [f"{self.fused_adds} residual adds fused into norms"] if self.fused_adds else []
+        done += [f"{self.fp8} linear layers in FP8"] if self.fp8 else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         return f"liger_gen.apply_to({self.family}): {', '.join(done)}{left}"
@@ -96,7 +100,7 @@ def _check_not_sharded(model: nn.Module) -> None:
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
              fused_linear_cross_entropy: bool = True, fused_add_rms_norm: bool = True,
-             strict: bool = False) -> nn.Module:
+             fp8: bool | Float8Recipe = False, strict: bool = False) -> nn.Module:
     """Replace the supported parts of a transformers model in place and return the model.
 
     Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
@@ -118,6 +122,20 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             then applies an RMSNorm (``h = residual + h; residual = h; h = self.norm(h)``), do the add inside
             the norm's kernel (``liger_gen.functional.fused_add_rms_norm``: one pass, same values). Needs
             ``rms_norm``; layers of other layouts (post-norm, parallel blocks, LayerNorm) are left as they are.
+        fp8: FP8 training, opt-in: True (the default ``liger_gen.Float8Recipe()``) or a ``Float8Recipe``. Every
+            ``nn.Linear`` inside the decoder layers (attention q/k/v/o, MLP gate/up/down or packed gate_up,
+            shared experts) becomes a ``liger_gen.nn.Float8Linear`` in place: its forward, input-gradient and
+            weight-gradient GEMMs run ``torch._scaled_mm`` on e4m3 operands with dynamic power-of-two scales (per
+            token for activations and gradients, per output or input channel for the weight, per channel over
+            the tokens for the weight gradient; gradients in the recipe's ``grad_dtype``), writing bf16. The
+            recipe's ``modules`` (fnmatch patterns on qualified names) restrict which layers are converted.
+            Everything else stays in its dtype: embeddings, norms, attention, the LM head and its loss. Listed in
+            the report with the reason, and left as they are: layers whose in_features or out_features is not a
+            multiple of 16, weights neither bf16 nor fp32, parameters on a device without FP8 GEMMs (a GPU before
+            compute capability 8.9, a CPU torch build without ``torch._scaled_mm``), MoE experts' fused 3-D
+            parameters, and MoE routers (never converted; ``strict`` does not count them). A meta-device model is
+            converted without the device check: each ``Float8Linear`` computes ``F.linear`` per call on a device
+            without FP8 GEMMs, and for inputs that are not bf16 outside a bf16 ``torch.autocast``.
         strict: raise instead of leaving a module of a requested kind unpatched; the model is then unchanged.
 
     Raises:
@@ -131,6 +149,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     ValueError saying so.
     """
     family = family_of(model)
+    recipe = fp8_swaps.fp8_recipe(fp8)
     _check_not_sharded(model)
     try:
         modeling = importlib.import_module(family.modeling_module)
@@ -192,6 +211,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         refused = {cls: layers.layer_code_refusal(cls) for cls in {type(m) for m in model.modules()}
                    if cls.__module__ == modeling.__name__ and cls.__name__.endswith("DecoderLayer")}
         left += [(type(m).__name__, refused[type(m)]) for m in model.modules() if refused.get(type(m))]
+    fp8_plan = fp8_swaps.plan_fp8(model, recipe) if recipe is not None else None
+    left += fp8_plan.left if fp8_plan else []
     if strict and left:
         raise ValueError(f"liger_gen.apply_to(strict=True): {family.model_type}: not patched: "
                          f"{'; '.join(_group(left))}; nothing was changed")
@@ -207,6 +228,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     for layer, names in fused_layers:
         for name in names:
             getattr(layer, name).fuse_residual = True
+    if fp8_plan is not None:
+        fp8_swaps.convert(fp8_plan)
     if rope and routing.rope_functions(family):
         routing.patch_rope(model, modeling, family)
     if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
@@ -220,7 +243,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                                          if layers.fused_norm_names(type(m))})
     report.rope = routing.rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
-    report.left = _group(left)
+    report.fp8 = fp8_swaps.count_fp8(model)
+    report.left = _group(left + (fp8_plan.kept if fp8_plan else []))
     model.liger_gen_report = report
     logger.info(report.summary() + ("; it was already patched" if already else ""))
     return model
@@ -242,8 +266,9 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     ``rms_norm`` / ``layer_norm`` for its norm modules, ``fused_add_rms_norm`` where decoder layers fuse their
     residual add into the norm, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
     gated MLPs and experts' gates, ``moe_permute`` where the experts run ``liger_gen.functional.moe_experts``,
-    ``rope`` when the family's rotary function is routed to liger-gen in this process, and
-    ``fused_linear_cross_entropy`` when its loss is fused. ``[]`` for a model ``apply_to`` has not patched.
+    ``rope`` when the family's rotary function is routed to liger-gen in this process,
+    ``fused_linear_cross_entropy`` when its loss is fused, and ``fp8_quantize`` where linear layers run in FP8
+    (once the op is in the registry). ``[]`` for a model ``apply_to`` has not patched.
     ``rope``: whether to count RoPE as routed (None: whether this process routes the family's now)."""
     from liger_gen.ops import all_specs
 
@@ -265,6 +290,8 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
                 ops.add("moe_permute")
     if count_fused_adds(model):
         ops.add("fused_add_rms_norm")
+    if report.fp8:
+        ops.add("fp8_quantize")
     family = MODEL_FAMILIES.get(report.family)
     if rope if rope is not None else (family is not None and routing.rope_is_patched(family)):
         ops.add("rope")

@@ -1,0 +1,138 @@
+"""Does FP8 training converge like bf16? A small Llama trained on tinyshakespeare in bf16, with liger-gen's FP8
+linear layers and with torchao's rowwise float8 training (under torch.compile), from the same weights on the same
+batches.
+
+Each provider starts from the same float32-drawn weights (cast to bf16) and sees the same batches of byte tokens
+in the same order (``liger_gen.training``). Reported per provider: the mean loss of the last ``--tail`` steps, its
+relative difference from bf16's, and whether any loss was not finite; the curves go to ``curves.png`` and every
+loss to ``fp8_convergence.json`` under ``--out``.
+
+    python benchmarks/fp8_convergence.py --steps 400 --out results/fp8_convergence      # the H200 run
+    python benchmarks/fp8_convergence.py --tiny --steps 30 --device cpu --providers bf16,liger-gen-fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import liger_gen
+from liger_gen.training import byte_tokens, make_batches, make_optimizer, sync
+
+PROVIDERS = ("bf16", "liger-gen-fp8", "torchao-fp8")
+# ≈150 M parameters with a byte vocabulary (12 layers of 768 / 2048): big enough that the projections dominate
+MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+             num_key_value_heads=4, head_dim=64, vocab_size=256, max_position_embeddings=4096)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+
+
+def build(fields: dict, device: torch.device, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**fields, use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16).train()
+
+
+def prepare(provider: str, model):
+    """The model as ``provider`` trains it: liger-gen's kernels (bf16), plus its FP8 linear layers, or torchao's
+    float8 linear layers and torch.compile of the model."""
+    if provider == "bf16":
+        return liger_gen.apply_to(model)
+    if provider == "liger-gen-fp8":
+        return liger_gen.apply_to(model, fp8=True)
+    if provider == "torchao-fp8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=lambda module, fqn: fqn != "lm_head")
+        return torch.compile(model)
+    raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
+
+
+def train(provider: str, fields: dict, batches: torch.Tensor, lr: float, device: torch.device, seed: int):
+    model = prepare(provider, build(fields, device, seed))
+    optimizer = make_optimizer(model, lr, device)
+    losses = []
+    start = time.perf_counter()
+    for ids in batches:
+        ids = ids.to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    sync(device)
+    return [float(v) for v in torch.stack(losses).float().cpu()], time.perf_counter() - start
+
+
+def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats per byte)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--tail", type=int, default=50, help="steps whose mean loss is compared")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer 64-wide model (a CPU smoke run)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/fp8_convergence"))
+    args = parser.parse_args()
+    providers = [p for p in args.providers.split(",") if p]
+    device = torch.device(args.device)
+    fields = TINY if args.tiny else MODEL
+    seq_len = min(args.seq_len, 128) if args.tiny else args.seq_len
+    batches = make_batches(byte_tokens(), args.steps, args.batch_size, seq_len, seed=args.seed)
+    curves, seconds = {}, {}
+    for provider in providers:
+        curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, device, args.seed)
+    tail = min(args.tail, args.steps)
+    means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    title = (f"Llama {fields['num_hidden_layers']}x{fields['hidden_size']}, {args.steps} steps of "
+             f"{args.batch_size}x{seq_len} bytes, AdamW lr {args.lr}")
+    result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else "cpu", "torch": torch.__version__, "model": fields, "steps": args.steps, "tail": tail,
+              "losses": curves, "tail_mean": means, "seconds": seconds}
+    (args.out / "fp8_convergence.json").write_text(json.dumps(result, indent=1))
+    plot(curves, args.out / "curves.png", title)
+    base = means.get("bf16")
+    print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'finite':>7} {'s':>7}")
+    ok = True
+    for p in providers:
+        finite = all(math.isfinite(v) for v in curves[p])
+        rel = (means[p] - base) / base if base else float("nan")
+        ok &= finite and (base is None or abs(rel) <= 0.01)
+        print(f"{p:15} {means[p]:14.4f} {rel:+8.2%} {str(finite):>7} {seconds[p]:7.1f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""FP8 linear layers on one GPU: exactness of the quantize kernels, accuracy of ``fp8_linear``, and the time of
+one decoder layer's projections (forward + backward) in bf16 and in FP8, with the quantization's share.
+
+Checks (each must hold; a failure is printed and makes the exit status 1):
+  - ``fp8_quantize`` (rows and cols, e4m3 and e5m2) equals ``quantize_reference`` bit for bit, including rows of
+    zeros, NaN, ±inf, values near the format's max and tiny values;
+  - ``fp8_linear``'s output and gradients are within bf16 rounding of the recipe's float64 value.
+
+Times (CUDA events, median of ``--iters`` after warm-up, L2 not flushed; the GEMMs are compute-bound):
+  - per projection of the model's decoder layer at ``--tokens`` tokens: bf16 ``F.linear`` forward + backward,
+    ``fp8_linear`` forward + backward, and the quantize kernels alone (their GB/s);
+  - the quantize against ``torch.compile`` of the plain-PyTorch recipe (the fused casts torchao relies on).
+
+    python benchmarks/fp8_linear_check.py --model llama3-8b --tokens 16384 --out results/fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from liger_gen.models import resolve_model
+from liger_gen.ops.fp8.linear import fp8_linear, fp8_linear_float64, fp8_linear_grads_float64
+from liger_gen.ops.fp8.quantize import fp8_quantize
+from liger_gen.runtime import fp8 as recipe
+
+
+def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def special_rows(m: int, k: int, device) -> torch.Tensor:
+    x = torch.randn(m, k, device=device) * torch.logspace(-3, 3, m, device=device)[:, None]
+    x[0] = 0
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x[3, 9] = -float("inf")
+    x[4] = torch.linspace(-448, 448, k, device=device)
+    x[5] = torch.randn(k, device=device) * 1e-30
+    return x.to(torch.bfloat16)
+
+
+def check_quantize(device, failures: list[str]) -> None:
+    for m, k in ((4099, 4096), (2053, 14336), (37, 100)):
+        x = special_rows(m, k, device)
+        for axis in ("rows", "cols"):
+            for fmt in (recipe.E4M3, recipe.E5M2):
+                q, d = fp8_quantize(x, axis, fmt)
+                qr, dr = recipe.quantize_reference(x, -1 if axis == "rows" else 0, fmt)
+                if axis == "cols":
+                    if q[:, m:].float().abs().sum() != 0:
+                        failures.append(f"quantize {axis} {fmt} {m}x{k}: padding is not zero")
+                    q, d = q[:, :m].t(), d.t()
+                same = (q.view(torch.uint8) == qr.view(torch.uint8)) | (q.float().isnan() & qr.float().isnan())
+                same_d = (d == dr) | (d.isnan() & dr.isnan())
+                if not bool(same.all() and same_d.all()):
+                    failures.append(f"quantize {axis} {fmt} {m}x{k}: {int((~same).sum())} values and "
+                                    f"{int((~same_d).sum())} scales differ from quantize_reference")
+
+
+def check_linear(device, failures: list[str]) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1000, 512, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(768, 512, device=device, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+    y = fp8_linear(x, w)
+    dy = torch.randn(y.shape, device=device, generator=gen).to(torch.bfloat16)
+    y.backward(dy)
+    dx, dw = fp8_linear_grads_float64(x.detach(), w.detach(), dy)
+    tol = 2 * 2.0 ** -8  # bf16 rounding of the GEMM output (and of dW's cast), relative L2
+    for name, got, ref in (("y", y, fp8_linear_float64(x.detach(), w.detach())), ("dx", x.grad, dx),
+                           ("dw", w.grad, dw)):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        if not err < tol:
+            failures.append(f"fp8_linear {name}: relative L2 {err:.2e} >= {tol:.2e}")
+
+
+def projections(model) -> dict[str, tuple[int, int]]:
+    h, i = model.hidden_size, model.intermediate_size
+    kv = model.num_key_value_heads * model.head_dim
+    return {"q": (h, model.num_attention_heads * model.head_dim), "k": (h, kv), "v": (h, kv),
+            "o": (model.num_attention_heads * model.head_dim, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
+
+
+def time_layer(model, tokens: int, iters: int, device) -> list[dict]:
+    compiled_quantize = torch.compile(lambda t: recipe.quantize_reference(t, -1))
+    rows = []
+    for name, (k, n) in projections(model).items():
+        x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+
+        def bf16_step():
+            F.linear(x, w).backward(dy)
+
+        def fp8_step():
+            fp8_linear(x, w).backward(dy)
+
+        bf16 = cuda_ms(bf16_step, iters)
+        fp8 = cuda_ms(fp8_step, iters)
+        q_rows = cuda_ms(lambda: fp8_quantize(x.detach(), "rows"), iters)
+        q_cols = cuda_ms(lambda: fp8_quantize(x.detach(), "cols"), iters)
+        q_compiled = cuda_ms(lambda: compiled_quantize(x.detach()), iters)
+        bytes_rows = tokens * k * 3 + tokens * 4
+        rows.append({"proj": name, "K": k, "N": n, "bf16_ms": bf16, "fp8_ms": fp8, "speedup": bf16 / fp8,
+                     "quantize_rows_ms": q_rows, "quantize_cols_ms": q_cols, "compiled_rows_ms": q_compiled,
+                     "quantize_rows_GBps": bytes_rows / q_rows / 1e6})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/fp8"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (compute capability 8.9 or newer)")
+    device = torch.device("cuda")
+    failures: list[str] = []
+    check_quantize(device, failures)
+    check_linear(device, failures)
+    rows = time_layer(resolve_model(args.model), args.tokens, args.iters, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+              "tokens": args.tokens, "failures": failures, "projections": rows,
+              "command": " ".join(sys.argv)}
+    (args.out / "fp8_linear_check.json").write_text(json.dumps(result, indent=2))
+    print(f"{'proj':6} {'K':>6} {'N':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'q rows':>7} {'q cols':>7} "
+          f"{'compiled':>8} {'GB/s':>6}")
+    for r in rows:
+        print(f"{r['proj']:6} {r['K']:6d} {r['N']:6d} {r['bf16_ms']:8.3f} {r['fp8_ms']:8.3f} {r['speedup']:5.2f} "
+              f"{r['quantize_rows_ms']:7.3f} {r['quantize_cols_ms']:7.3f} {r['compiled_rows_ms']:8.3f} "
+              f"{r['quantize_rows_GBps']:6.0f}")
+    total_bf16, total_fp8 = sum(r["bf16_ms"] for r in rows), sum(r["fp8_ms"] for r in rows)
+    print(f"layer  bf16 {total_bf16:.2f} ms  fp8 {total_fp8:.2f} ms  ({total_bf16 / total_fp8:.2f}x)")
+    print("checks:", "all passed" if not failures else "\n  ".join(["FAILED"] + failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
