@@ -1,6 +1,7 @@
-"""``liger-gen`` command line: tune kernels on the target GPU, show tuned tables.
+"""``liger-gen`` command line: tune kernels on the target GPU, build, verify and show tuned tables, benchmark.
 
-Thin by design: parse, call the library, print.
+Thin by design: parse, call the library, print. The options every command shares (``--model``, ``--json``,
+``--out``, the lists) are ``liger_gen.cli_options``; the ``--json`` document is ``liger_gen.cli_output``.
 """
 
 from __future__ import annotations
@@ -11,90 +12,18 @@ from pathlib import Path
 
 import click
 
+from liger_gen import cli_output
 from liger_gen._version import __version__
-from liger_gen.ops import all_specs, available_ops, get_spec
 from liger_gen.bench.step import DEFAULT_MODELS, DEFAULT_PROVIDERS, PROVIDERS, STEP_MODELS, split_names
-from liger_gen.runtime.devices import GPU_SLUG, KNOWN_GPUS
+from liger_gen.cli_options import (BENCH_OUT_HELP, OPS, bench_out, csv_devices, csv_dtypes, csv_ints,
+                                   csv_items, csv_ops, gpu_name, json_option, model_option, models_given, out_folder,
+                                   writable_out)
+from liger_gen.cli_output import NeedsGPU, files_in, finish
+from liger_gen.console import progress_bar
+from liger_gen.ops import all_specs, get_spec
 from liger_gen.training import DEFAULT_TEXT, DTYPES, MAX_TEXT_BYTES, read_text_bytes
 
-OPS = available_ops()
 DEFAULT_ROWS = "4096,16384,65536"
-
-
-def _csv_items(value: str, what: str, param_hint: str | None = None) -> list[str]:
-    """The stripped items of a comma-separated option value (none for an empty value). An empty item ('a,,b',
-    'a,') is a usage error: a typo more often than a wish to drop it. ``param_hint`` names the option when this
-    is called outside the option's callback."""
-    items = [v.strip() for v in value.split(",")]
-    if any(items) and not all(items):
-        raise click.BadParameter(f"empty item in {value!r}: expected comma-separated {what}", param_hint=param_hint)
-    return [v for v in items if v]
-
-
-def _csv_ints(ctx, param, value: str) -> list[int]:
-    try:
-        out = [int(v) for v in _csv_items(value, "positive integers")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise click.BadParameter(f"expected positive integers, got {value!r}")
-    return out
-
-
-def _csv_ops(ctx, param, value: str) -> list[str]:
-    ops = _csv_items(value, "op names")
-    unknown = [o for o in ops if o not in OPS]
-    if unknown or not ops:
-        raise click.BadParameter(f"unknown op(s) {unknown or value!r}; available: {', '.join(OPS)}")
-    return ops
-
-
-def _csv_dtypes(ctx, param, value: str) -> str:
-    """The --dtype text, unchanged once it has no empty item (the command reads the names)."""
-    _csv_items(value, "dtype names")
-    return value
-
-
-def _csv_devices(ctx, param, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        devices = [int(v) for v in _csv_items(value, "GPU indices")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated GPU indices, got {value!r}") from None
-    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
-        raise click.BadParameter(f"expected distinct GPU indices >= 0, got {value!r}")
-    return devices
-
-
-def _writable_out(path: str | Path) -> Path:
-    """``path`` as an output folder (``liger_gen.files.writable_folder``: made if missing, a file written in it and
-    removed), or a usage error naming --out. Every command with --out checks it so, before its work: a run never
-    ends by failing to write what it measured."""
-    from liger_gen.files import writable_folder
-
-    try:
-        return writable_folder(path)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--out'") from None
-
-
-def _out_folder(ctx, param, value: Path | None) -> Path | None:
-    """The callback of every --out: the folder checked by ``_writable_out`` (None stays None: the command checks
-    its default folder itself)."""
-    return None if value is None else _writable_out(value)
-
-
-def _gpu_name(ctx, param, value: str | None) -> str | None:
-    """A known short name (h200, a100, ...) or the slug the runtime derives for any other GPU (tesla-t4)."""
-    if value is None:
-        return None
-    value = value.lower()
-    if value not in KNOWN_GPUS and not GPU_SLUG.fullmatch(value):
-        raise click.BadParameter(f"{value!r} is not a GPU name: use a short name ({', '.join(KNOWN_GPUS)}) or, "
-                                 f"for another GPU, the name the runtime derives from the reported device name "
-                                 f"(lower case, words joined by '-', without 'NVIDIA': 'Tesla T4' -> tesla-t4)")
-    return value
 
 
 def _packaged_gpus() -> list[str]:
@@ -105,18 +34,23 @@ def _packaged_gpus() -> list[str]:
 
 class _Group(click.Group):
     """The command group: a missing optional dependency ends a command with the pip command that installs it,
-    not a traceback."""
+    not a traceback; under --json a failing command still prints its JSON document (``cli_output.json_mode``)."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta["liger_gen.wants_json"] = cli_output.wants_json(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         from liger_gen.optional import missing_extra_message
 
-        try:
-            return super().invoke(ctx)
-        except ImportError as exc:
-            message = missing_extra_message(exc)
-            if message is None:
-                raise
-            raise click.ClickException(message) from None
+        with cli_output.json_mode(ctx, ctx.meta.get("liger_gen.wants_json", False)):
+            try:
+                return super().invoke(ctx)
+            except ImportError as exc:
+                message = missing_extra_message(exc)
+                if message is None:
+                    raise
+                raise click.ClickException(message) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -126,21 +60,20 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--gpu", required=True, callback=_gpu_name,
+@click.option("--gpu", required=True, callback=gpu_name,
               help="Target GPU short name (h200, h100, a100, ...; another GPU by its derived name, e.g. tesla-t4); "
                    "must be the visible GPU.")
-@click.option("--model", "model_name", default="llama3-8b", show_default=True,
-              help="Model preset (llama3-8b, llama3.2-1b, qwen2.5-7b, mistral-7b, ...) or a path to a "
-                   "Hugging Face config.json.")
-@click.option("--ops", default=",".join(OPS), show_default=True, callback=_csv_ops, help="Comma-separated ops.")
-@click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=_csv_ints,
+@model_option("llama3-8b", "Model preset (llama3-8b, llama3.2-1b, qwen2.5-7b, mistral-7b, ...) or a path to a "
+                          "Hugging Face config.json.", single=True)
+@click.option("--ops", default=",".join(OPS), show_default=True, callback=csv_ops, help="Comma-separated ops.")
+@click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=csv_ints,
               help="Token counts (rows) to tune; the runtime picks the nearest in log distance.")
-@click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=_csv_dtypes,
+@click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=csv_dtypes,
               help="Comma-separated dtypes: bfloat16, float16, float32.")
 @click.option("--trials", default=24, show_default=True, type=click.IntRange(1, 10_000),
               help="Optuna trials per kernel (forward and backward each) and shape.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              callback=_out_folder,
+              callback=out_folder,
               help="Table root; writes OUT/<gpu>/<op>.json. Default: the package's tuned/ folder in a source "
                    "checkout, else ~/.local/share/liger-gen/tuned ($XDG_DATA_HOME/liger-gen/tuned), which the "
                    "runtime also reads.")
@@ -158,7 +91,7 @@ def main() -> None:
                    "reaches its share stops (recorded in the table), re-timing still runs. 0: no cap.")
 @click.option("--workers", default=None, type=click.IntRange(1),
               help="Tune on this many GPUs (0..N-1) in parallel, one worker process each, sharing --storage.")
-@click.option("--devices", default=None, callback=_csv_devices,
+@click.option("--devices", default=None, callback=csv_devices,
               help="Comma-separated GPU indices to tune on in parallel (e.g. 0,1,2,3); overrides --workers.")
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Points the search proposes at once (part of the search: the same seed and batch give the same "
@@ -182,9 +115,11 @@ def main() -> None:
               metavar="SECONDS",
               help="With --run-id: a unit whose owner shows no progress for this long is taken over (one whose "
                    "process on this host is gone, at once). Keep it above the longest stretch without a trial.")
+@json_option
 @click.pass_context
 def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, storage, seed, budget_s, workers,
-         devices, batch, compile_workers, refresh, build_kernels, run_id, no_write_tables, stale_after) -> None:
+         devices, batch, compile_workers, refresh, build_kernels, run_id, no_write_tables, stale_after,
+         as_json) -> None:
     """Search launch settings on this GPU (or several of the same kind) and write the tuned tables.
 
     Several hosts tune one run together through a PostgreSQL database (pip install 'liger-gen[tune]' brings the
@@ -241,12 +176,12 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
         devices = list(range(workers)) if workers else None
     try:
         target = find_target(gpu, devices)  # the one check of the GPUs
-    except NoGPUError as exc:
+    except NoGPUError as exc:  # the tuner's: said as NeedsGPU (--json: error kind "no-gpu")
         shipped = _packaged_gpus()
         listing = (f"`liger-gen show --gpu {gpu}` lists its packaged tables" if gpu in shipped else
                    f"no tables for {gpu} are packaged (packaged: {', '.join(shipped) or 'none'}; `liger-gen show "
                    f"--gpu NAME` lists them)")
-        raise click.ClickException(
+        raise NeedsGPU(
             f"{exc} Run `liger-gen tune --gpu {gpu} --model {model_name}` (with the same other options) on a "
             f"machine with that GPU. Without a GPU, {listing}; on CPU tensors the runtime uses plain "
             f"PyTorch (or Triton's interpreter with TRITON_INTERPRET=1).") from None
@@ -257,7 +192,7 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
     from liger_gen.tuning.fleet import SharedRunError
     from liger_gen.tuning.storage import JournalError, StorageError
 
-    out_root = out_dir or _writable_out(default_tune_root())
+    out_root = out_dir or writable_out(default_tune_root())
     if compile_workers is None:
         compile_workers = default_compile_workers(len(devices) if devices else 1)
     settings = TuneSettings(gpu=gpu, model=model, specs=[get_spec(op) for op in ops], rows=rows, dtypes=dtype_list,
@@ -274,6 +209,9 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
     elif Path(out_root).resolve() != packaged_root().resolve():
         click.echo(f"tables written under {out_root}/{gpu}/. To ship them, copy that folder into the image as "
                    f"<DIR>/{gpu}/ and set LIGER_GEN_TUNED_DIR=<DIR>; check with `liger-gen show --gpu {gpu}`.")
+    summary = {"gpu": gpu, "model": model_name, "tables": str(Path(out_root) / gpu), "run_id": run_id,
+               "tuned": {op: len(entries) for op, entries in result.entries.items()},
+               "unfinished": len(result.unfinished), "errors": [str(e) for e in result.errors], "build": None}
     if result.unfinished:
         raise click.ClickException(f"{len(result.unfinished)} unit(s) not tuned; see the messages above.")
     if result.errors:
@@ -282,7 +220,8 @@ def tune(ctx, gpu, model_name, ops, rows, dtypes, trials, out_dir, polish, stora
                                       "writes the tables and compiles their kernels)."
                                       if run_id and not no_write_tables else ""))
     if build_kernels and not no_write_tables:
-        _build_after_tune(gpu, model_name, ops, rows, dtypes, out_root)
+        summary["build"] = _build_after_tune(gpu, model_name, ops, rows, dtypes, out_root, as_json)
+    finish(as_json, "tune", summary, {"tables": Path(out_root) / gpu})
 
 
 def default_compile_workers(gpu_workers: int = 1) -> int:
@@ -295,41 +234,52 @@ def default_compile_workers(gpu_workers: int = 1) -> int:
     return max(0, min(16, cores - 2) // max(1, gpu_workers))
 
 
-def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int], dtypes: str, out_root) -> None:
+def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int], dtypes: str, out_root,
+                      as_json: bool = False) -> list | None:
     """``liger-gen build`` for the tuned ops and rows, in a fresh process (it must compile into an empty Triton
-    cache, and this process has compiled the tuning variants)."""
+    cache, and this process has compiled the tuning variants). Under --json each build's document is collected
+    (its stdout) and returned; its other output goes to stderr."""
+    import json
     import subprocess
 
     from liger_gen.bench.ops import CASES
 
     runnable = [o for o in ops if o in CASES]
     if not runnable:
-        return
+        return None
+    built = []
     for dtype in [d.strip() for d in dtypes.split(",") if d.strip()]:
         cmd = [sys.executable, "-m", "liger_gen.cli", "build", "--gpu", gpu, "--model", model_name,
                "--ops", ",".join(runnable), "--rows", ",".join(map(str, rows)), "--dtype", dtype,
-               "--out", str(out_root)]
-        click.echo("compiling the tuned variants: " + " ".join(cmd[2:]))
-        if subprocess.run(cmd, check=False).returncode != 0:
+               "--out", str(out_root)] + (["--json"] if as_json else [])
+        click.echo("compiling the tuned variants: " + " ".join(cmd[2:]), err=as_json)
+        proc = subprocess.run(cmd, check=False, stdout=subprocess.PIPE if as_json else None, text=True)
+        if as_json:
+            try:
+                built.append(json.loads(proc.stdout))
+            except ValueError:
+                built.append({"exit_code": proc.returncode, "stdout": proc.stdout[-2000:]})
+        if proc.returncode != 0:
             raise click.ClickException("the tables were written, but compiling their kernels failed (above); "
                                        "rerun `liger-gen build` for them")
+    return built
 
 
 @main.command()
-@click.option("--gpu", required=True, callback=_gpu_name,
+@click.option("--gpu", required=True, callback=gpu_name,
               help="GPU short name (h200, ...); must be the visible GPU: kernels are compiled for it.")
-@click.option("--model", "model_name", default="llama3.2-1b", show_default=True,
-              help="A whole model to run (llama3.2-1b, qwen2.5-0.5b, tiny, ... or a Hugging Face config.json), or "
-                   "with --rows a model preset whose ops run one by one (llama3-8b, ...).")
+@model_option("llama3.2-1b", "A whole model to run (llama3.2-1b, qwen2.5-0.5b, tiny, ... or a Hugging Face "
+                            "config.json), or with --rows a model preset whose ops run one by one (llama3-8b, ...).",
+              single=True)
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1),
               help="Sequences per step of the whole-model run (the training batch shape).")
 @click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(1),
               help="Tokens per sequence of the whole-model run.")
-@click.option("--rows", default=None, callback=lambda c, p, v: None if v is None else _csv_ints(c, p, v),
+@click.option("--rows", default=None, callback=lambda c, p, v: None if v is None else csv_ints(c, p, v),
               help="Run each op of --ops at these token counts instead of a whole model (for model presets and "
                    "for the shapes a tune run tuned).")
 @click.option("--ops", default="rms_norm,rope,swiglu,fused_linear_cross_entropy", show_default=True,
-              callback=_csv_ops, help="The ops of a --rows run.")
+              callback=csv_ops, help="The ops of a --rows run.")
 @click.option("--dtype", "dtype_name", default="bfloat16", show_default=True,
               help="Activation and parameter dtype: bfloat16, float16 or float32.")
 @click.option("--layers", default=None, type=click.IntRange(1),
@@ -338,12 +288,14 @@ def _build_after_tune(gpu: str, model_name: str, ops: list[str], rows: list[int]
 @click.option("--heuristic/--no-heuristic", default=True, show_default=True,
               help="Also compile the heuristic configs (used where a table is refused at run time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              callback=_out_folder,
+              callback=out_folder,
               help="Tables root to write OUT/<gpu>/compiled/triton-<version>-<backend>-sm<arch>/ under. "
                    "Default: where `liger-gen tune` writes.")
 @click.option("--replace", is_flag=True,
               help="Start the store afresh (default: add to it, so several models share one store).")
-def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, heuristic, out_dir, replace) -> None:
+@json_option
+def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, heuristic, out_dir, replace,
+          as_json) -> None:
     """Compile the kernels a model runs on this GPU into a compiled kernel cache beside the tables.
 
     At run time a kernel found there is loaded without invoking the Triton compiler; ship the folder with the
@@ -357,7 +309,7 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
 
     visible = current_gpu()
     if visible is None:
-        raise click.ClickException(f"no CUDA GPU is visible: compiled kernels are built on the GPU they are for. "
+        raise NeedsGPU(f"no CUDA GPU is visible: compiled kernels are built on the GPU they are for. "
                                    f"Run `liger-gen build --gpu {gpu} --model {model_name}` (with the same other "
                                    f"options) on a machine with that GPU.")
     if visible[0] != gpu:
@@ -369,7 +321,7 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
     from liger_gen import prebuild
     from liger_gen.runtime.compiled import store_summary
 
-    out_root = out_dir or _writable_out(default_tune_root())
+    out_root = out_dir or writable_out(default_tune_root())
     device = torch.device("cuda", torch.cuda.current_device())
     if rows:
         def steps():
@@ -383,29 +335,34 @@ def build(gpu, model_name, batch_size, seq_len, rows, ops, dtype_name, layers, h
                 raise click.BadParameter(str(exc), param_hint="--model") from None
         what = {"model": model_name, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype_name,
                 "layers": layers}
-    path = prebuild.build(steps, out_root, gpu, heuristic=heuristic, built_for=what, merge=not replace)
+    with progress_bar("build", enabled=not as_json) as bar:
+        path = prebuild.build(steps, out_root, gpu, heuristic=heuristic, built_for=what, merge=not replace,
+                              progress=bar)
     summary = store_summary(path)
     click.echo(f"wrote {summary['kernels']} compiled kernels ({summary['files']} files, "
                f"{summary['bytes'] / 2**20:.1f} MiB) to {path}")
     click.echo(f"ship {Path(out_root) / gpu} with the tables (the package's tuned/{gpu}/ or $LIGER_GEN_TUNED_DIR/"
                f"{gpu}/); check with `liger-gen verify --gpu {gpu}`.")
+    finish(as_json, "build", {"gpu": gpu, "built_for": what, "store": str(path), "kernels": summary["kernels"],
+                              "files": summary["files"], "bytes": summary["bytes"]}, {"store": path})
 
 
 @main.command()
-@click.option("--gpu", callback=_gpu_name, default=None, help="GPU short name; default: the visible GPU.")
+@click.option("--gpu", callback=gpu_name, default=None, help="GPU short name; default: the visible GPU.")
 @click.option("--trials", "show_trials", is_flag=True, help="Also list every trial.")
-@click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
+@click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else csv_ops(c, p, v),
               help="Comma-separated ops whose tables to print. Default: every table.")
 @click.option("--detail", is_flag=True,
               help="Print each table in full: its header, every entry's times and its configs (--trials implies "
                    "it).")
-def show(gpu, show_trials, ops, detail) -> None:
+@json_option
+def show(gpu, show_trials, ops, detail, as_json) -> None:
     """Print the tuned tables for the current or named GPU.
 
     One line per table: the op, the shapes tuned, the median gain over the heuristic, the compiled kernels
     present, and whether the runtime uses it here or why not. --detail prints the tables in full.
     """
-    from liger_gen.tuning.report import show_tables
+    from liger_gen.tuning.report import show_tables, table_summaries
     from liger_gen.runtime.devices import current_gpu
 
     if gpu is None:
@@ -416,6 +373,10 @@ def show(gpu, show_trials, ops, detail) -> None:
     from liger_gen.verify import compiled_kernels_per_op
 
     specs = all_specs()
+    if as_json:  # the summary lines as records (--detail and --trials print tables for people)
+        found = table_summaries(gpu, specs, ops=ops, compiled=compiled_kernels_per_op(gpu, specs))
+        finish(True, "show", {"gpu": gpu, "tables": found}, exit_code=0 if found else 1)
+        return
     compiled = None if detail or show_trials else compiled_kernels_per_op(gpu, specs)
     if not show_tables(gpu, specs, show_trials=show_trials, ops=ops, detail=detail, compiled=compiled):
         sys.exit(1)
@@ -438,16 +399,15 @@ def _model_folder_config(model_name: str) -> str:
 
 
 @main.command()
-@click.option("--gpu", callback=_gpu_name, default=None,
+@click.option("--gpu", callback=gpu_name, default=None,
               help="GPU short name (h200, ...); default: the visible GPU. Required without a GPU.")
-@click.option("--model", "model_name", default="llama3-8b", show_default=True,
-              help="Model preset, a Hugging Face model folder (holding config.json) or a path to a config.json: "
-                   "the shapes to check.")
-@click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=_csv_ints,
+@model_option("llama3-8b", "Model preset, a Hugging Face model folder (holding config.json) or a path to a "
+                          "config.json: the shapes to check.", single=True)
+@click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=csv_ints,
               help="Token counts to check (capped per op as the tuner caps them).")
-@click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=_csv_dtypes,
+@click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=csv_dtypes,
               help="Comma-separated activation dtypes.")
-@click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else _csv_ops(c, p, v),
+@click.option("--ops", default=None, callback=lambda c, p, v: None if v is None else csv_ops(c, p, v),
               help="Comma-separated ops the model runs. Default: for a preset or config.json of a supported "
                    "family, the ops apply_to runs for it (its norm, RoPE, gated MLP or experts, fused linear "
                    "cross-entropy), predicted with transformers (without transformers verify refuses to guess: "
@@ -458,7 +418,8 @@ def _model_folder_config(model_name: str) -> str:
 @click.option("--require-compiled", is_flag=True,
               help="Exit 1 unless a compiled kernel store can be used here (for this Triton and GPU), so an image "
                    "whose kernels would all compile at start fails its build.")
-def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled) -> None:
+@json_option
+def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled, as_json) -> None:
     """Say which tuned tables this machine would use for a model's shapes, which not and why.
 
     Exits 1 when a table file or entry is unusable, or when a shape would run the heuristic (unless
@@ -468,7 +429,7 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
     from liger_gen.codegen.spaces import dtype_from_name
     from liger_gen.models import resolve_model
     from liger_gen.runtime.devices import current_gpu
-    from liger_gen.verify import check, print_report, print_verdict
+    from liger_gen.verify import check, print_report, print_verdict, report_dict
 
     if gpu is None:
         visible = current_gpu()
@@ -496,15 +457,17 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
         ops_source = "those named by --ops"
     report = check(gpu, model, rows, dtype_list, ops)
     report.ops_source = f"{', '.join(ops)} ({ops_source})"
-    print_report(report, gpu, model_name)
-    print_verdict(report, allow_heuristic, require_compiled=require_compiled)
-    sys.exit(report.exit_code(allow_heuristic, require_compiled))
+    if not as_json:
+        print_report(report, gpu, model_name)
+        print_verdict(report, allow_heuristic, require_compiled=require_compiled)
+    finish(as_json, "verify", report_dict(report, gpu, model_name, allow_heuristic, require_compiled),
+           exit_code=report.exit_code(allow_heuristic, require_compiled))
 
 
 @main.command()
-@click.option("--model", "model_name", default="llama3-8b", show_default=True,
-              help="Model preset, a Hugging Face config.json, or 'tiny' (a toy model for --device cpu).")
-@click.option("--ops", default=",".join(OPS), show_default=True, callback=_csv_ops, help="Comma-separated ops.")
+@model_option("llama3-8b", "Model preset, a Hugging Face config.json, or 'tiny' (a toy model for --device cpu).",
+              single=True)
+@click.option("--ops", default=",".join(OPS), show_default=True, callback=csv_ops, help="Comma-separated ops.")
 @click.option("--rows", default=None, type=click.IntRange(1),
               help="Token count of every op. Default: 16384 (norms, RoPE, GLUs), 8192 (cross-entropy, FLCE, "
                    "KL, JSD) on CUDA; 64 on the CPU.")
@@ -515,9 +478,8 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run (Triton's interpreter with TRITON_INTERPRET=1; kernel ms is host time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              callback=_out_folder,
-              help="Folder for bench_<model>_<gpu>.json and .png, and for --render's .md and .png (default: the "
-                   "current folder).")
+              callback=out_folder,
+              help="Folder for bench_<model>_<gpu>.json and .png, and for --render's .md and .png. " + BENCH_OUT_HELP)
 @click.option("--render", "render_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Print a result JSON as markdown and draw its PNG; no GPU needed.")
 @click.option("--iters", default=10, show_default=True, type=click.IntRange(1), help="Profiled iterations.")
@@ -526,38 +488,17 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
                    "loop counts).")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(1), help="Untimed calls first.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Input seed.")
+@json_option
 def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path, iters, wall_iters, warmup,
-          seed) -> None:
-    """Time every op at a model's shapes: liger-gen vs its heuristic, torch eager/compile, Liger-Kernel, CCE."""
+          seed, as_json) -> None:
+    """Time every op at a model's shapes: liger-gen vs its heuristic, torch eager/compile, Liger-Kernel, CCE.
+
+    On the CPU (--device cpu) it is a functional run: the table, the JSON and the plot say so."""
     from liger_gen.bench import report
-    from liger_gen.files import ResultsNotWritten, write_atomic
+    from liger_gen.files import ResultsNotWritten
 
     if render_path is not None:
-        try:
-            loaded = report.load_json(render_path)  # read capped, never blocking; ReportError names the file
-        except report.ReportError as exc:
-            raise click.BadParameter(str(exc), param_hint="'--render'") from None
-        try:
-            data = report.derive(loaded)
-            markdown = report.render_markdown(data)
-        except report.ReportError as exc:
-            raise click.ClickException(str(exc)) from None
-        except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
-            # it parses, but a field has the wrong type (or holds lists nested past Python's stack)
-            raise click.ClickException(f"{render_path} is not a liger-gen bench result this version can read "
-                                       f"(a field has an unexpected type: {type(exc).__name__}: {exc})") from None
-        folder = out_dir or _writable_out(Path("."))
-        click.echo(markdown, nl=False)
-        md = folder / f"{render_path.stem}.md"
-        try:
-            write_atomic(md, markdown)
-        except OSError as exc:
-            raise click.ClickException(f"cannot write {md}: {exc.strerror or exc} (the markdown is printed "
-                                       f"above)") from None
-        png = _bench_plot(report, data, folder / f"{render_path.stem}.png")
-        click.echo(f"wrote {md}" + (f" and {png}" if png else ""), err=True)
-        return
-
+        return _render(report, render_path, out_dir, as_json)
     import torch
 
     from liger_gen.bench import PROVIDERS, Settings, bench_model, run_bench
@@ -568,13 +509,13 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
         torch_dtype = dtype_from_name(dtype)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    names = list(PROVIDERS) if providers is None else _csv_items(providers, "provider names", "'--providers'")
+    names = list(PROVIDERS) if providers is None else csv_items(providers, "provider names", "'--providers'")
     unknown = [p for p in names if p not in PROVIDERS]
     if unknown or not names:
         raise click.BadParameter(f"unknown provider(s) {unknown or providers!r}; known: {', '.join(PROVIDERS)}",
                                  param_hint="--providers")
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException(
+        raise NeedsGPU(
             "no CUDA GPU is visible, and `liger-gen bench` measures kernels on the GPU. Run it on a machine with "
             "a GPU; or use `--device cpu` for a functional run with tiny shapes (e.g. `liger-gen bench --device "
             "cpu --model tiny --providers liger-gen,torch-eager`, in Triton's interpreter with TRITON_INTERPRET=1); "
@@ -582,13 +523,14 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
     if device == "cpu":
         from liger_gen.runtime.ops import interpreter_enabled
 
-        click.echo("note: --device cpu times host execution, not GPU kernels; "
+        click.echo("note: --device cpu is a functional run: it times host execution, not GPU kernels; "
                    + ("liger-gen runs its Triton kernels in Triton's interpreter." if interpreter_enabled() else
                       "TRITON_INTERPRET=1 is not set, so liger-gen runs its plain-PyTorch path, not its kernels "
                       "(set it before starting Python to run the kernels in the interpreter)."), err=True)
-    folder = out_dir or _writable_out(Path("."))
-    data = run_bench(model, ops=ops, providers=names, rows=rows, dtype=torch_dtype, device=device,
-                     settings=Settings(iters=iters, wall_iters=wall_iters, warmup=warmup), seed=seed)
+    with bench_out(out_dir, "bench") as folder, progress_bar("bench", enabled=not as_json) as bar:
+        data = run_bench(model, ops=ops, providers=names, rows=rows, dtype=torch_dtype, device=device,
+                         settings=Settings(iters=iters, wall_iters=wall_iters, warmup=warmup), seed=seed,
+                         progress=bar)
     stem = report.default_stem(data)
     try:
         click.echo(f"wrote {report.write_json(data, folder / f'{stem}.json')}", err=True)
@@ -601,13 +543,46 @@ def bench(model_name, ops, rows, providers, dtype, device, out_dir, render_path,
     failed = report.failures(data)
     for line in failed:
         click.echo(f"liger-gen failed: {line}", err=True)
-    report.print_table(data)
-    if failed:
-        sys.exit(1)
+    if not as_json:
+        report.print_table(data)
+    finish(as_json, "bench", data, files_in(folder, f"{stem}.json", f"{stem}.png"), exit_code=1 if failed else 0)
+
+
+def _render(report, render_path: Path, out_dir: Path | None, as_json: bool) -> None:
+    """``bench --render``: a result JSON as markdown (printed, and written with its PNG to --out)."""
+    from liger_gen.files import write_atomic
+
+    try:
+        loaded = report.load_json(render_path)  # read capped, never blocking; ReportError names the file
+    except report.ReportError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--render'") from None
+    try:
+        data = report.derive(loaded)
+        markdown = report.render_markdown(data)
+    except report.ReportError as exc:
+        raise click.ClickException(str(exc)) from None
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
+        # it parses, but a field has the wrong type (or holds lists nested past Python's stack)
+        raise click.ClickException(f"{render_path} is not a liger-gen bench result this version can read "
+                                   f"(a field has an unexpected type: {type(exc).__name__}: {exc})") from None
+    with bench_out(out_dir, "bench-render") as folder:
+        if not as_json:
+            click.echo(markdown, nl=False)
+        md = folder / f"{render_path.stem}.md"
+        try:
+            write_atomic(md, markdown)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {md}: {exc.strerror or exc}"
+                                       + ("" if as_json else " (the markdown is printed above)")) from None
+        png = _bench_plot(report, data, folder / f"{render_path.stem}.png")
+    click.echo(f"wrote {md}" + (f" and {png}" if png else ""), err=True)
+    finish(as_json, "bench", {"markdown": markdown, "functional_run": report.functional_note(data) is not None,
+                              "functional_run_reason": report.functional_note(data)},
+           {"md": md, "png": png})
 
 
 def _step_names(ctx, param, value: str) -> list[str]:
-    """bench-step's --models / --providers: the names (``liger_gen.bench.step.split_names``: no empty or repeated
+    """bench-step's --providers: the names (``liger_gen.bench.step.split_names``: no empty or repeated
     one)."""
     try:
         return split_names(value, param.name)
@@ -625,8 +600,7 @@ def _step_text(ctx, param, value: str) -> str:
 
 
 @main.command("bench-step")
-@click.option("--models", default=",".join(DEFAULT_MODELS), show_default=True, callback=_step_names,
-              help=f"Comma-separated models: {', '.join(STEP_MODELS)}.")
+@model_option(DEFAULT_MODELS, f"Models: {', '.join(STEP_MODELS)}.", single=False, alias="--models")
 @click.option("--providers", default=",".join(DEFAULT_PROVIDERS), show_default=True, callback=_step_names,
               help=f"Comma-separated providers, run in this order: {', '.join(PROVIDERS)}.")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1), help="Sequences per step.")
@@ -647,63 +621,74 @@ def _step_text(ctx, param, value: str) -> str:
                    f"(default: tiny Shakespeare).")
 @click.option("--loss-rel-tol", default=None, type=float,
               help="Loss-curve tolerance, relative per step (default: the dtype's eps; bf16 2**-7).")
-@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), callback=_out_folder,
-              help="Write OUT/step.json.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False, path_type=Path), callback=out_folder,
+              help="Folder for step.json (first_step.json with --first-step). " + BENCH_OUT_HELP)
 @click.option("--first-step", is_flag=True,
               help="Instead: time each provider's first step in a fresh process with empty Triton caches (process "
                    "start to the end of step 1, compilation included); JSON to OUT/first_step.json.")
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
               help="Fresh processes per provider and model with --first-step (the median is reported).")
-def bench_step(first_step, repeats, **options) -> None:
+@json_option
+def bench_step(first_step, repeats, as_json, **options) -> None:
     """Training steps of whole transformers models: plain vs Liger-Kernel vs liger-gen (vs torch.compile).
 
     Tokens/s, peak memory, the loss curve against plain transformers and a profile by kernel class; JSON to
     --out. Exits 1 if a provider fails or its loss curve departs from plain transformers'. With --first-step:
-    the time to the end of the first step in a fresh process, per provider.
+    the time to the end of the first step in a fresh process, per provider. On the CPU (--device cpu) it is a
+    functional run: the table and the JSON say so.
     """
     import torch
 
     from liger_gen.files import ResultsNotWritten
 
+    if as_json:
+        options["console"] = False  # the tables are for people; the document replaces them
     if first_step:
         from liger_gen.bench.first_step import run_first_step
 
         keep = ("models", "providers", "batch_size", "seq_len", "dtype", "seed", "lr", "device",
-                "attn_implementation", "text", "out_dir")
-        try:
-            result = run_first_step(repeats=repeats, **{k: v for k, v in options.items() if k in keep})
-        except ValueError as exc:
-            raise click.BadParameter(str(exc)) from None
-        except ResultsNotWritten as exc:  # measured, printed, kept in a temporary file the message names
-            raise click.ClickException(str(exc)) from None
-        if any(r.get("status") == "error" for m in result["models"].values() for p in m.values()
-               for r in p["runs"]):
-            sys.exit(1)
-        return
+                "attn_implementation", "text", "console")
+        with bench_out(options["out_dir"], "bench-step") as folder:
+            try:
+                result = run_first_step(repeats=repeats, **{k: v for k, v in options.items() if k in keep},
+                                        **{"out_dir": folder})
+            except ValueError as exc:
+                raise click.BadParameter(str(exc)) from None
+            except ResultsNotWritten as exc:  # measured, printed, kept in a temporary file the message names
+                raise click.ClickException(str(exc)) from None
+        failed = any(r.get("status") == "error" for m in result["models"].values() for p in m.values()
+                     for r in p["runs"])
+        written = files_in(folder, "first_step.json")
+        if written["json"]:
+            click.echo(f"wrote {written['json']}", err=True)
+        return finish(as_json, "bench-step", result, written, exit_code=int(failed))
 
     from liger_gen.bench.step import run_step_benchmark
 
     if options.get("device") is None and not torch.cuda.is_available():
-        from click.core import ParameterSource
-
-        given = click.get_current_context().get_parameter_source("models") is not ParameterSource.DEFAULT
+        given = models_given()
         models = ",".join(options["models"]) if given else "tiny"
-        raise click.ClickException(
+        raise NeedsGPU(
             "no CUDA GPU is visible, and `liger-gen bench-step` trains "
             + (f"{models}" if given else "the Llama-3.2-1B and Qwen2.5-0.5B shapes")
             + " at --batch-size x --seq-len tokens per step (by default 8 x 2048: tens of GB of memory and hours on "
             "a CPU for a real model's shapes). Run it on a machine with a GPU; for a functional run on the CPU name "
             f"the device{'' if given else ' and a tiny model'}: `TRITON_INTERPRET=1 liger-gen bench-step --device "
-            f"cpu --models {models} --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0`.")
-    try:
-        result = run_step_benchmark(**options)
-    except ValueError as exc:  # a bad option value (unknown model/provider/device, bad number, too little text)
-        raise click.BadParameter(str(exc)) from None
-    except ResultsNotWritten as exc:  # measured, printed, kept in a temporary file the message names
-        raise click.ClickException(str(exc)) from None
-    if any(p.get("status") == "error" or (p.get("loss_check") or {}).get("pass") is False
-           for m in result.get("models", {}).values() for p in m.get("providers", {}).values()):
-        sys.exit(1)
+            f"cpu --model {models} --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0`.")
+    with bench_out(options.pop("out_dir"), "bench-step") as folder:
+        with progress_bar("bench-step", enabled=not as_json) as bar:
+            try:
+                result = run_step_benchmark(**options, out_dir=folder, progress=bar)
+            except ValueError as exc:  # a bad option value (unknown model/provider/device, bad number, short text)
+                raise click.BadParameter(str(exc)) from None
+            except ResultsNotWritten as exc:  # measured, printed, kept in a temporary file the message names
+                raise click.ClickException(str(exc)) from None
+    written = files_in(folder, "step.json")
+    if written["json"]:
+        click.echo(f"wrote {written['json']}", err=True)
+    failed = any(p.get("status") == "error" or (p.get("loss_check") or {}).get("pass") is False
+                 for m in result.get("models", {}).values() for p in m.get("providers", {}).values())
+    finish(as_json, "bench-step", result, written, exit_code=int(failed))
 
 
 @main.command("bench-losses")
@@ -725,36 +710,39 @@ def bench_step(first_step, repeats, **options) -> None:
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run in fp32 (host time, no memory figures).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              callback=_out_folder,
-              help="Folder for bench_losses.json (default: the current folder).")
-def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, device, out_dir) -> None:
+              callback=out_folder, help="Folder for bench_losses.json. " + BENCH_OUT_HELP)
+@json_option
+def bench_losses(losses, providers, hidden, vocab, batch, seq, iters, warmup, device, out_dir, as_json) -> None:
     """Post-training losses from hidden states (DPO, ORPO, CPO, SimPO, KTO, GRPO, JSD distillation) at an LM head:
     liger-gen vs Liger-Kernel's chunked losses vs the PyTorch formula, eager and compiled. Forward + backward
-    time, peak extra memory, the loss and gradients against torch eager. bf16 on CUDA."""
+    time, peak extra memory, the loss and gradients against torch eager. bf16 on CUDA; on the CPU a functional
+    run in fp32, and the table and the JSON say so."""
     import torch
 
     from liger_gen.bench.losses import format_table, run_losses
     from liger_gen.files import ResultsNotWritten
 
-    names = list(dict.fromkeys(_csv_items(losses, "loss names", "'--losses'")))
-    provider_names = list(dict.fromkeys(_csv_items(providers, "provider names", "'--providers'")))
+    names = list(dict.fromkeys(csv_items(losses, "loss names", "'--losses'")))
+    provider_names = list(dict.fromkeys(csv_items(providers, "provider names", "'--providers'")))
     if not names or not provider_names:
         raise click.BadParameter("name at least one loss and one provider", param_hint="--losses / --providers")
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("no CUDA GPU is visible; `TRITON_INTERPRET=1 liger-gen bench-losses --device cpu "
-                                   "--hidden 64 --vocab 320 --batch 2 --seq 16 --iters 2` is a functional run on "
-                                   "the CPU (the kernels in Triton's interpreter; without TRITON_INTERPRET=1 the "
-                                   "CPU runs the plain-PyTorch path)")
-    folder = out_dir or _writable_out(Path("."))
-    try:
-        result = run_losses(names, provider_names, hidden, vocab, batch, seq, iters, warmup, device,
-                            folder / "bench_losses.json")
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-    except ResultsNotWritten as exc:  # measured and kept in a temporary file the message names
-        raise click.ClickException(str(exc)) from None
+        raise NeedsGPU("no CUDA GPU is visible; `TRITON_INTERPRET=1 liger-gen bench-losses --device cpu "
+                         "--hidden 64 --vocab 320 --batch 2 --seq 16 --iters 2` is a functional run on "
+                         "the CPU (the kernels in Triton's interpreter; without TRITON_INTERPRET=1 the "
+                         "CPU runs the plain-PyTorch path)")
+    with bench_out(out_dir, "bench-losses") as folder, progress_bar("bench-losses", enabled=not as_json) as bar:
+        try:
+            result = run_losses(names, provider_names, hidden, vocab, batch, seq, iters, warmup, device,
+                                folder / "bench_losses.json", progress=bar)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        except ResultsNotWritten as exc:  # measured and kept in a temporary file the message names
+            raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {folder / 'bench_losses.json'}", err=True)
-    click.echo(format_table(result))
+    if not as_json:
+        click.echo(format_table(result))
+    finish(as_json, "bench-losses", result, files_in(folder, "bench_losses.json"))
 
 
 def _bench_plot(report, data: dict, path: Path) -> Path | None:

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from liger_gen.console import NO_PROGRESS, ProgressBar
 
 def _cut_layers(config, layers: int | None) -> None:
     """Keep the first ``layers`` decoder layers (default: up to the first layer of each distinct layer type)."""
@@ -129,22 +130,25 @@ def fresh_triton_cache():
 
 
 def build(steps: Callable[[], list[Callable[[], None]]], out_root: Path, gpu: str, heuristic: bool = True,
-          built_for: dict | None = None, merge: bool = True) -> Path:
+          built_for: dict | None = None, merge: bool = True, progress: ProgressBar = NO_PROGRESS) -> Path:
     """Run ``steps()`` (built inside the fresh cache) with the tables, and again with the heuristics if
     ``heuristic``, recording what Triton compiles; write (or, with ``merge``, extend) the store under
-    ``out_root/<gpu>/compiled/``."""
+    ``out_root/<gpu>/compiled/``. ``progress`` is advanced after each step run (``liger_gen.console``)."""
     from liger_gen.runtime import compiled, tables
 
     device = torch.cuda.current_device()
     with fresh_triton_cache() as cache_dir, compiled.Recorder() as recorder:
         calls = steps()
-        for call in calls:
+        progress.start(len(calls) * (2 if heuristic else 1))
+        for i, call in enumerate(calls):
             call()
+            progress.advance(f"tuned configs {i + 1}/{len(calls)}")
         torch.cuda.synchronize()
         if heuristic:
             with tables.heuristic_only():
-                for call in calls:
+                for i, call in enumerate(calls):
                     call()
+                    progress.advance(f"heuristic configs {i + 1}/{len(calls)}")
                 torch.cuda.synchronize()
         path = compiled.write_store(out_root, gpu, recorder, cache_dir, compiled.device_target(device),
                                      built_for, merge)

@@ -395,6 +395,24 @@ def print_report(report: Report, gpu: str, model_name: str, console: Console | N
                   f"{len(report.file_problems)} unusable table file(s), entries or compiled kernel stores")
 
 
+def report_dict(report: Report, gpu: str, model_name: str, allow_heuristic: bool,
+                require_compiled: bool = False) -> dict:
+    """The report as ``liger-gen verify --json`` prints it: what ``print_report`` and ``print_verdict`` say, with
+    stable keys (``findings``: one per op, dtype and rows, ``source`` user / packaged / heuristic)."""
+    from dataclasses import asdict
+
+    return {"gpu": gpu, "model": model_name, "ops_checked": report.ops_source,
+            "exit_code": report.exit_code(allow_heuristic, require_compiled),
+            "findings": [asdict(f) for f in report.findings],
+            "tuned_shapes": sum(f.source != "heuristic" for f in report.findings),
+            "heuristic_shapes": sum(f.source == "heuristic" for f in report.findings),
+            "unusable": list(report.file_problems), "notices": list(report.notices),
+            "not_checked": list(report.unchecked), "compiled": list(report.compiled),
+            "usable_compiled_stores": report.usable_compiled, "compiled_kernels_per_op": dict(report.compiled_ops),
+            "no_tables": report.no_tables, "compiled_missing": report.compiled_missing() if require_compiled else None,
+            "looked_up": [{"source": source, "folder": str(root)} for source, root in report.roots]}
+
+
 def print_verdict(report: Report, allow_heuristic: bool, console: Console | None = None,
                   require_compiled: bool = False) -> None:
     """One line saying why the exit status is what it is."""

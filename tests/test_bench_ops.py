@@ -311,10 +311,15 @@ def test_render_lists_every_op_and_provider(cpu_run, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "cwd")
     result = CliRunner().invoke(main, ["bench", "--render", str(tmp_path / "run.json")])
     assert result.exit_code == 0, result.output
-    md = (tmp_path / "cwd" / "run.md").read_text()
-    assert md in result.output  # printed, and written to the current folder: never beside a committed result
+    # printed, and written to a new folder under bench-results/: never beside a committed result, never at the
+    # current folder's top level
+    assert [p.name for p in (tmp_path / "cwd").iterdir()] == ["bench-results"]
+    (folder,) = (tmp_path / "cwd" / "bench-results").iterdir()
+    md = (folder / "run.md").read_text()
+    assert md in result.output
     assert not (tmp_path / "run.md").exists()
     assert md.startswith("# tiny ops on cpu\n")
+    assert "functional run on the CPU" in md  # a CPU result says its times are not performance
     for res in data["results"]:
         assert f"| {res['op']} | {res['provider']} |" in md
     assert "| rms_norm | liger-kernel | not installed |" in md

@@ -343,7 +343,7 @@ def test_restore_module_globals(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_click_options_map_onto_run_step_benchmark(monkeypatch):
+def test_click_options_map_onto_run_step_benchmark(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
     from liger_gen.cli import main
@@ -357,14 +357,18 @@ def test_click_options_map_onto_run_step_benchmark(monkeypatch):
 
     monkeypatch.setattr(step, "run_step_benchmark", run)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else the command refuses the default device
-    result = CliRunner().invoke(main, ["bench-step", "--models", "tiny", "--providers", "liger-gen,transformers",
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["bench-step", "--model", "tiny", "--providers", "liger-gen,transformers",
                                        "--steps", "4"])
     assert result.exit_code == 0, result.output
     assert set(seen) <= set(params)
     assert seen["models"] == ["tiny"] and seen["providers"] == ["liger-gen", "transformers"] and seen["steps"] == 4
     for name in ("batch_size", "seq_len", "warmup_steps", "profile_steps", "lr", "seed", "dtype",
-                 "attn_implementation", "loss_rel_tol", "out_dir", "device"):
+                 "attn_implementation", "loss_rel_tol", "device"):
         assert seen[name] == params[name].default, name
+    # without --out: a new folder under bench-results/ (removed again here: the stand-in wrote nothing in it)
+    assert seen["out_dir"].parent == Path("bench-results") and seen["out_dir"].name.startswith("bench-step-")
+    assert list(tmp_path.iterdir()) == []
     assert seen["text"] == str(params["text"].default)
     bad = CliRunner().invoke(main, ["bench-step", "--steps", "0"])
     assert bad.exit_code != 0 and "--steps" in bad.output

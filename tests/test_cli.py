@@ -152,7 +152,7 @@ def test_bench_render_of_a_wrongly_typed_result_is_a_clean_error(runner, tmp_pat
 
 
 def test_bench_step_bad_options_are_usage_errors(runner):
-    for args, needle in ((["--models", "nope"], "unknown"), (["--lr", "nan"], "lr"),
+    for args, needle in ((["--model", "nope"], "unknown"), (["--lr", "nan"], "lr"),
                          (["--loss-rel-tol", "-1"], "loss_rel_tol"), (["--device", "garbage"], "device"),
                          (["--device", "meta"], "device")):
         result = runner.invoke(main, ["bench-step", "--device", "cpu", *args])
@@ -220,7 +220,7 @@ def test_bench_step_without_a_gpu_refuses_and_names_the_cpu_command(runner, monk
     result = runner.invoke(main, ["bench-step"])
     assert result.exit_code == 1
     assert "no CUDA GPU is visible" in result.output
-    assert "liger-gen bench-step --device cpu --models tiny" in result.output
+    assert "liger-gen bench-step --device cpu --model tiny" in result.output
 
 
 def test_show_survives_a_subnormal_time_and_marks_a_misnamed_copy_unused(runner, tmp_path, monkeypatch):
@@ -305,7 +305,7 @@ def test_a_missing_extra_ends_any_command_with_its_pip_command(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "transformers", None)
-    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--steps", "1"])
+    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--model", "tiny", "--steps", "1"])
     assert result.exit_code == 1, result.output
     assert "liger-gen[transformers]" in result.output and "Traceback" not in result.output
 
@@ -414,7 +414,7 @@ def test_first_step_runs_each_provider_in_a_fresh_process(runner, tmp_path, monk
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # no untimed warm-up round (2 more child processes; the next test checks that it is left out)
     monkeypatch.setattr(first_step, "run_first_step", functools.partial(first_step.run_first_step, warmup_rounds=0))
-    done = runner.invoke(main, ["bench-step", "--first-step", "--device", "cpu", "--models", "tiny", "--providers",
+    done = runner.invoke(main, ["bench-step", "--first-step", "--device", "cpu", "--model", "tiny", "--providers",
                                 "transformers,liger-gen", "--batch-size", "2", "--seq-len", "32", "--repeats", "1",
                                 "--out", str(tmp_path)])
     assert done.exit_code == 0, done.output

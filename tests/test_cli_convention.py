@@ -148,8 +148,8 @@ def _parses(command: str) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU hints")
 @pytest.mark.parametrize("args,expected", [
     (["bench"], ["liger-gen bench --device cpu --model tiny --providers liger-gen,torch-eager"]),
-    (["bench-step"], ["liger-gen bench-step --device cpu --models tiny "]),
-    (["bench-step", "--models", "qwen2.5-0.5b"], ["liger-gen bench-step --device cpu --models qwen2.5-0.5b "]),
+    (["bench-step"], ["liger-gen bench-step --device cpu --model tiny "]),
+    (["bench-step", "--model", "qwen2.5-0.5b"], ["liger-gen bench-step --device cpu --model qwen2.5-0.5b "]),
     (["bench-losses"], ["liger-gen bench-losses --device cpu "]),
     (["tune", "--gpu", "h200", "--model", "llama3.2-1b"], ["liger-gen show --gpu h200",
                                                            "liger-gen tune --gpu h200 --model llama3.2-1b"]),

@@ -79,13 +79,13 @@ def test_bench_step_text_that_is_a_fifo_is_a_usage_error(tmp_path, monkeypatch):
     fifo = tmp_path / "text.fifo"
     os.mkfifo(fifo)
     with hangs_after(20):
-        result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--text", str(fifo)])
+        result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--model", "tiny", "--text", str(fifo)])
     _usage_error(result, "--text", str(fifo), "not a regular file")
 
 
 def test_bench_step_text_that_is_a_device_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(step, "run_step_benchmark", _REAL_RUN_STEP)
-    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--text", "/dev/null"])
+    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--model", "tiny", "--text", "/dev/null"])
     _usage_error(result, "--text", "/dev/null", "not a regular file")
 
 
@@ -98,7 +98,7 @@ def test_bench_step_text_from_dev_zero_stops_at_once(tmp_path):
             "if line.startswith('VmSize:'))); "
             "resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, size + 2**30)); "
             "main(sys.argv[1:], prog_name='liger-gen')")
-    proc = subprocess.run([sys.executable, "-c", code, "bench-step", "--device", "cpu", "--models", "tiny",
+    proc = subprocess.run([sys.executable, "-c", code, "bench-step", "--device", "cpu", "--model", "tiny",
                            "--text", "/dev/zero", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -111,7 +111,7 @@ def test_bench_step_text_over_the_cap_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setattr(training, "MAX_TEXT_BYTES", 1000)
     big = tmp_path / "big.txt"
     big.write_bytes(b"x" * 1001)
-    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--text", str(big)])
+    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--model", "tiny", "--text", str(big)])
     _usage_error(result, "--text", str(big), "1,001 bytes, more than the 1,000")
     with pytest.raises(ValueError, match="more than the 1,000"):
         training.byte_tokens(big)  # the library reads with the same cap
@@ -127,7 +127,7 @@ def test_too_little_text_names_options_that_exist(tmp_path, monkeypatch):
     monkeypatch.setattr(step, "run_step_benchmark", _REAL_RUN_STEP)  # it stops before building a model
     short = tmp_path / "short.txt"
     short.write_bytes(b"To be, or not to be")
-    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--text", str(short),
+    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--model", "tiny", "--text", str(short),
                                        "--seq-len", "64"])
     _usage_error(result, "--seq-len 64", "--text")
     assert "--max-chars" not in result.output
@@ -181,8 +181,8 @@ COMMANDS = {
     "bench": ["bench", "--device", "cpu", "--model", "tiny"],
     "bench-render": ["bench", "--render", str(ROOT / "benchmarks/results/h200_2026-11-30/"
                                                      "bench_llama3-8b_nvidia_h200.json")],
-    "bench-step": ["bench-step", "--device", "cpu", "--models", "tiny"],
-    "bench-step-first": ["bench-step", "--first-step", "--device", "cpu", "--models", "tiny"],
+    "bench-step": ["bench-step", "--device", "cpu", "--model", "tiny"],
+    "bench-step-first": ["bench-step", "--first-step", "--device", "cpu", "--model", "tiny"],
     "bench-losses": ["bench-losses", "--device", "cpu"],
     "tune": ["tune", "--gpu", "h200"],
     "build": ["build", "--gpu", "h200"],
@@ -291,7 +291,7 @@ def test_bench_step_keeps_its_results_when_the_final_write_fails(tmp_path, temp_
         return step.finish_run(measured, options["out_dir"], "step.json", step.print_report, False)
 
     monkeypatch.setattr(step, "run_step_benchmark", run_step_benchmark)
-    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--models", "tiny", "--out", str(out)])
+    result = CliRunner().invoke(main, ["bench-step", "--device", "cpu", "--model", "tiny", "--out", str(out)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert f"cannot write {out / 'step.json'}" in result.output
     assert _kept(temp_dir, result.output) == measured
@@ -341,8 +341,8 @@ def test_results_are_printed_when_no_file_can_be_written(tmp_path, monkeypatch, 
     ["verify", "--gpu", "h200", "--dtype", "bfloat16,,float16"],
     ["bench", "--device", "cpu", "--model", "tiny", "--ops", "rms_norm,,swiglu"],
     ["bench", "--device", "cpu", "--model", "tiny", "--providers", "liger-gen,,torch-eager"],
-    ["bench-step", "--device", "cpu", "--models", "tiny,"],
-    ["bench-step", "--device", "cpu", "--models", "tiny", "--providers", "transformers,,liger-gen"],
+    ["bench-step", "--device", "cpu", "--model", "tiny,"],
+    ["bench-step", "--device", "cpu", "--model", "tiny", "--providers", "transformers,,liger-gen"],
     ["bench-losses", "--device", "cpu", "--losses", "dpo,,orpo"],
     ["bench-losses", "--device", "cpu", "--providers", "torch-eager,"],
 ], ids=lambda args: " ".join(args[:1] + args[-2:]))

@@ -98,6 +98,36 @@ def test_getting_started_example_runs(index, corpus, tmp_path, monkeypatch):
         assert torch.isfinite(namespace["loss"]) and namespace["loss"] > 0
 
 
+DOCS = ROOT / "docs"
+GENERATED = re.compile(r"<!-- generated: [^>]*-->\n(.*?)<!-- /generated -->", re.S)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """The Markdown without its fenced code blocks (their brackets are code, not links)."""
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_each_page_reads_as_plain_markdown_in_the_repository(page):
+    """Read on GitHub, before any build step: every relative link and image leads to a file of the repository, no
+    mkdocstrings directive shows as text, and each region the site generates holds a sentence with a link."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    prose = _prose(text)
+    for target in LINK.findall(prose):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        assert (DOCS / target.split("#")[0]).exists(), f"{page}: link to {target}, which is not in the repository"
+    assert not re.search(r"^:::", prose, re.M), f"{page}: a mkdocstrings directive outside a generated region"
+    for static in GENERATED.findall(text):
+        assert len(static.split()) >= 8 and LINK.search(static), f"{page}: a generated region without its sentence"
+
+
+def test_the_home_page_shows_the_headline_figure():
+    assert "](assets/headline.png)" in (DOCS / "index.md").read_text(encoding="utf-8")
+    assert (DOCS / "assets" / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_mkdocs_build_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
         if os.environ.get("LIGER_GEN_REQUIRE_MKDOCS") == "1":
@@ -113,3 +143,9 @@ def test_mkdocs_build_strict(tmp_path):
     assert all(f"<td>{name}</td>" in families for name in MODEL_FAMILIES)  # the generated table, every family
     ops = (tmp_path / "site" / "ops" / "index.html").read_text(encoding="utf-8")
     assert 'id="liger_gen.functional.rms_norm"' in ops and 'id="liger_gen.nn.RMSNorm"' in ops
+    assert "are rendered here" not in ops  # the static sentence gave way to the generated reference
+    home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert 'src="assets/headline.png"' in home
+    results = (tmp_path / "site" / "benchmarks-results" / "index.html").read_text(encoding="utf-8")
+    first_heading = next(line for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("# "))
+    assert first_heading[2:].split(":")[0] in results and "the docs site shows" not in results

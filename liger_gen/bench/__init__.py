@@ -63,7 +63,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from liger_gen.bench.labels import label
 from liger_gen.bench.ops import CASES, Case, Inputs, bench_model, get_case
+from liger_gen.console import NO_PROGRESS, ProgressBar
 from liger_gen.optional import installed_version
 
 PROVIDERS = ("liger-gen", "liger-gen-heuristic", "torch-eager", "torch-compile", "liger-kernel", "cut-cross-entropy")
@@ -554,6 +556,13 @@ def run_metadata(device: torch.device, command: str | None) -> dict:
 # ------------------------------------------------------------------------------------------------ the run
 
 
+def _advancing(cases: list[Case], progress: ProgressBar) -> Iterable[Case]:
+    """``cases``, the bar advanced after each one's loop body (a ``continue`` included)."""
+    for case in cases:
+        yield case
+        progress.advance(case.op)
+
+
 def _short_error(exc: BaseException) -> str:
     first = str(exc).splitlines()[0] if str(exc) else ""
     return f"error: {type(exc).__name__}: {first}"
@@ -562,7 +571,7 @@ def _short_error(exc: BaseException) -> str:
 def run_bench(model, *, ops: list[str] | None = None, providers: list[str] | None = None, rows: int | None = None,
               dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
               settings: Settings | None = None, seed: int = 0, command: str | None = None,
-              log: Callable[[str], None] | None = None) -> dict:
+              log: Callable[[str], None] | None = None, progress: ProgressBar = NO_PROGRESS) -> dict:
     """Benchmark ``ops`` (default: every op with a case) at ``model``'s shapes for each of ``providers``.
 
     Args:
@@ -578,9 +587,12 @@ def run_bench(model, *, ops: list[str] | None = None, providers: list[str] | Non
         seed: input seed.
         command: the command line to record (default: ``sys.argv``).
         log: progress lines (default: stderr).
+        progress: advanced once per op (``liger_gen.console.progress_bar``; default: no bar).
 
     Returns:
-        The result dict (``liger_gen.bench.report`` documents and validates it), metrics derived.
+        The result dict (``liger_gen.bench.report`` documents and validates it), metrics derived; on the CPU
+        ``functional_run`` is true and ``functional_run_reason`` says why the times are not performance
+        (``liger_gen.bench.labels``).
     """
     from liger_gen.bench import report
     from liger_gen.codegen.problems import REL_TOL
@@ -631,7 +643,8 @@ def run_bench(model, *, ops: list[str] | None = None, providers: list[str] | Non
     tol = REL_TOL[dtype]
     op_info: dict[str, dict] = {}
     results: list[dict] = []
-    for case in cases:
+    progress.start(len(cases))
+    for case in _advancing(cases, progress):
         r = rows if rows is not None else (case.default_rows if cuda else CPU_ROWS)
         dims = case.dims(model, r)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -685,4 +698,5 @@ def run_bench(model, *, ops: list[str] | None = None, providers: list[str] | Non
         "ops": op_info,
         "results": results,
     }
+    label(data, device.type, meta["triton_interpret"])
     return report.derive(data)

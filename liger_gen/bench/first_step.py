@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from liger_gen.bench.labels import label
 from liger_gen.bench.step import (DEFAULT_MODELS, DEFAULT_PROVIDERS, PROVIDERS, REFERENCE_PROVIDER, finish_run, fmt,
                                   provider_unavailable, run_metadata, split_names)
 from liger_gen.training import DEFAULT_TEXT, FAMILY_CLASSES, architecture, build_config, byte_tokens, make_batches
@@ -85,6 +86,7 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
                      "definition": "wall clock from process start to the end of the first step; empty Triton, "
                                    "kernel-module and inductor caches per run"},
         "models": {}}
+    label(result, dev.type)  # on the CPU: a functional run, not performance
     batch = make_batches(byte_tokens(text), 1, batch_size, seq_len, seed)[0]
     import tempfile
 
@@ -149,7 +151,9 @@ def print_first_step(result: dict[str, Any], console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title="first training step in a fresh process (empty Triton cache)")
+    functional = result.get("functional_run_reason")
+    table = Table(title="first training step in a fresh process (empty Triton cache)"
+                  + (" — functional run, not performance" if functional else ""), caption=functional)
     for col in ("model", "provider", "median s", "min s", "vs transformers s", "imports s", "build s", "step s"):
         table.add_column(col, justify="left" if col in ("model", "provider") else "right")
     for model, providers in result["models"].items():

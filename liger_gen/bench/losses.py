@@ -30,6 +30,8 @@ import time
 import torch
 
 import liger_gen
+from liger_gen.bench.labels import label
+from liger_gen.console import NO_PROGRESS, ProgressBar
 from liger_gen.files import write_atomic, write_results
 from liger_gen.ops.lm_head import post_training as P
 from liger_gen.reference import fused_linear_jsd_torch
@@ -240,13 +242,15 @@ def _timed(fn, t, device: torch.device) -> float:
 
 
 def run_losses(losses=LOSSES, providers_=PROVIDERS, hidden: int = 4096, vocab: int = 128256, batch: int = 8,
-               seq: int = 1024, iters: int = 10, warmup: int = 3, device: str = "cuda", json_path=None) -> dict:
+               seq: int = 1024, iters: int = 10, warmup: int = 3, device: str = "cuda", json_path=None,
+               progress: ProgressBar = NO_PROGRESS) -> dict:
     """Time every provider of every loss (median of ``iters`` after ``warmup`` calls) and compare its loss and
     gradients with torch eager; on CUDA also the peak extra memory of one call (``max_memory_allocated`` minus
     what was allocated before it: dW and dx included). The result dict ({"meta", "rows"}) is written to
     ``json_path`` after every loss, so a run stopped part way keeps what it measured; if the last write fails,
     ``liger_gen.files.ResultsNotWritten`` names the temporary file that holds the results instead. ValueError for
-    an unknown loss or provider."""
+    an unknown loss or provider. On the CPU the result says it is a functional run (``functional_run``,
+    ``functional_run_reason``: ``liger_gen.bench.labels``). ``progress`` is advanced once per loss and provider."""
     bad = [k for k in losses if k not in LOSSES] + [p for p in providers_ if p not in PROVIDERS]
     if bad:
         raise ValueError(f"unknown loss or provider {bad}; losses: {', '.join(LOSSES)}; providers: "
@@ -257,6 +261,7 @@ def run_losses(losses=LOSSES, providers_=PROVIDERS, hidden: int = 4096, vocab: i
     args = type("Shape", (), {"batch": batch, "seq": seq, "hidden": hidden, "vocab": vocab})
     rows = []
     warned = False
+    progress.start(len(losses) * len(providers_))
     for i, kind in enumerate(losses):
         t = make_inputs(kind, args, dev)
         if dev.type == "cpu":  # the CPU's bf16 GEMMs are slow and imprecise: a functional run in fp32
@@ -283,27 +288,31 @@ def run_losses(losses=LOSSES, providers_=PROVIDERS, hidden: int = 4096, vocab: i
                          "peak_extra_mib": peak, "loss_value": loss.item(), "rel_loss": rel(loss, ref_loss),
                          "rel_dx": rel(dx, ref_dx), "rel_dw": rel(dw, ref_dw)})
             del loss, dx, dw
+            progress.advance(f"{kind} {name}")
         del t
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         if json_path is not None and i < len(losses) - 1:  # after every loss: a run stopped part way keeps them
             try:
-                write_atomic(json_path, json.dumps({"meta": _meta(settings, dev), "rows": rows}, indent=1))
+                write_atomic(json_path, json.dumps(label({"meta": _meta(settings, dev), "rows": rows}, dev.type),
+                                                   indent=1))
             except OSError as exc:  # the run goes on; the last write keeps the results wherever it can
                 if not warned:
                     print(f"[bench-losses] cannot write {json_path} ({exc.strerror or exc}); measuring on",
                           file=sys.stderr, flush=True)
                     warned = True
-    result = {"meta": _meta(settings, dev), "rows": rows}
+    result = label({"meta": _meta(settings, dev), "rows": rows}, dev.type)
     if json_path is not None:
         write_results(json_path, json.dumps(result, indent=1))
     return result
 
 
 def format_table(result: dict) -> str:
-    """The rows as a text table, each time also as a ratio to Liger-Kernel's for the same loss."""
+    """The rows as a text table, each time also as a ratio to Liger-Kernel's for the same loss; a functional run's
+    table opens with the line that says so."""
     by = {(r["loss"], r["provider"]): r for r in result["rows"]}
-    lines = [f"{'loss':5s} {'provider':15s} {'fwd+bwd ms':>10s} {'peak extra MiB':>15s} {'vs liger':>9s} "
+    lines = [f"{result['functional_run_reason']}:"] if result.get("functional_run_reason") else []
+    lines += [f"{'loss':5s} {'provider':15s} {'fwd+bwd ms':>10s} {'peak extra MiB':>15s} {'vs liger':>9s} "
              f"{'rel loss':>9s} {'rel dx':>9s} {'rel dW':>9s}"]
     for r in result["rows"]:
         lk = by.get((r["loss"], "liger-kernel"))

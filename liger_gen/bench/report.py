@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from liger_gen.bench.labels import functional_run_reason
 from liger_gen.files import read_capped_text, write_results
 
 SCHEMA_VERSION = 1
@@ -317,6 +318,17 @@ def title(data: dict) -> str:
             f"{_rate((ceil.get('matmul') or {}).get('tflops'))} TFLOP/s)")
 
 
+def functional_note(data: dict) -> str | None:
+    """Why the run's times are not performance (a CPU run: ``liger_gen.bench.labels``), or None. Results written
+    before the field existed are judged by their device."""
+    if data.get("functional_run_reason"):
+        return str(data["functional_run_reason"])
+    meta = data.get("meta", {})
+    if "functional_run" not in data and meta.get("device") == "cpu":
+        return functional_run_reason("cpu", bool(meta.get("triton_interpret")))
+    return None
+
+
 def print_table(data: dict, console=None) -> None:
     """The warnings, then the result table (rich; the CLI prints it last)."""
     from rich.console import Console
@@ -327,7 +339,9 @@ def print_table(data: dict, console=None) -> None:
         console = Console() if sys.stdout.isatty() else Console(width=200)
     for w in data.get("meta", {}).get("warnings", []):
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
-    table = Table(title=title(data))
+    note = functional_note(data)
+    table = Table(title=title(data) + (" — functional run, not performance" if note else ""),
+                  caption=escape(note) if note else None)
     for col in COLUMNS:
         table.add_column(col, justify="right" if col in RIGHT else "left", no_wrap=True)
     for row in table_rows(data):
@@ -347,6 +361,8 @@ def render_markdown(data: dict) -> str:
     copy, mm = ceil.get("copy") or {}, ceil.get("matmul") or {}
     git = meta.get("git") or {}
     lines = [f"# {cfg.get('model', {}).get('name', '?')} ops on {meta.get('gpu', '?')}", ""]
+    if functional_note(data):
+        lines += [f"**{_md(functional_note(data))}.**", ""]
     lines.append(f"- date: {meta.get('date', '?')}; command: `{meta.get('command', '?')}`")
     if git.get("commit"):
         lines.append(f"- liger-gen commit: {str(git['commit'])[:12]}"
@@ -403,6 +419,14 @@ def render_markdown(data: dict) -> str:
 # ------------------------------------------------------------------------------------------------ plot
 
 
+def plot_title(data: dict, normalise: str = "ceiling") -> str:
+    """The plot's title: the run, whether it is a functional run (``functional_note``), what 1 means."""
+    note = ("1 = minimal bytes at the copy ceiling (flops at the matmul ceiling for FLCE); lower is better"
+            if normalise == "ceiling" else "1 = torch.compile; lower is better")
+    functional = functional_note(data)
+    return title(data) + "\n" + (f"{functional}\n" if functional else "") + note
+
+
 def plot(data: dict, path: str | Path, normalise: str = "ceiling") -> Path | None:
     """Bar chart of kernel time per op (one bar per provider) as a PNG; None, with a warning, without matplotlib.
 
@@ -454,13 +478,9 @@ def plot(data: dict, path: str | Path, normalise: str = "ceiling") -> Path | Non
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(ops)))
     ax.set_xticklabels(ops, rotation=30, ha="right", fontsize=8)
-    if normalise == "ceiling":
-        ax.set_ylabel("kernel time / speed-of-light time", fontsize=8)
-        note = "1 = minimal bytes at the copy ceiling (flops at the matmul ceiling for FLCE); lower is better"
-    else:
-        ax.set_ylabel("kernel time / torch-compile kernel time", fontsize=8)
-        note = "1 = torch.compile; lower is better"
-    ax.set_title(title(data) + "\n" + note, fontsize=8)
+    ax.set_ylabel("kernel time / speed-of-light time" if normalise == "ceiling" else
+                  "kernel time / torch-compile kernel time", fontsize=8)
+    ax.set_title(plot_title(data, normalise), fontsize=8)
     ax.legend(fontsize=7, loc="upper left", ncol=min(len(providers), 3))
     fig.tight_layout()
     path = Path(path)

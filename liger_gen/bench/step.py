@@ -51,6 +51,7 @@ Output schema (``run_step_benchmark``'s return value, also written as JSON to ``
 
     {
       "schema": "liger-gen/bench-step/1",
+      "functional_run": bool (a CPU run), "functional_run_reason": str | None (why its times are not performance),
       "metadata": {"date": ISO-8601 UTC, "command": str, "device": "cuda:0" | "cpu", "gpu": str | None,
                    "cpu": str, "python", "torch", "triton", "transformers", "liger_kernel" (None if absent),
                    "liger_gen": str, "triton_interpret": str},
@@ -88,12 +89,12 @@ On the GPU (the defaults, 3 warm-up + 10 timed + 2 profiled steps of 8 x 2048 to
 and three providers in a few minutes on an H200)::
 
     liger-gen bench-step --out $OUT/step
-    liger-gen bench-step --models llama3.2-1b --providers transformers,liger-kernel,liger-gen,torch-compile
+    liger-gen bench-step --model llama3.2-1b --providers transformers,liger-kernel,liger-gen,torch-compile
 
 On a CPU (tiny model; liger-gen's kernels run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before
 Python starts)::
 
-    TRITON_INTERPRET=1 liger-gen bench-step --device cpu --models tiny --providers transformers,liger-gen \\
+    TRITON_INTERPRET=1 liger-gen bench-step --device cpu --model tiny --providers transformers,liger-gen \\
         --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0
 
 Library use: ``run_step_benchmark(models=[...], providers=[...], ...)`` returns the dict above.
@@ -121,7 +122,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from liger_gen.bench.labels import label
 from liger_gen.bench.profile import CLASS_LABELS, KERNEL_CLASSES, device_events, summarize_profile
+from liger_gen.console import NO_PROGRESS, ProgressBar
 from liger_gen.files import ResultsNotWritten, write_atomic, write_results
 from liger_gen.models import ARCHITECTURES, Architecture
 from liger_gen.optional import installed_version
@@ -461,6 +464,7 @@ def run_step_benchmark(
     out_dir: str | Path | None = None,
     console=None,
     command: str | None = None,
+    progress: ProgressBar = NO_PROGRESS,
 ) -> dict[str, Any]:
     """Run the training-step benchmark and return the results dict (schema in the module docstring).
 
@@ -479,6 +483,7 @@ def run_step_benchmark(
             printed, if it cannot be: the JSON is then in a temporary file the message names).
         console: a ``rich.console.Console`` for the report (None: a new one; False: print nothing).
         command: recorded in the metadata (default: ``sys.argv`` joined).
+        progress: advanced once per model and provider (``liger_gen.console.progress_bar``; default: no bar).
 
     Raises ValueError naming the argument for bad input. A provider that raises is recorded with
     ``status: "error"`` and its message; the others still run.
@@ -513,6 +518,8 @@ def run_step_benchmark(
                      "idle_definition": IDLE_DEFINITION},
         "models": {},
     }
+    label(result, device.type)  # on the CPU: a functional run, not performance
+    progress.start(len(models) * len(providers))
     batches = batches_cpu.to(device)
     for model_name in models:
         spec = STEP_MODELS[model_name]
@@ -528,6 +535,7 @@ def run_step_benchmark(
             why = provider_unavailable(provider, device)
             if why is not None:
                 entry["providers"][provider] = {"status": "skipped", "reason": why}
+                progress.advance(f"{model_name} {provider}")
                 continue
             try:
                 entry["providers"][provider] = run_provider(provider, run)
@@ -536,6 +544,7 @@ def run_step_benchmark(
                     "status": "error", "reason": f"{type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc(limit=-10)}
             _free(device)  # outside the handler: the exception's frames hold the failed run's tensors until then
+            progress.advance(f"{model_name} {provider}")
         del run, initial_state
         add_comparisons(entry["providers"], rel_tol)
         result["models"][model_name] = entry
@@ -638,8 +647,10 @@ def print_report(result: dict[str, Any], console=None) -> None:
                   f"{s['seq_len']} tokens, {s['dtype']}, AdamW lr {s['lr']:g}; {s['warmup_steps']} warm-up + "
                   f"{s['steps']} timed + {s['profile_steps']} profiled steps; torch {meta['torch']}, triton "
                   f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel {meta['liger_kernel']}")
-    summary = Table(title="Speed, memory and loss curve",
-                    caption=f"x: tokens/s ratio. loss: |loss - transformers| / transformers at step 1, mean and max "
+    functional = result.get("functional_run_reason")
+    summary = Table(title="Speed, memory and loss curve" + (" — functional run, not performance" if functional
+                                                             else ""),
+                    caption=(f"{functional}. " if functional else "") + f"x: tokens/s ratio. loss: |loss - transformers| / transformers at step 1, mean and max "
                             f"over steps; loss check: pass if step 1 and mean <= {s['loss_rel_tol']:.2e} (ref: the "
                             f"run the others are compared with). 1st s: first step wall "
                             f"time (compile time apart)")

@@ -31,12 +31,12 @@ How to run
 ----------
 On a GPU, the real Llama-3.2-1B shape (bf16 parameters, fused AdamW)::
 
-    python -m liger_gen.examples.train_llama --preset llama3.2-1b --steps 50 --batch-size 8 \\
+    python -m liger_gen.examples.train_llama --model llama3.2-1b --steps 50 --batch-size 8 \\
         --seq-len 1024 --repeat-baseline --json $OUT/train.json
 
 On a CPU, a tiny model in float32 (a few seconds)::
 
-    python -m liger_gen.examples.train_llama --preset tiny --steps 20 --seq-len 128 --batch-size 4
+    python -m liger_gen.examples.train_llama --model tiny --steps 20 --seq-len 128 --batch-size 4
 
 Measured figures, with the command that produced them, are in the README. Timings on a shared CPU machine
 swing by several times between identical runs: read CPU tokens/s as a smoke test, not a comparison.
@@ -93,6 +93,25 @@ _LABELS = {"baseline": "baseline", "baseline_repeat": "repeat", "liger_gen": "li
 # --------------------------------------------------------------------------------------------------------------
 
 
+class _OneModel(argparse.Action):
+    """``--model NAME``: one model of ``PRESETS``, as ``liger-gen``'s one-model commands take it (several, comma-
+    separated or repeated, are a usage error). ``--preset`` is its deprecated spelling: it prints one line on
+    stderr and sets ``model`` too."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--preset":
+            print("train_llama: --preset is deprecated, use --model (it takes the same values)", file=sys.stderr)
+        names = [v.strip() for v in str(values).split(",")]
+        seen = [namespace.model] if getattr(namespace, "model_given", False) else []
+        if len(seen + names) > 1:
+            parser.error(f"{option_string}: this example trains one model, got {len(seen + names)} "
+                         f"({', '.join(seen + names)}): run it once per model")
+        if names[0] not in PRESETS:
+            parser.error(f"{option_string}: invalid choice {names[0]!r} (choose from {', '.join(sorted(PRESETS))})")
+        namespace.model, namespace.model_given = names[0], True
+        setattr(namespace, self.dest, names[0])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface; ``run()`` parses the same options."""
     p = argparse.ArgumentParser(
@@ -100,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Llama with plain transformers and with liger_gen.apply_to(); compare loss, "
         "tokens/s and peak memory.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default: tiny)")
+    p.add_argument("--model", action=_OneModel, default="tiny", metavar="{" + ",".join(sorted(PRESETS)) + "}",
+                   help="model shape, one of the choices (default: tiny)")
+    p.add_argument("--preset", action=_OneModel, help=argparse.SUPPRESS)  # the old spelling of --model
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default: 50)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
@@ -108,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=float,
         default=None,
-        help="AdamW learning rate (default: per preset, "
+        help="AdamW learning rate (default: per model, "
              + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
     )
     p.add_argument("--lr-warmup-steps", type=int, default=10,
@@ -447,7 +468,7 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = _DTYPES[dtype_name]
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.preset]
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
 
     # Data.
     text = load_text(args.text, args.max_chars)
@@ -458,7 +479,7 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
 
     # Model, built once; every run starts from a CPU copy of these initial weights.
     model = build_model(
-        args.preset, tokenizer.get_vocab_size(), args.seq_len, args.attn_implementation, device, dtype, args.seed
+        args.model, tokenizer.get_vocab_size(), args.seq_len, args.attn_implementation, device, dtype, args.seed
     )
     initial_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
@@ -509,7 +530,7 @@ def run(args_list: list[str] | None = None) -> dict[str, Any]:
             "liger_gen": getattr(liger_gen, "__version__", None),
         },
         "model": {
-            "preset": args.preset,
+            "preset": args.model,  # the name --model gave (the key kept for readers of older results)
             "dtype": dtype_name,
             "n_params": sum(p.numel() for p in model.parameters()),  # tied embeddings counted once
             "attn_implementation": model.config._attn_implementation,

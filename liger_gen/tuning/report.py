@@ -257,14 +257,7 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
             except tables.TableError as exc:
                 console.print(Text(safe_text(exc), style="red"))
                 continue
-            spec = spaces.get(table["op"])
-            reasons = (tables.foreign_reasons(table, space=spec, gpu=gpu) if spec is not None
-                       else [f"op {table['op']!r} is not one of this installation's ops"])
-            if path.name != f"{table['op']}.json":
-                reasons.append(f"the runtime reads only {table['op']}.json")
-            mismatch = tables.triton_mismatch(table) if not reasons else None
-            status = "not used: " + "; ".join(reasons) if reasons else (
-                f"in use ({mismatch}; ${tables.STRICT_TABLES_ENV}=1 would refuse it)" if mismatch else "in use")
+            status, reasons = _status(path, table, spaces, gpu)
             if not detail:
                 console.print(_summary_line(path, source, table, status, not reasons, compiled))
                 continue
@@ -297,6 +290,54 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
         console.print(Text(safe_text(tables.no_tables_message(gpu, spaces)) + "; looked up: "
                            + ", ".join(safe_text(r) for _, r in tables.table_roots())))
     return found
+
+
+def _status(path: Path, table: Mapping[str, Any], spaces: Mapping[str, Any], gpu: str) -> tuple[str, list[str]]:
+    """"in use" (with a Triton mismatch noted) or "not used: why", and the reasons it is not used."""
+    from liger_gen.runtime import tables
+
+    spec = spaces.get(table["op"])
+    reasons = (tables.foreign_reasons(table, space=spec, gpu=gpu) if spec is not None
+               else [f"op {table['op']!r} is not one of this installation's ops"])
+    if path.name != f"{table['op']}.json":
+        reasons.append(f"the runtime reads only {table['op']}.json")
+    mismatch = tables.triton_mismatch(table) if not reasons else None
+    status = "not used: " + "; ".join(reasons) if reasons else (
+        f"in use ({mismatch}; ${tables.STRICT_TABLES_ENV}=1 would refuse it)" if mismatch else "in use")
+    return status, reasons
+
+
+def table_summaries(gpu: str, specs: Sequence[Any], *, ops: Sequence[str] | None = None,
+                    compiled: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """``show``'s summary lines as records (``liger-gen show --json``), one per table file found for ``gpu`` in
+    the lookup order: ``op``, ``path``, ``source``, ``shapes_tuned``, ``median_gain`` (heuristic / tuned - 1,
+    None when no entry was timed both ways), ``compiled_kernels``, ``in_use``, ``status``, ``error`` (a file that
+    cannot be read or a folder that cannot be listed: the other fields are None)."""
+    from liger_gen.runtime import tables
+
+    spaces = {spec.name: spec.space for spec in specs}
+    compiled = compiled or {}
+    out: list[dict[str, Any]] = []
+    blank = dict.fromkeys(("op", "shapes_tuned", "median_gain", "compiled_kernels", "in_use", "status"))
+    for source, root in tables.table_roots():
+        folder = Path(root) / gpu
+        try:
+            paths = [p for p in tables.table_files(folder) if ops is None or p.stem in ops]
+        except OSError as exc:
+            out.append({**blank, "path": str(folder), "source": source, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        for path in paths:
+            try:
+                table = tables.load_table(path, spaces.get(path.stem))
+            except tables.TableError as exc:
+                out.append({**blank, "op": path.stem, "path": str(path), "source": source, "error": str(exc)})
+                continue
+            status, reasons = _status(path, table, spaces, gpu)
+            entries = table.get("entries") or []
+            out.append({"op": table["op"], "path": str(path), "source": source, "shapes_tuned": len(entries),
+                        "median_gain": median_gain(entries), "compiled_kernels": compiled.get(table["op"], 0),
+                        "in_use": not reasons, "status": status, "error": None})
+    return out
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
