@@ -43,7 +43,7 @@ N_LAYERS = 2  # the tiny preset; every layer has two RMSNorms, plus the final no
 # Small enough for < 10 s on two CPU cores, Triton interpreter included: a 512-entry BPE trained on the first
 # 100 kB of tiny Shakespeare, 4 steps of 2 x 64 tokens.
 BASE_ARGS = [
-    "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+    "--model", "tiny", "--device", "cpu", "--dtype", "float32",
     "--steps", "4", "--batch-size", "2", "--seq-len", "64", "--lr", "1e-2",
     "--vocab-size", "512", "--max-chars", "100000", "--seed", "0",
 ]  # fmt: skip
@@ -205,11 +205,11 @@ def test_batches_are_seeded_windows_of_the_stream():
 
 
 def test_every_preset_has_a_default_learning_rate_and_a_choice():
-    """A preset added to the model registry is offered by --preset; without its default lr a run without --lr
+    """A preset added to the model registry is offered by --model; without its default lr a run without --lr
     would stop with a KeyError."""
     assert set(train_llama.DEFAULT_LR) == set(train_llama.PRESETS)
     parser = train_llama.build_parser()
-    assert parser.parse_args(["--preset", "llama3-8b-4l"]).preset == "llama3-8b-4l"
+    assert parser.parse_args(["--model", "llama3-8b-4l"]).model == "llama3-8b-4l"
     assert "llama3-8b-4l 0.0003" in " ".join(parser.format_help().split())
 
 
