@@ -45,10 +45,13 @@ def test_every_launched_template_kernel_is_liger_gen():
     launched = launched_template_kernels()
     assert len(launched) >= 15, launched  # rms_norm, rope, glu, cross_entropy, ... each launch one or more
     assert profile.liger_gen_kernel_names() == launched
+    quantize = {"quantize_rows_kernel", "column_amax_kernel", "quantize_cols_kernel"}  # FP8: their own class
+    assert quantize <= launched
     for name in sorted(launched):
-        assert profile.classify_kernel(name) == "liger_gen", name
+        want = "quantize" if name in quantize else "liger_gen"
+        assert profile.classify_kernel(name) == want, name
         # Tritons before 3.0 appended the argument specialisation to the name
-        assert profile.classify_kernel(name + "_0d1d2d3de") == "liger_gen", name
+        assert profile.classify_kernel(name + "_0d1d2d3de") == want, name
 
 
 # Names as torch.profiler reports them (H100/H200 traces of transformers / Liger-Kernel / inductor runs).
@@ -62,6 +65,8 @@ KERNEL_NAMES = [
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, false, false, "
      "false>(cublasLt::cublasSplitKParams<float>, float const*, __nv_bfloat16 const*, __nv_bfloat16*)", "gemm"),
     ("triton_tem_fused_mm_0", "gemm"),
+    ("triton_red_fused__to_copy_abs_amax_clamp_0", "quantize"),  # torchao's rowwise scaling under compile
+    ("triton_poi_fused__to_copy_clamp_div_float8_1", "quantize"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
      "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, "
      "false, true, true, false, false>(pytorch_flash::Flash_fwd_params)", "attention"),
@@ -230,6 +235,24 @@ def test_add_comparisons_speedups_and_checks():
     assert providers["liger-kernel"]["loss_check"]["pass"] is True
     assert providers["liger-gen"]["loss_check"]["pass"] is False  # 4.2 vs 4.0: 5 % off
     assert "loss_check" not in providers["torch-compile"]
+
+
+def test_fp8_providers_are_checked_at_the_fp8_tolerance():
+    tol = 2.0 ** -7
+    providers = {"transformers": {"status": "ok", "tokens_per_s": 100.0, "losses": [5.0, 4.0]},
+                 "liger-gen": {"status": "ok", "tokens_per_s": 150.0, "losses": [5.045, 4.03]},
+                 "liger-gen-fp8": {"status": "ok", "tokens_per_s": 180.0, "losses": [5.045, 4.03]},
+                 "torchao-fp8": {"status": "ok", "tokens_per_s": 170.0, "losses": [5.1, 4.1]}}
+    step.add_comparisons(providers, tol)
+    assert providers["liger-gen"]["loss_check"]["pass"] is False  # first step 0.9 % off: beyond bf16's epsilon
+    assert providers["liger-gen-fp8"]["loss_check"]["pass"] is True  # within FP8's 1 %
+    assert providers["torchao-fp8"]["loss_check"]["pass"] is False  # 2 % off
+
+
+def test_fp8_providers_say_why_they_cannot_run():
+    why = step.provider_unavailable("torchao-fp8", torch.device("cpu"))
+    assert why is not None and ("CUDA" in why or "not installed" in why)
+    assert step.provider_unavailable("liger-gen-fp8", torch.device("cpu")) is None  # CPU torch._scaled_mm
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,7 +456,8 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
         vocab_size=64)))
     assert rope_call(modeling) != rope_before
     console = Console(record=True, width=200)
-    result = step.run_step_benchmark("tiny", ["transformers", "liger-gen", "liger-gen-unfused-add"], batch_size=2,
+    result = step.run_step_benchmark("tiny", ["transformers", "liger-gen", "liger-gen-unfused-add", "liger-gen-fp8"],
+                                     batch_size=2,
                                      seq_len=64,
                                      warmup_steps=1, steps=1, profile_steps=0, lr=1e-2, device="cpu",
                                      out_dir=tmp_path, console=console, command="pytest")
@@ -460,6 +484,10 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     assert lg["patch"]["forward"].endswith("FusedLossForward")
     (layer,) = lg["patch"]["decoder_layers"]
     assert "code from <liger-gen: " in layer and "residual add fused" in layer
+    fp8 = runs["liger-gen-fp8"]  # the FP8 GEMMs on the CPU (torch._scaled_mm), checked at the FP8 tolerance
+    assert fp8["status"] == "ok", fp8.get("reason")
+    assert fp8["loss_check"]["pass"] and fp8["loss_check"]["rel_tol"] == step.FP8_LOSS_REL_TOL
+    assert fp8["losses"] != lg["losses"]  # the projections did run in FP8
     unfused = runs["liger-gen-unfused-add"]
     assert unfused["status"] == "ok" and unfused["loss_check"]["pass"], unfused.get("reason")
     assert plain["patch"]["decoder_layers"] == unfused["patch"]["decoder_layers"] == [

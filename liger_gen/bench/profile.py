@@ -16,12 +16,17 @@ from typing import Any, Iterable, Sequence
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 
 #: Classes of GPU activity, in report order (``idle`` is computed, not classified).
-KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "liger_gen", "triton_other", "optimizer", "elementwise",
-                                   "other")
-CLASS_LABELS = {"gemm": "GEMM", "attention": "attn", "liger_gen": "liger-gen", "triton_other": "triton other",
+KERNEL_CLASSES: tuple[str, ...] = ("gemm", "attention", "quantize", "liger_gen", "triton_other", "optimizer",
+                                   "elementwise", "other")
+CLASS_LABELS = {"gemm": "GEMM", "attention": "attn", "quantize": "fp8 quant", "liger_gen": "liger-gen",
+                "triton_other": "triton other",
                 "optimizer": "optim", "elementwise": "elem/reduce", "other": "memcpy/other", "idle": "idle"}
 
 _KERNEL_DEF = re.compile(r"^def\s+(\w+_kernel)\s*\(", re.MULTILINE)
+#: liger-gen's FP8 quantize kernels (templates/fp8_quantize.py.jinja), and Inductor kernels that reduce an amax
+#: or cast to float8 (torchao's float8 training fuses its scaling into such kernels under torch.compile)
+_QUANTIZE = re.compile(r"^(?:quantize_rows_kernel|column_amax_kernel|quantize_cols_kernel)(?:_[0-9a-z]+)?$"
+                       r"|^triton_.*(?:amax|float8|fp8)", re.IGNORECASE)
 _INDUCTOR_GEMM = re.compile(r"^triton_tem_.*(?:mm|conv)", re.IGNORECASE)
 _ATTENTION = re.compile(r"flash|fmha|sdpa|efficient_attention|attention|_attn", re.IGNORECASE)
 _OPTIMIZER = re.compile(r"multi_tensor_apply|adam|FusedOptimizer", re.IGNORECASE)
@@ -45,6 +50,9 @@ def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> 
 
     Rules, first match wins:
 
+    0. ``quantize``: FP8 quantization, liger-gen's quantize kernels or an Inductor kernel whose name holds
+       ``amax``, ``float8`` or ``fp8`` (a bf16 model's compiled step has none: its reductions are sums and
+       means), so the quantization's share of an FP8 step is one figure whoever fused it.
     1. ``liger_gen``: a liger-gen template kernel (``liger_gen_kernel_names()``), optionally with a suffix that
        older Tritons appended (``rms_norm_fwd_kernel_0d1d2d``).
     2. Inductor kernels (``triton_*``): its matmul templates (``triton_tem_fused_mm...``) are ``gemm``, the
@@ -60,6 +68,8 @@ def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> 
     """
     names = liger_gen_kernel_names() if liger_gen_names is None else liger_gen_names
     base = name.strip()
+    if _QUANTIZE.match(base):
+        return "quantize"
     if base in names or any(base.startswith(n + "_") and re.fullmatch(r"[0-9a-z]+", base[len(n) + 1:])
                             for n in names):
         return "liger_gen"

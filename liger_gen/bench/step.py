@@ -16,6 +16,12 @@ order given, in one process:
                     compilation, is reported apart (``first_step_s``, ``compile_s``);
 - ``liger-gen-unfused-add``  ``liger_gen.apply_to(model, fused_add_rms_norm=False)``: the decoder layers keep
                     transformers' residual add before the post-attention norm (what that fusion is worth).
+- ``liger-gen-fp8`` ``liger_gen.apply_to(model, fp8=True)``: as ``liger-gen``, with the decoder projections'
+                    GEMMs in FP8 (``liger_gen.nn.Float8Linear``); GPUs of compute capability 8.9 or newer.
+- ``torchao-fp8``   torchao's float8 training with its "rowwise" recipe (``convert_to_float8_training`` of every
+                    linear layer but the LM head) and ``torch.compile(model)``, which fuses torchao's scaling and
+                    casts; CUDA only. The first step's wall time holds the compilation, as for ``torch-compile``.
+                    The FP8 providers' loss check uses ``FP8_LOSS_REL_TOL`` (1%), not the dtype's epsilon.
 
 Every provider trains a freshly built model from the same initial weights (built once with ``seed``, copied to
 the host, loaded into each provider's model) for ``warmup_steps + steps + profile_steps`` AdamW steps (bf16
@@ -53,7 +59,7 @@ Output schema (``run_step_benchmark``'s return value, also written as JSON to ``
       "schema": "liger-gen/bench-step/1",
       "functional_run": bool (a CPU run), "functional_run_reason": str | None (why its times are not performance),
       "metadata": {"date": ISO-8601 UTC, "command": str, "device": "cuda:0" | "cpu", "gpu": str | None,
-                   "cpu": str, "python", "torch", "triton", "transformers", "liger_kernel" (None if absent),
+                   "cpu": str, "python", "torch", "triton", "transformers", "liger_kernel", "torchao" (None if absent),
                    "liger_gen": str, "triton_interpret": str},
       "settings": {"models": [str], "providers": [str], "batch_size": int, "seq_len": int,
                    "warmup_steps": int, "steps": int, "profile_steps": int, "lr": float, "seed": int,
@@ -133,10 +139,18 @@ from liger_gen.training import (DEFAULT_TEXT, DTYPES, apply_liger_kernel, build_
 
 SCHEMA = "liger-gen/bench-step/1"
 
-PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen", "torch-compile", "liger-gen-unfused-add")
+PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen", "torch-compile", "liger-gen-unfused-add",
+                               "liger-gen-fp8", "torchao-fp8")
 #: the providers that run ``liger_gen.apply_to``, with its keyword arguments
 LIGER_GEN_PROVIDERS: dict[str, dict[str, bool]] = {"liger-gen": {},
-                                                   "liger-gen-unfused-add": {"fused_add_rms_norm": False}}
+                                                   "liger-gen-unfused-add": {"fused_add_rms_norm": False},
+                                                   "liger-gen-fp8": {"fp8": True}}
+#: the providers that train ``torch.compile(model)``: the first step holds the compilation (``compile_s``)
+COMPILED_PROVIDERS = ("torch-compile", "torchao-fp8")
+#: Loss-curve tolerance of the FP8 providers against bf16 transformers: FP8 operands carry 3 mantissa bits, so a
+#: step's loss moves by more than bf16's epsilon; 1% is the bound FP8 training is held to over a whole run.
+FP8_PROVIDERS = ("liger-gen-fp8", "torchao-fp8")
+FP8_LOSS_REL_TOL = 0.01
 DEFAULT_PROVIDERS: tuple[str, ...] = ("transformers", "liger-kernel", "liger-gen")
 DEFAULT_MODELS: tuple[str, ...] = ("llama3.2-1b", "qwen2.5-0.5b")
 REFERENCE_PROVIDER = "transformers"
@@ -187,7 +201,26 @@ def provider_unavailable(provider: str, device: torch.device) -> str | None:
             return "liger-kernel is not installed (pip install liger-kernel)"
         if device.type != "cuda":
             return "Liger-Kernel's Triton kernels need a CUDA device"
+    if provider == "torchao-fp8":
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not installed (pip install torchao)"
+        if device.type != "cuda":
+            return "torchao's float8 training needs a CUDA GPU"
+    if provider in FP8_PROVIDERS:
+        from liger_gen.runtime.fp8 import fp8_unsupported_reason
+
+        return fp8_unsupported_reason(device)
     return None
+
+
+def convert_torchao_fp8(model):
+    """torchao's float8 training, rowwise recipe, on every linear layer but the LM head (kept in bf16, as
+    liger-gen's FP8 does)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda module, fqn: fqn != "lm_head")
+    return model
 
 
 @contextlib.contextmanager
@@ -314,12 +347,14 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
         try:
             if provider == "liger-kernel":
                 apply_liger_kernel(model, run.family)
+            elif provider == "torchao-fp8":
+                convert_torchao_fp8(model)
             elif provider in LIGER_GEN_PROVIDERS:
                 import liger_gen
 
                 liger_gen.apply_to(model, **LIGER_GEN_PROVIDERS[provider])
             res["patch"] = patch_report(model, run.family)
-            step_model = torch.compile(model) if provider == "torch-compile" else model
+            step_model = torch.compile(model) if provider in COMPILED_PROVIDERS else model
             optimizer = make_optimizer(model, run.lr, device)
             sync(device)
             res["setup_s"] = time.perf_counter() - t0
@@ -364,7 +399,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
             res["step_ms"] = step_ms
             res["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
             res["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None
-            if provider == "torch-compile" and res["first_step_s"] is not None and step_ms:
+            if provider in COMPILED_PROVIDERS and res["first_step_s"] is not None and step_ms:
                 median_s = sorted(step_ms)[len(step_ms) // 2] / 1e3
                 res["compile_s"] = res["first_step_s"] - median_s
 
@@ -382,7 +417,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
         finally:
             if provider in LIGER_GEN_PROVIDERS:
                 undo_liger_gen()
-            if provider == "torch-compile":
+            if provider in COMPILED_PROVIDERS:
                 torch._dynamo.reset()
     del model, step_model, optimizer, losses
     _free(device)
@@ -578,7 +613,8 @@ def add_comparisons(providers: dict[str, dict[str, Any]], rel_tol: float) -> Non
     for name, res in providers.items():
         if res.get("status") != "ok":
             continue
-        res["loss_check"] = (compare_losses(res["losses"], ref["losses"], rel_tol)
+        tol = max(rel_tol, FP8_LOSS_REL_TOL) if name in FP8_PROVIDERS else rel_tol
+        res["loss_check"] = (compare_losses(res["losses"], ref["losses"], tol)
                              if ref_ok and name != REFERENCE_PROVIDER else None)
         tps = res.get("tokens_per_s")
         res["speedup_vs_transformers"] = tps / ref["tokens_per_s"] if ref_ok and tps and ref["tokens_per_s"] else None
@@ -599,6 +635,7 @@ def run_metadata(device: torch.device, command: str | None) -> dict[str, Any]:
         "triton": installed_version("triton"),
         "transformers": installed_version("transformers"),
         "liger_kernel": installed_version("liger-kernel") or installed_version("liger_kernel"),
+        "torchao": installed_version("torchao"),
         "liger_gen": __version__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
