@@ -81,6 +81,9 @@ def _expected_bytes(op, t, up, rows):
         return _nb(t["input"]) + _nb(t["target"]) + _nb(t["input"])
     if op == "jsd":
         return 2 * _nb(t["student"]) + _nb(t["teacher"]) + _nb(t["label"])
+    if op == "fp8_quantize":  # x read, one byte per value and a fp32 scale per slice written, for each axis; the
+        m, k = t["x"].shape  # columns' copy is padded to 16 rows
+        return (_nb(t["x"]) + m * k + 4 * m) + (_nb(t["x"]) + k * (-(-m // 16) * 16) + 4 * k)
     raise AssertionError(f"no expected formula for {op}")
 
 

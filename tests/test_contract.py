@@ -30,7 +30,9 @@ ODD = ModelShape("odd", hidden_size=72, intermediate_size=100, num_attention_hea
                  head_dim=16, vocab_size=97, rms_norm_eps=1e-6)
 # ops whose inputs carry no leading rows dim to split: RoPE takes (batch, heads, seq, head_dim) already, and
 # kl_div's "batchmean" divides by the leading dim, so splitting the rows changes the loss (as in PyTorch)
-NO_LEADING_ROWS = {"rope", "kl_div", "moe_permute"}
+NO_LEADING_ROWS = {"rope", "kl_div", "moe_permute", "fp8_quantize"}
+# ops without a gradient (the FP8 quantization): no backward to check; fp8_quantize takes 2-D x only
+DIFFERENTIABLE = [op for op in OPS if op != "fp8_quantize"]
 
 
 def _inputs(op: str, rows: int, dtype: torch.dtype, device, seed: int = 0, model: ModelShape = ODD) -> Inputs:
@@ -50,7 +52,7 @@ def _run(op: str, inputs: Inputs, fn=None, transform=None):
     outs = tuple((fn or case.liger_gen)(tensors, inputs.options))
     ups = [torch.ones_like(o) if inputs.upstream[n] is None else inputs.upstream[n].reshape(o.shape).to(o.dtype)
            for n, o in zip(case.outputs, outs)]
-    grads = torch.autograd.grad(outs, leaves, ups)
+    grads = torch.autograd.grad(outs, leaves, ups) if leaves else ()
     return outs, grads
 
 
@@ -160,8 +162,9 @@ def test_custom_ops_pass_opcheck_and_run_their_backward_as_custom_ops(op, device
     with _CustomOpCalls() as rec:
         _run(op, inputs)
     names = [f"{func.namespace}::{func._opname}" for func, _, _ in rec.calls]
-    assert set(names) <= set(spec.custom_ops), names
-    assert len(set(names)) >= 2, f"{op}: the backward ran no custom op ({names})"
+    assert set(names) <= set(spec.custom_ops) and names, names
+    if op in DIFFERENTIABLE:
+        assert len(set(names)) >= 2, f"{op}: the backward ran no custom op ({names})"
     for func, args, kwargs in rec.calls:
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))
@@ -180,7 +183,7 @@ def test_compiles_without_graph_break_to_the_eager_result(op, device):
 
 
 @pytest.mark.parametrize("binding", ["eager", "custom_op"])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", DIFFERENTIABLE)
 def test_double_backward_is_refused(op, binding, device, request):
     """In both bindings: the custom op's node (what torch.jit.trace replays) must not return a first-order
     gradient that silently carries no graph."""
@@ -196,7 +199,7 @@ def test_double_backward_is_refused(op, binding, device, request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", DIFFERENTIABLE)
 def test_forward_and_backward_replay_in_a_cuda_graph(op):
     """Captured once, replayed on new input values: the replay's results are the eager results for them."""
     case = CASES[op]

@@ -65,4 +65,4 @@ def test_tuning_problems_cover_both_widths():
     for p in problems:
         m, k = p.rows, p.dims["n_cols"]
         assert p.phase_bytes(p.problem_dims, 2) == {"fwd": 3 * m * k + 4 * m,
-                                                    "bwd": 4 * m * k + k * (-(-m // 16) * 16) + 4 * k}
+                                                    "bwd": 2 * m * k + k * (-(-m // 16) * 16) + 4 * k}

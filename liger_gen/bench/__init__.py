@@ -342,7 +342,7 @@ def make_step(fn: Callable, priv: _Private, output_names: tuple[str, ...]) -> Ca
             for name, out in zip(output_names, outs):
                 up = priv.upstream[name]
                 ups.append(torch.ones_like(out) if up is None else up if up.dtype == out.dtype else up.to(out.dtype))
-        grads = torch.autograd.grad(outs, priv.leaves, ups)
+        grads = torch.autograd.grad(outs, priv.leaves, ups) if priv.leaves else ()  # () : not differentiable
         return outs, grads
 
     return step

@@ -331,6 +331,22 @@ def _lk_jsd():
 
 
 
+def _fp8_quantize_eager(t, o):
+    from liger_gen.runtime.fp8 import quantize_reference
+
+    fmt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[o["fp8"]]
+    q_rows, d_rows = quantize_reference(t["x"], -1, fmt)
+    q_cols, d_cols = quantize_reference(t["x"], 0, fmt)
+    return q_rows, d_rows, q_cols.t(), d_cols.t()
+
+
+def _fp8_quantize_lg(t, o):
+    fmt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[o["fp8"]]
+    q_rows, d_rows = lg.fp8_quantize(t["x"], "rows", fmt)
+    q_cols, d_cols = lg.fp8_quantize(t["x"], "cols", fmt)
+    return q_rows, d_rows, q_cols[:, : t["x"].shape[0]], d_cols  # the GEMM's padding rows left out
+
+
 # ------------------------------------------------------------------------------------------------ the cases
 
 CASES: dict[str, Case] = {c.op: c for c in (
@@ -384,6 +400,9 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("jsd", _jsd_eager, "jsd_torch (fp32 math), beta 0.5, with labels", _jsd_lg, _lk_jsd,
          "LigerJSDFunction(beta=0.5, shift_labels=label): d student computed in the forward next to an fp32 "
          "(rows, vocab) loss buffer"),
+    Case("fp8_quantize", _fp8_quantize_eager,
+         "quantize_reference per row and per column (amax, power-of-two scale, e4m3 cast in PyTorch); "
+         "torch-compile fuses it as torchao's float8 training does", _fp8_quantize_lg),
 )}
 
 

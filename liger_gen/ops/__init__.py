@@ -53,6 +53,7 @@ OP_MODULES: dict[str, str] = {
     "fused_linear_cross_entropy": "liger_gen.ops.lm_head.fused_linear_cross_entropy",
     "kl_div": "liger_gen.ops.divergence.kl_div",
     "jsd": "liger_gen.ops.divergence.jsd",
+    "fp8_quantize": "liger_gen.ops.fp8.quantize",
     "selective_log_softmax": "liger_gen.ops.lm_head.selective_log_softmax",
     "fused_linear_jsd": "liger_gen.ops.lm_head.fused_linear_jsd",
 }

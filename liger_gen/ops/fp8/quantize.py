@@ -109,14 +109,16 @@ class QuantizeProblem(Problem):
     """Quantize (rows, n_cols) of ``dtype`` into ``fp8``, per row ("fwd" phase) and per column ("bwd"): inputs,
     truth and the launchers.
 
-    The truth is ``quantize_reference`` (the recipe in plain PyTorch); the check compares the dequantized
-    values, which must match exactly.
+    The outputs are the FP8 values and dequant scales of both axes: ``q_rows`` (M, K), ``d_rows`` (M, 1),
+    ``q_cols`` (K, M; the op's padding past M left out), ``d_cols`` (K, 1). The truth is ``quantize_reference``
+    (the recipe in plain PyTorch), which the kernels match exactly; the op is not differentiable.
     """
 
-    op = "fp8_quantize"
     SPACE = QuantizeSpace
-    OUTPUTS = ("q",)
-    BYTES_FORMULA = "R·H·s + R·H + R·4 (rows); 2·R·H·s + R·H + H·4 (cols)"
+    OUTPUTS = ("q_rows", "d_rows", "q_cols", "d_cols")
+    # minimal bytes: x read once per axis (the cols launcher reads it twice: its amax pass, then the quantize),
+    # q and the scales written; the cols output is padded to a multiple of 16 rows
+    BYTES_FORMULA = "rows: R·H·s + R·H + R·4; cols: R·H·s + H·⌈R⌉₁₆ + H·4"
 
     @classmethod
     def shape(cls, model) -> dict[str, int]:
@@ -124,21 +126,21 @@ class QuantizeProblem(Problem):
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
-        return Inputs({"x": randn(gen, (dims["rows"], dims["n_cols"]), dtype, device)}, grad_of=(), upstream={},
-                      options={"fp8": options.get("fp8", "e4m3")})
+        return Inputs({"x": randn(gen, (dims["rows"], dims["n_cols"]), dtype, device)}, grad_of=(),
+                      upstream=dict.fromkeys(cls.OUTPUTS), options={"fp8": options.get("fp8", "e4m3")})
 
     @classmethod
     def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
-        """The dequantized values, per row ("q_rows", (M, K)) and per column ("q_cols", (K, M))."""
         x, fmt = inputs.tensors["x"], FORMATS[inputs.options["fp8"]]
-        rows = recipe.dequantize(*recipe.quantize_reference(x, -1, fmt))
-        cols = recipe.dequantize(*recipe.quantize_reference(x, 0, fmt)).t()
-        return {"q_rows": rows, "q_cols": cols}
+        q_rows, d_rows = recipe.quantize_reference(x, -1, fmt)
+        q_cols, d_cols = recipe.quantize_reference(x, 0, fmt)
+        return {"q_rows": q_rows.double(), "d_rows": d_rows.double(), "q_cols": q_cols.t().double(),
+                "d_cols": d_cols.t().double()}
 
     @classmethod
     def phase_bytes(cls, dims, s: int) -> dict[str, int]:
         m, k = dims["rows"], dims["n_cols"]
-        return {"fwd": m * k * s + m * k + m * 4, "bwd": 2 * m * k * s + k * recipe.padded(m) + k * 4}
+        return {"fwd": m * k * s + m * k + m * 4, "bwd": m * k * s + k * recipe.padded(m) + k * 4}
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, fp8: str = "e4m3", seed: int = 0,
                  limits=None):
@@ -153,8 +155,9 @@ class QuantizeProblem(Problem):
                         "d_rows": torch.empty(m, dtype=torch.float32, device=self.device),
                         "q_cols": torch.empty((k, recipe.padded(m)), dtype=fmt, device=self.device),
                         "d_cols": torch.empty(k, dtype=torch.float32, device=self.device)}
-        self.ref = self.reference(inputs)
-        self.tol = {"q_rows": 0.0, "q_cols": 0.0}
+        ref = self.reference(inputs)
+        self.ref = {axis: ref["q_" + axis] * ref["d_" + axis] for axis in AXES}  # the dequantized values
+        self.tol = {axis: 0.0 for axis in AXES}
         self.outputs = {"fwd": ("q_rows",), "bwd": ("q_cols",)}
 
     def launcher(self, module, phase: str):
@@ -175,7 +178,7 @@ class QuantizeProblem(Problem):
             if bool((got[:, self.rows:] != 0).any()):
                 return "q_cols: the padding past the last row is not zero"
             got = got[:, : self.rows]
-        expected = self.ref["q_" + axis].to(got.device)
+        expected = self.ref[axis].to(got.device)
         same = (got == expected) | (got.isnan() & expected.isnan())
         if not bool(same.all()):
             return f"q_{axis}: {int((~same).sum())} of {same.numel()} dequantized values differ from the recipe's"
@@ -209,7 +212,7 @@ def _impl(x: torch.Tensor, axis: str, fp8: str) -> tuple[torch.Tensor, torch.Ten
             return q, dequant
         out = torch.zeros(shape, dtype=dtype, device=x.device)
         out[:, :m] = q.t()
-        return out, (dequant.view(k, 1) if x.numel() else torch.ones((k, 1), device=x.device))
+        return out, dequant.view(k, 1)  # (an empty column's amax counts as 0: the scale of an all-zero slice)
     q = torch.empty(shape, dtype=dtype, device=x.device)
     dequant = torch.empty((shape[0], 1), dtype=torch.float32, device=x.device)
     module, _, _ = kernel_module(QuantizeSpace, x, k, m, fp8=fp8)
