@@ -35,10 +35,24 @@ PARAM_RTOL = 1e-4  # relative L2 of each parameter after the 20 updates
 LOGPROB_ATOL = 1e-3  # held-out top-k log-probabilities (nats)
 
 # families whose decoder layers have no ``h = residual + h; residual = h; h = norm(h)`` before an RMSNorm
-UNFUSED_LAYOUTS = ("olmo2", "olmo3", "exaone4", "cohere2", "phimoe")
+# (LFM2 adds before the norm's call, MiniMax scales both terms, Nemotron's are LayerNorms, DeepSeek-V4 mixes
+# hyper-connection streams)
+UNFUSED_LAYOUTS = ("olmo2", "olmo3", "exaone4", "cohere2", "phimoe", "lfm2", "lfm2_moe", "minimax", "nemotron",
+                   "deepseek_v4")
+# families with no MLP or experts apply_to swaps (LFM2's w1/w3/w2 MLPs, Nemotron's squared-ReLU MLP, DeepSeek-V4's
+# clamped SwiGLU)
+UNPATCHED_MLPS = ("lfm2", "nemotron", "deepseek_v4")
 
 # one family per distinct block, run through the kernels (Triton's interpreter)
-INTERPRETER_FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "olmo2", "cohere2", "granite", "gpt_oss", "llama4_text")
+INTERPRETER_FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "olmo2", "cohere2", "granite", "gpt_oss", "llama4_text",
+                        "gemma4_text")
+
+# families whose patched pieces (norm formula, GLU MLP, fused experts, RoPE layout, fused loss) are each compiled in
+# another family's test: their own compile test (4-9 s apiece on 2 cores) would check nothing more, so it is left
+# out to keep the CPU suite within its time budget. DeepSeek-V2 (heads-first complex RoPE), Nemotron (LayerNorm of
+# 1 + w) and Gemma 4 (one-tensor RoPE, weightless RMSNorms) bring pieces of their own and keep theirs.
+COMPILED_ELSEWHERE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "glm4_moe", "olmoe", "ernie4_5", "ernie4_5_moe", "lfm2",
+                      "lfm2_moe", "minimax", "deepseek_v4")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -95,7 +109,7 @@ def _compare(model_type: str, steps: int):
         restore_rope()
     # what was patched: norms and the fused loss always; MLPs or experts gates; RoPE where the layout is ours
     assert report.norms > 0 and report.loss, report.summary()
-    assert report.mlps + report.experts > 0, report.summary()
+    assert (report.mlps + report.experts > 0) == (model_type not in UNPATCHED_MLPS), report.summary()
     assert report.rope == family.rope, report.summary()
     # the attention residual add fused into the next norm in every pre-norm decoder layer; the post-norm (OLMo 2/3,
     # Exaone 4), parallel-block (Cohere 2) and LayerNorm (PhiMoE) layouts keep transformers' add
@@ -114,7 +128,9 @@ def _compare(model_type: str, steps: int):
         # Qwen 3.5's decay projection of the gated delta rule gets a gradient ~100x smaller than the other
         # projections' (agreeing to 1e-6 relative at the first step); AdamW normalises the roundoff-sized
         # differences of such a gradient into full-sized updates, so its weights drift apart faster
-        tol = 10 * PARAM_RTOL if name.endswith("linear_attn.in_proj_a.weight") else PARAM_RTOL
+        # (so does DeepSeek-V4's hyper-connection base, behind a Sinkhorn projection: 3e-4 relative after 20 steps
+        # in layer 0, the loss curves within 4e-7)
+        tol = 10 * PARAM_RTOL if name.endswith(("linear_attn.in_proj_a.weight", "attn_hc.base")) else PARAM_RTOL
         if name.endswith("embed_tokens.weight"):
             # a token's row whose gradient is roundoff-sized over the 20 steps gets AdamW-normalised roundoff
             # updates, as above (seen for Exaone 4 on one machine's BLAS: of 264 rows one drifted to 6e-2 and one
@@ -160,7 +176,7 @@ def test_family_takes_a_bfloat16_training_step_on_the_plain_path(model_type, mon
     assert abs(got - expected) <= torch.finfo(torch.bfloat16).eps * abs(expected), (model_type, got, expected)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(set(FAMILY_CONFIGS) - set(COMPILED_ELSEWHERE)))
 def test_patched_family_forward_compiles_without_a_graph_break(model_type, monkeypatch):
     """torch.compile(fullgraph=True) of the patched model's forward (norms, MLP or experts, RoPE, the fused loss):
     the loss and the gradients of eager. Eval mode, so dropout (Seed-OSS's) draws nothing; gradients stay on, so
@@ -311,9 +327,12 @@ def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch
     except (IndexError, RuntimeError):  # multimodal RoPE (Qwen 3.5 in some releases): (3, batch, seq) positions
         tables = rotary(torch.randn(1, 12, 8, generator=gen), position_ids[None].expand(3, -1, -1), **extra)
     head_dim = getattr(model.config, "qk_rope_head_dim", None) or model.config.head_dim
-    if family.rope_tables == "complex":  # Llama 4: (xq, xk, freqs_cis), q and k as (batch, seq, heads, dim)
-        args = (torch.randn(2, 12, 4, head_dim, generator=gen), torch.randn(2, 12, 2, head_dim, generator=gen),
-                tables)
+    if family.rope_tables == "complex":  # (xq, xk, freqs_cis), the heads at dim rope_heads_dim of q and k
+        shape = (2, 12, 12, head_dim)
+        args = tuple(torch.randn(shape[:family.rope_heads_dim] + (heads,) + shape[family.rope_heads_dim + 1:],
+                                 generator=gen) for heads in (4, 2)) + (tables,)
+    elif family.rope_single:  # Gemma 4: (x, cos, sin, unsqueeze_dim), one tensor a call
+        args = (torch.randn(2, 4, 12, head_dim, generator=gen), *tables)
     else:
         args = (torch.randn(2, 4, 12, head_dim, generator=gen), torch.randn(2, 2, 12, head_dim, generator=gen),
                 *tables)
@@ -321,6 +340,9 @@ def test_patched_rotary_functions_equal_transformers_own(model_type, monkeypatch
         liger_gen.apply_to(model)
         for name, original in originals.items():
             got, want = getattr(modeling, name)(*args), original(*args)
+            if family.rope_single:
+                got, want = (got, getattr(modeling, name)(args[0].transpose(1, 2), *args[1:], unsqueeze_dim=2)), \
+                    (want, original(args[0].transpose(1, 2), *args[1:], unsqueeze_dim=2))
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and g.shape == w.shape, (model_type, name)
                 torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)

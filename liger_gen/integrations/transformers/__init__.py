@@ -5,7 +5,8 @@
 - **Norms** → ``liger_gen.nn.RMSNorm`` (or ``liger_gen.nn.LayerNorm``) holding the same Parameters. A family's
   ``norm`` says which formula its norm classes compute: "llama" (``w · x̂`` with x̂ rounded to the input's dtype
   first), "gemma" (``(1 + w) · x̂`` in fp32, rounded once; weights stored as w − 1), "fp32" (``w · x̂`` in fp32,
-  rounded once: OLMo 2, GPT-OSS) or "layer" (LayerNorm: Cohere 2 without bias, PhiMoE with bias). Every module of
+  rounded once: OLMo 2, GPT-OSS, Gemma 4, DeepSeek-V4), "layer" (LayerNorm: Cohere 2 without bias, PhiMoE with
+  bias) or "layer1p" (Nemotron's LayerNorm of ``1 + w``, run by ``layer_norm`` with the weight offset). Every module of
   the listed classes is swapped: decoder norms, Gemma 2/3's sandwich norms, OLMo 2's post-norms, q/k norms
   (Qwen 3, Gemma 3, OLMo 2 over the whole projection). A norm whose weight is not 1-D (Cohere 2's per-head q/k
   norms) is left as it is.
@@ -43,7 +44,8 @@
   mapped onto it: GPT-OSS's half-width tables are widened, the interleaved pairs of DeepSeek-V3, GLM-4 and
   Cohere 2 are de-interleaved (and, for GLM-4 and Cohere 2, interleaved back after the rotation). Llama 4's
   complex rotation (``apply_rotary_emb`` with a ``freqs_cis`` table) is the same rotation of interleaved pairs:
-  its real and imaginary parts are the cos/sin tables.
+  its real and imaginary parts are the cos/sin tables; DeepSeek-V2's is the same with q and k as (batch, heads,
+  seq, head_dim). Gemma 4 rotates one tensor per call (``apply_rotary_pos_emb(x, cos, sin)``).
 - **FP8 training** (opt-in, ``fp8=True`` or a ``liger_gen.Float8Recipe``): the ``nn.Linear`` layers inside the
   decoder layers become ``liger_gen.nn.Float8Linear`` in place (their GEMMs in FP8 through ``torch._scaled_mm``);
   routers, fused experts, layers whose dims are not multiples of 16 and devices without FP8 GEMMs stay as they

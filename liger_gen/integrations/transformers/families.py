@@ -15,16 +15,19 @@ class ModelFamily:
     """One family's modeling module and what liger-gen replaces in it (see the module docstring).
 
     model_type: ``config.model_type``. module: the modeling module. prefix: its class-name prefix ("Llama").
-    norm: the formula of its norm classes ("llama", "gemma", "fp32", "layer"; None: not patched).
+    norm: the formula of its norm classes ("llama", "gemma", "fp32", "layer", "layer1p": LayerNorm of 1 + w,
+    Nemotron; None: not patched).
     norm_classes: the classes to swap (default ``<prefix>RMSNorm``). rope: whether its ``apply_rotary_pos_emb``
     is the rotate-half layout ``liger_gen.functional.rope`` computes; rope_keeps_dtype: whether that function
     casts its outputs back to q's and k's dtypes (OLMo 2/3) rather than promoting them with cos/sin's;
     rope_tables: "full" (cos/sin hold cat(freqs, freqs), as Llama's), "half" (one angle per pair, GPT-OSS),
     "interleaved" (each angle twice in a row, Cohere) or "complex" (one complex table ``freqs_cis`` of
-    cos + i·sin per pair, passed as ``(xq, xk, freqs_cis)`` with q and k as (batch, seq, heads, head_dim):
-    Llama 4's ``apply_rotary_emb``); rope_function: the name of the replaced function; rope_pairs: the function
-    rotates interleaved pairs (x0, x1), (x2, x3), ... of the rotary dims and returns them in that layout (GLM-4,
-    Cohere 2, Llama 4);
+    cos + i·sin per pair, passed as ``(xq, xk, freqs_cis)``: Llama 4's and DeepSeek-V2's ``apply_rotary_emb``);
+    rope_heads_dim: with complex tables, the dim of q and k that holds the heads (2: (batch, seq, heads, head_dim),
+    Llama 4; 1: (batch, heads, seq, head_dim), DeepSeek-V2); rope_single: the function rotates one tensor,
+    ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)`` (Gemma 4); rope_function: the name of the replaced
+    function; rope_pairs: the function rotates interleaved pairs (x0, x1), (x2, x3), ... of the rotary dims and
+    returns them in that layout (GLM-4, Cohere 2, Llama 4, ERNIE 4.5);
     interleaved_rope: the name of a second function that rotates interleaved pairs of a de-interleavable layout
     (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP
     modules are patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
@@ -45,6 +48,8 @@ class ModelFamily:
     rope_tables: str = "full"
     rope_function: str = "apply_rotary_pos_emb"
     rope_pairs: bool = False
+    rope_heads_dim: int = 2
+    rope_single: bool = False
     interleaved_rope: str | None = None
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
@@ -104,6 +109,27 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("falcon_h1", "FalconH1", logits="lm_head_multiplier",
        note="the Mamba-2 mixer and the gated norm inside it stay transformers' own"),
     _F("seed_oss", "SeedOss"),
+    _F("deepseek_v2", "DeepseekV2", rope_function="apply_rotary_emb", rope_tables="complex", rope_pairs=True,
+       rope_keeps_dtype=True, rope_heads_dim=1),
+    _F("hunyuan_v1_dense", "HunYuanDenseV1"),
+    _F("hunyuan_v1_moe", "HunYuanMoEV1"),
+    _F("glm4_moe", "Glm4Moe"),
+    _F("olmoe", "Olmoe"),
+    _F("ernie4_5", "Ernie4_5", rope_pairs=True, rope_keeps_dtype=True),
+    _F("ernie4_5_moe", "Ernie4_5_Moe", rope_pairs=True, rope_keeps_dtype=True),
+    _F("lfm2", "Lfm2", note="the short-convolution blocks stay transformers' own; the w1/w3/w2 MLPs and the "
+       "residual adds (added before the norm's call) are not in a layout apply_to rewrites"),
+    _F("lfm2_moe", "Lfm2Moe", note="the short-convolution blocks stay transformers' own; the dense layers' "
+       "w1/w3/w2 MLPs and the residual adds (added before the norm's call) are not in a layout apply_to rewrites"),
+    _F("minimax", "MiniMax", note="the lightning (linear) attention stays transformers' own; the residual adds "
+       "are scaled (alpha·residual + beta·x) and stay unfused"),
+    _F("nemotron", "Nemotron", norm="layer1p", norm_classes=("NemotronLayerNorm1P",),
+       note="the squared-ReLU MLP (not gated) stays transformers' own"),
+    _F("gemma4_text", "Gemma4", norm="fp32", logits="softcap", rope_single=True,
+       module="transformers.models.gemma4.modeling_gemma4"),
+    _F("deepseek_v4", "DeepseekV4", norm="fp32", rope=False,
+       note="the RoPE of the trailing slice of each head, the hyper-connections, the compressed attention and the "
+       "clamped SwiGLU of the MLPs and experts (swiglu_limit) stay transformers' own"),
 )}
 # model types that are these families under another name in some transformers releases
 ALIASES = {"gemma3": "gemma3_text", "llama4": "llama4_text"}

@@ -172,10 +172,6 @@ def _layer_plan(cls: type):
         if not isinstance(definition, ast.FunctionDef) or definition.name != inner.__name__:
             raise TypeError("source is not the function's definition")
         futures = code.co_flags & _FUTURE_FLAGS
-        if _compile_definition(definition, owner, code.co_filename, futures) != code:
-            plan = (f"residual add not fused: {code.co_filename} has changed since "
-                    f"{inner.__module__} was imported (restart the process to fuse it)")
-            raise LookupError(plan)
         body, norms, i = [], [], 0
         while i < len(definition.body):
             match = _match_add_then_norm(definition.body[i:i + 3])
@@ -189,6 +185,12 @@ def _layer_plan(cls: type):
             body.append(stmt)
             norms.append(norm)
             i += 3
+        # checked only where there is something to fuse: a layout without the statements is not rewritten anyway
+        # (and CPython 3.11 compiles some multi-line method calls parsed from an AST to other, equivalent code)
+        if norms and _compile_definition(definition, owner, code.co_filename, futures) != code:
+            plan = (f"residual add not fused: {code.co_filename} has changed since "
+                    f"{inner.__module__} was imported (restart the process to fuse it)")
+            raise LookupError(plan)
         if norms:
             definition.body, definition.decorator_list = body, []  # the decorators stay on the class
             definition = ast.parse(ast.unparse(ast.fix_missing_locations(definition))).body[0]  # fresh lines
@@ -242,7 +244,8 @@ def fusable_norms(module: nn.Module, modeling, norm_kind: str | None, swapped: s
     """The names of the norms of ``module`` whose residual add can be fused: ``module`` is a decoder layer of
     ``modeling`` whose forward can be rewritten, and each such norm is (or is about to be) a liger-gen RMSNorm."""
     cls = type(module)
-    if cls.__module__ != modeling.__name__ or not cls.__name__.endswith("DecoderLayer") or norm_kind == "layer":
+    if cls.__module__ != modeling.__name__ or not cls.__name__.endswith("DecoderLayer") \
+            or norm_kind not in ("llama", "gemma", "fp32"):  # LayerNorms have no fused add
         return []
     names = fuse_layer_code(cls)
     if not names:

@@ -16,15 +16,31 @@ from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
 # ------------------------------------------------------------------------------------------------ norms
 
 
+class OffsetLayerNorm(LayerNorm):
+    """liger-gen's LayerNorm with the weight stored as w − 1: ``layer_norm(x, 1 + weight, bias)`` (Nemotron's
+    ``LayerNorm1P``; the offset is added to the (hidden,) weight, a vector next to the rows it scales)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        from liger_gen.functional import layer_norm
+
+        return layer_norm(input, None if self.weight is None else self.weight + 1.0, self.bias, self.eps)
+
+
 def replace_norm(module: nn.Module, kind: str) -> nn.Module | None:
-    """A liger-gen norm sharing ``module``'s Parameters, or None where the weight is not 1-D."""
-    weight = module.weight
+    """A liger-gen norm sharing ``module``'s Parameters, or None where the weight is not 1-D. An RMSNorm without
+    a weight (Gemma 4's ``with_scale=False``) becomes one without a weight too."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    if weight is None and "weight" not in module._parameters and kind in ("llama", "fp32"):
+        new = RMSNorm(1, eps=eps, casting_mode="gemma" if kind == "fp32" else "llama", elementwise_affine=False)
+        new.train(module.training)
+        return new
     if weight is None or weight.dim() != 1:
         return None
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    if kind == "layer":
+    if kind in ("layer", "layer1p"):
         bias = getattr(module, "bias", None)
-        new = LayerNorm(weight.shape[0], eps=eps, bias=bias is not None, device="meta")
+        cls = OffsetLayerNorm if kind == "layer1p" else LayerNorm
+        new = cls(weight.shape[0], eps=eps, bias=bias is not None, device="meta")
         new.weight = weight
         if bias is not None:
             new.bias = bias
@@ -41,6 +57,8 @@ def replace_norm(module: nn.Module, kind: str) -> nn.Module | None:
 
 def activation_name(act: Any) -> str | None:
     """The ``GLU_ACTIVATIONS`` name of a transformers / torch activation module, or None for another one."""
+    if act is nn.functional.silu:  # a function rather than a module (LFM2-MoE's experts)
+        return "silu"
     name = type(act).__name__
     if name in ("SiLU", "SiLUActivation"):
         return "silu"
@@ -63,6 +81,8 @@ def replace_mlp(module: nn.Module) -> tuple[nn.Module | None, str]:
     children = dict(module.named_children())
     multipliers = {name: float(getattr(module, name)) for name in ("gate_multiplier", "down_multiplier")
                    if isinstance(getattr(module, name, None), (int, float))}
+    if getattr(module, "limit", None) is not None:  # DeepSeek-V4's gate and up clamped to swiglu_limit
+        return None, "gate and up clamped (swiglu_limit)"
     activation = _activation_of(module)
     if activation is None:
         act = children.get("act_fn", children.get("activation_fn"))

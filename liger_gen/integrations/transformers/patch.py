@@ -103,11 +103,13 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
              fp8: bool | Float8Recipe = False, strict: bool = False) -> nn.Module:
     """Replace the supported parts of a transformers model in place and return the model.
 
-    Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (llama, llama4_text, mistral, ministral,
-    mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text, gemma, gemma2,
-    gemma3_text, phi3, phimoe, granite, granitemoe, olmo2, olmo3, glm4, smollm3, deepseek_v3, gpt_oss, cohere2,
-    exaone4, falcon_h1, seed_oss); the module docstring says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before
-    still updates them) and the devices are unchanged; meta-device and half-precision models are patched alike.
+    Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (cohere2, deepseek_v2, deepseek_v3, deepseek_v4,
+    ernie4_5, ernie4_5_moe, exaone4, falcon_h1, gemma, gemma2, gemma3_text, gemma4_text, glm4, glm4_moe, gpt_oss,
+    granite, granitemoe, hunyuan_v1_dense, hunyuan_v1_moe, lfm2, lfm2_moe, llama, llama4_text, minimax, ministral,
+    mistral, mixtral, nemotron, olmo2, olmo3, olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text,
+    qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3); the module docstring says what each replacement
+    does. The state_dict, the Parameter objects (so an optimizer built before still updates them) and the devices
+    are unchanged; meta-device and half-precision models are patched alike.
     Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as
     ``model.liger_gen_report`` (a ``PatchReport``). Calling it again on a patched model changes nothing already
     replaced (the log line says so).

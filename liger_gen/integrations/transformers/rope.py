@@ -128,17 +128,29 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False,
         rot = torch.stack((y[..., :width // 2], y[..., width // 2:width]), dim=-1).flatten(-2)
         return rot if width == y.shape[-1] else torch.cat((rot, y[..., width:]), dim=-1)
 
-    if tables == "complex":  # Llama 4: complex multiplication of interleaved pairs, in fp32, cast back
+    if tables == "complex":  # Llama 4, DeepSeek-V2: complex multiplication of interleaved pairs, in fp32, cast back
+        heads_dim = family.rope_heads_dim
+
         @_wraps_rope(original, name, signature)
         def apply_rotary_emb(xq, xk, freqs_cis):
             cos, sin = freqs_cis.real, freqs_cis.imag
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             width = cos.shape[-1]
-            q_out, k_out = rope(halves(xq, width), halves(xk, width), cos, sin, unsqueeze_dim=2)
+            q_out, k_out = rope(halves(xq, width), halves(xk, width), cos, sin, unsqueeze_dim=heads_dim)
             return pairs_of(q_out, width).to(xq.dtype), pairs_of(k_out, width).to(xk.dtype)
 
         apply_rotary_emb.liger_gen = True
         return apply_rotary_emb
+
+    if family.rope_single:  # Gemma 4: one tensor a call; k is a detached one-head view of it, its result unused
+        @_wraps_rope(original, name, signature)
+        def apply_rotary_pos_emb_single(x, cos, sin, *args, **kwargs):
+            unsqueeze_dim = bind((x, cos, sin, *args), kwargs).get("unsqueeze_dim", 1)
+            out, _ = rope(x, x.detach().narrow(unsqueeze_dim, 0, 1), cos, sin, unsqueeze_dim=unsqueeze_dim)
+            return out.to(x.dtype) if keeps_dtype else out
+
+        apply_rotary_pos_emb_single.liger_gen = True
+        return apply_rotary_pos_emb_single
 
     @_wraps_rope(original, name, signature)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
