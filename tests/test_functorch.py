@@ -120,7 +120,7 @@ CASES = {
     "fused_linear_cross_entropy": Case(
         lambda gen, dtype: _lm_head(gen, dtype, 4),
         lambda x, w: LF.fused_linear_cross_entropy(x, w, _T3),
-        lambda x, w: R.fused_linear_cross_entropy_torch(x, w, _T3), "lm_head.fused_linear_cross_entropy"),
+        lambda x, w: R.fused_linear_cross_entropy_torch(x, w, _T3), "lm_head.chunks"),
     "kl_div": Case(lambda gen, dtype: (_logp(gen, dtype), _logp(gen, dtype)),
                    lambda x, t: LF.kl_div(x, t, "batchmean", log_target=True),
                    lambda x, t: R.kl_div_torch(x, t, "batchmean", log_target=True), "divergence.kl_div"),
@@ -130,11 +130,11 @@ CASES = {
     "selective_log_softmax": Case(
         lambda gen, dtype: _lm_head(gen, dtype, 2, 3),
         lambda x, w: LF.selective_log_softmax(x, w, _T23),
-        lambda x, w: R.selective_log_softmax_torch(x, w, _T23)[0], "lm_head.selective_log_softmax"),
+        lambda x, w: R.selective_log_softmax_torch(x, w, _T23)[0], "lm_head.chunks"),
     "fused_linear_dpo": Case(
         lambda gen, dtype: _lm_head(gen, dtype, 2, 3),
         lambda x, w: LF.fused_linear_dpo(x, w, _DPO_TARGET, ref_log_probs=_DPO_REF).loss,
-        _dpo_ref, "lm_head.selective_log_softmax"),
+        _dpo_ref, "lm_head.chunks"),
 }
 
 

@@ -49,14 +49,16 @@ def _divergence_rows(zs: torch.Tensor, zt: torch.Tensor, beta: float, temperatur
 
 
 def fused_linear_jsd_torch(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target=None,
-                           beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100) -> torch.Tensor:
-    """Plain PyTorch, unfused: both heads in their inputs' dtype (as transformers' ``lm_head``), the logits in
-    fp32 (float64 for float64 inputs), the teacher detached; the loss 0-d fp32, differentiable for the student."""
-    dtype = torch.promote_types(student_x.dtype, torch.float32)
+                           beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                           student_bias=None, teacher_bias=None) -> torch.Tensor:
+    """Plain PyTorch, unfused: both heads (and biases) in their inputs' dtype (as transformers' ``lm_head``), the
+    logits in fp32 (float64 if either input is float64), the teacher detached; the loss 0-d fp32,
+    differentiable for the student."""
+    dtype = torch.promote_types(torch.promote_types(student_x.dtype, teacher_x.dtype), torch.float32)
     v = student_lm_head_weight.shape[0]
-    zs = (student_x @ student_lm_head_weight.t()).to(dtype).reshape(-1, v)
+    zs = _head(student_x, student_lm_head_weight, student_bias).to(dtype).reshape(-1, v)
     with torch.no_grad():
-        zt = (teacher_x @ teacher_lm_head_weight.t()).to(dtype).reshape(-1, v)
+        zt = _head(teacher_x, teacher_lm_head_weight, teacher_bias).to(dtype).reshape(-1, v)
     rows = _divergence_rows(zs, zt, beta, temperature)
     if target is None:
         return rows.sum() / max(rows.numel(), 1)
@@ -64,12 +66,20 @@ def fused_linear_jsd_torch(student_x, student_lm_head_weight, teacher_x, teacher
     return torch.where(valid, rows, 0.0).sum() / valid.sum().clamp(min=1)
 
 
+def _head(x, w, bias):
+    return x @ w.t() if bias is None else x @ w.t() + bias
+
+
 def fused_linear_jsd_float64(student_x, student_w, teacher_x, teacher_w, target=None, beta: float = 0.5,
-                             temperature: float = 1.0, ignore_index: int = -100, rows_per_chunk: int = 256):
-    """The float64 truth, chunk by chunk: (loss, dx_s, dW_s) with 2-D inputs; the loss 0-d float64."""
+                             temperature: float = 1.0, ignore_index: int = -100, rows_per_chunk: int = 256,
+                             student_bias=None, teacher_bias=None):
+    """The float64 truth, chunk by chunk: (loss, dx_s, dW_s) with 2-D inputs, and db_s when ``student_bias`` is
+    given; the loss 0-d float64."""
     rows = student_x.shape[0]
     w64 = student_w.detach().double().requires_grad_()
     wt64 = teacher_w.detach().double()
+    b64 = None if student_bias is None else student_bias.detach().double().requires_grad_()
+    bt64 = None if teacher_bias is None else teacher_bias.detach().double()
     valid = torch.ones(rows, dtype=torch.bool, device=student_x.device) if target is None else \
         target.reshape(-1) != ignore_index
     n = valid.sum().clamp(min=1).double()
@@ -79,12 +89,16 @@ def fused_linear_jsd_float64(student_x, student_w, teacher_x, teacher_w, target=
         hi = min(lo + rows_per_chunk, rows)
         xc = student_x[lo:hi].detach().double().requires_grad_()
         with torch.enable_grad():
-            r = _divergence_rows(xc @ w64.t(), teacher_x[lo:hi].double() @ wt64.t(), beta, temperature)
+            r = _divergence_rows(_head(xc, w64, b64), _head(teacher_x[lo:hi].double(), wt64, bt64), beta,
+                                 temperature)
             part = torch.where(valid[lo:hi], r, 0.0).sum() / n
             part.backward()
         total += part.detach()
         dx[lo:hi] = xc.grad
-    return total, dx, w64.grad if w64.grad is not None else torch.zeros_like(w64)
+    dw = w64.grad if w64.grad is not None else torch.zeros_like(w64)
+    if b64 is None:
+        return total, dx, dw
+    return total, dx, dw, b64.grad if b64.grad is not None else torch.zeros_like(b64)
 
 
 # ------------------------------------------------------------------------------------------------ space
@@ -142,17 +156,24 @@ class _Distill(ChunkEngine):
     SPACE = FusedLinearJSDSpace
     CPU_BYTES_PER_LOGIT = 24  # two fp32 working copies of the logits on the CPU paths
 
-    def __init__(self, xs, ws, xt, wt, target, beta: float, temperature: float, ignore_index: int, plan=None):
-        self.xt, self.wt = xt, wt
+    def __init__(self, xs, ws, xt, wt, target, beta: float, temperature: float, ignore_index: int, plan=None,
+                 student_bias=None, teacher_bias=None):
+        self.xt, self.wt, self.teacher_bias = xt, wt, teacher_bias
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
-        super().__init__(xs, ws, None, target, plan)
+        super().__init__(xs, ws, student_bias, target, plan)
         self.dz_scale = FP16_DZ_SCALE if xs.dtype == torch.float16 else 1.0
+        # a teacher of another dtype (mixed precision): its logits in fp32, never rounded (the kernel reads each
+        # buffer in its own dtype); fewer rows per chunk keep the two buffers within the plan's bytes
+        self.teacher_logits_dtype = self.logits_dtype if xt.dtype == xs.dtype else torch.float32
+        e = torch.empty((), dtype=self.logits_dtype).element_size()
+        if self.teacher_logits_dtype != self.logits_dtype and e < 4:
+            self.chunk = max(1, self.chunk * 2 * e // (e + 4))
 
-    def run(self, need_dx: bool, need_dw: bool):
-        """(loss, dx or None, dW or None, scale): the mean divergence over valid rows (0-d fp32), dz_scale times
-        the gradients of the rows' sum, and the (1,) fp32 factor 1 / (max(valid rows, 1)·dz_scale) that makes
-        them the mean's. Keeping the factor out of the logit gradients (and, for float16, multiplying them by
-        FP16_DZ_SCALE) keeps 16-bit gradients of large vocabularies above float16's subnormal range."""
+    def run(self, need_dx: bool, need_dw: bool, need_db: bool = False):
+        """(loss, dx or None, dW or None, db or None, scale): the mean divergence over valid rows (0-d fp32),
+        dz_scale times the gradients of the rows' sum, and the (1,) fp32 factor 1 / (max(valid rows, 1)·dz_scale)
+        that makes them the mean's. Keeping the factor out of the logit gradients (and, for float16, multiplying
+        them by FP16_DZ_SCALE) keeps 16-bit gradients of large vocabularies above float16's subnormal range."""
         dev, rows = self.x.device, self.rows
         loss_rows = torch.zeros(rows, dtype=torch.float32, device=dev)
         if self.target is None:
@@ -161,13 +182,13 @@ class _Distill(ChunkEngine):
             valid = (self.target != self.ignore_index).sum().clamp(min=1).float()
             scale = (1.0 / (valid * self.dz_scale)).reshape(1)
         if rows == 0:
-            dx, dw, _ = self.grad_outputs(need_dx, need_dw, False)
-            return loss_rows.sum(), dx, dw, scale
-        zt_buf = torch.empty((self.chunk, self.vocab), dtype=self.logits_dtype, device=dev)
+            dx, dw, db = self.grad_outputs(need_dx, need_dw, need_db)
+            return loss_rows.sum(), dx, dw, db, scale
+        zt_buf = torch.empty((self.chunk, self.vocab), dtype=self.teacher_logits_dtype, device=dev)
         mode = jsd_mode(self.beta)
 
         def step(lo, hi, zs, grad):
-            zt = lm_head_logits(self.xt[lo:hi], self.wt, None, zt_buf[:hi - lo])
+            zt = lm_head_logits(self.xt[lo:hi], self.wt, self.teacher_bias, zt_buf[:hi - lo])
             label = None if self.target is None else self.target[lo:hi]
             if self.module is not None:
                 self.module.divergence(zs, zt, grad, label, loss_rows[lo:hi], 1.0 / self.temperature,
@@ -175,8 +196,8 @@ class _Distill(ChunkEngine):
             else:
                 self._divergence_torch(zs, zt, grad, label, loss_rows[lo:hi])
 
-        dx, dw, _ = self.walk(step, need_dx, need_dw)
-        return loss_rows.sum() * (scale[0] * self.dz_scale), dx, dw, scale
+        dx, dw, db = self.walk(step, need_dx, need_dw, need_db)
+        return loss_rows.sum() * (scale[0] * self.dz_scale), dx, dw, db, scale
 
     # the plain CPU path's kernel, closed form (no autograd: it runs inside the custom op, below autograd)
     def _divergence_torch(self, zs, zt, grad, label, loss_rows):
@@ -255,7 +276,7 @@ class FusedLinearJSDProblem(SelectiveLogSoftmaxProblem):
         run = _Distill(b["student_x"], b["student_w"], b["teacher_x"], b["teacher_w"], b["target"], 0.5, 1.0, -100,
                        plan)
         run.module = module
-        loss, dx, dw, scale = run.run(True, True)
+        loss, dx, dw, _, scale = run.run(True, True)
         b["loss"].copy_(loss)
         torch.mul(dx, scale[0], out=b["dx"])
         torch.mul(dw, scale[0], out=b["dw"])
@@ -274,46 +295,52 @@ SPECS = {SPEC.name: SPEC}
 
 def _fwd_impl(student_x: torch.Tensor, student_w: torch.Tensor, teacher_x: torch.Tensor, teacher_w: torch.Tensor,
               target: torch.Tensor | None, beta: float, temperature: float, ignore_index: int, need_dx: bool,
-              need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dx, dW, scale) of 2-D inputs: dx, dW the gradients of the rows' sum (empty when not needed), scale
-    the (1,) fp32 factor that makes them the loss's."""
-    run = _Distill(student_x, student_w, teacher_x, teacher_w, target, beta, temperature, ignore_index)
-    loss, dx, dw, scale = run.run(need_dx, need_dw)
+              need_dw: bool, student_bias: torch.Tensor | None, teacher_bias: torch.Tensor | None,
+              need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dx, dW, db, scale) of 2-D inputs: dx, dW, db the gradients of the rows' sum (empty when not
+    needed), scale the (1,) fp32 factor that makes them the loss's."""
+    run = _Distill(student_x, student_w, teacher_x, teacher_w, target, beta, temperature, ignore_index,
+                   student_bias=student_bias, teacher_bias=teacher_bias)
+    loss, dx, dw, db, scale = run.run(need_dx, need_dw, need_db)
     empty = student_x.new_empty(0)
-    return (loss, empty if dx is None else dx, empty.clone() if dw is None else dw.to(student_w.dtype), scale)
+    return (loss, empty if dx is None else dx, empty.clone() if dw is None else dw.to(student_w.dtype),
+            empty.clone() if db is None else db.to(student_bias.dtype), scale)
 
 
 def _fwd_fake(student_x, student_w, teacher_x, teacher_w, target, beta, temperature, ignore_index, need_dx,
-              need_dw):
+              need_dw, student_bias, teacher_bias, need_db):
+    db = student_x.new_empty(0) if not need_db else student_bias.new_empty(student_bias.shape)
     return (student_x.new_empty((), dtype=torch.float32), student_x.new_empty(student_x.shape if need_dx else (0,)),
-            student_w.new_empty(student_w.shape if need_dw else (0,)), student_x.new_empty(1, dtype=torch.float32))
+            student_w.new_empty(student_w.shape if need_dw else (0,)), db,
+            student_x.new_empty(1, dtype=torch.float32))
 
 
-def _scale_grads_impl(grad_loss: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
-                      scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_grads_impl(grad_loss: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, db: torch.Tensor,
+                      scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward in a recorded graph: the forward's gradients times scale and the upstream gradient, as new
     tensors."""
     g = grad_loss.float() * scale[0]
-    return (dx * g).to(dx.dtype), (dw * g).to(dw.dtype)
+    return (dx * g).to(dx.dtype), (dw * g).to(dw.dtype), (db * g).to(db.dtype)
 
 
 fused_linear_jsd_fwd = Kernel("fused_linear_jsd_fwd", _fwd_impl, _fwd_fake)
 fused_linear_jsd_scale_grads = Kernel("fused_linear_jsd_scale_grads", _scale_grads_impl,
-                                      lambda grad_loss, dx, dw, scale: (torch.empty_like(dx), torch.empty_like(dw)))
+                                      lambda grad_loss, dx, dw, db, scale: (torch.empty_like(dx), torch.empty_like(dw),
+                                                                            torch.empty_like(db)))
 
 
 def _save(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     saved(ctx, *output[1:])
-    ctx.needs, ctx.used = (inputs[8], inputs[9]), False
+    ctx.needs, ctx.used = (inputs[8], inputs[9], inputs[12]), False
 
 
 def _backward(ctx, grad_loss, *_unused):
-    need_dx, need_dw = ctx.needs
-    if grad_loss is None or not (need_dx or need_dw):
-        return (None,) * 10
+    need_dx, need_dw, need_db = ctx.needs
+    if grad_loss is None or not (need_dx or need_dw or need_db):
+        return (None,) * 13
     if not ctx.eager:  # the custom op's node, whose backward may be traced: new tensors, no mutation
-        dx, dw = fused_linear_jsd_scale_grads.op(grad_loss, *ctx.saved_tensors)
+        dx, dw, db = fused_linear_jsd_scale_grads.op(grad_loss, *ctx.saved_tensors)
     else:
         # the forward's own buffers, scaled in place (no second dW-sized buffer): a second backward through the
         # same graph (retain_graph=True) raises instead of returning wrong values
@@ -322,10 +349,10 @@ def _backward(ctx, grad_loss, *_unused):
                                "(retain_graph=True); the gradients computed in the forward were already consumed. "
                                "Call the op again for a second backward.")
         ctx.used = True
-        dx, dw, scale = ctx.saved_tensors
+        dx, dw, db, scale = ctx.saved_tensors
         g = grad_loss.float() * scale[0]
-        dx, dw = scale_in_place(dx, g), scale_in_place(dw, g)
-    return (dx if need_dx else None, dw if need_dw else None) + (None,) * 8
+        dx, dw, db = scale_in_place(dx, g), scale_in_place(dw, g), scale_in_place(db, g)
+    return (dx if need_dx else None, dw if need_dw else None) + (None,) * 8 + (db if need_db else None, None, None)
 
 
 _fused_linear_jsd_2d = Differentiable(fused_linear_jsd_fwd, _save, _backward,
@@ -340,7 +367,8 @@ _fused_linear_jsd_2d = Differentiable(fused_linear_jsd_fwd, _save, _backward,
 REDUCTIONS = ("token_mean", "batchmean")
 
 
-def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, temperature, ignore_index):
+def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, temperature, ignore_index,
+           student_bias=None, teacher_bias=None):
     for name, t in (("student_x", student_x), ("student_lm_head_weight", student_w), ("teacher_x", teacher_x),
                     ("teacher_lm_head_weight", teacher_w)):
         if not isinstance(t, torch.Tensor):
@@ -374,9 +402,18 @@ def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, te
         raise ValueError(f"{op}: the teacher's vocabulary must be the student's: got "
                          f"{describe('teacher_lm_head_weight', teacher_w)} and "
                          f"{describe('student_lm_head_weight', student_w)}")
-    if teacher_x.dtype != student_x.dtype:
-        raise TypeError(f"{op}: teacher_x must have student_x's dtype; got {describe('teacher_x', teacher_x)} and "
-                        f"{describe('student_x', student_x)}")
+    mixed = (torch.float32, torch.bfloat16, torch.float16)
+    if teacher_x.dtype != student_x.dtype and not (teacher_x.dtype in mixed and student_x.dtype in mixed):
+        raise TypeError(f"{op}: teacher_x must have student_x's dtype (or both be float32/bfloat16/float16: mixed "
+                        f"precision); got {describe('teacher_x', teacher_x)} and {describe('student_x', student_x)}")
+    for name, b, w in (("student_bias", student_bias, student_w), ("teacher_bias", teacher_bias, teacher_w)):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or b.shape != (w.shape[0],):
+            got = describe(name, b) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{op}: {name} must be ({w.shape[0]},), one value per vocabulary entry; got {got}")
+        if b.dtype != w.dtype:
+            raise TypeError(f"{op}: {name} must have its head's dtype {w.dtype}; got {describe(name, b)}")
     if target is not None:
         if target.shape != student_x.shape[:-1]:
             raise ValueError(f"{op}: target must have student_x's leading shape {tuple(student_x.shape[:-1])}; got "
@@ -384,9 +421,10 @@ def _check(op: str, student_x, student_w, teacher_x, teacher_w, target, beta, te
         if target.dtype not in TARGET_DTYPES:
             raise TypeError(f"{op}: target must be int64 or int32 token ids; got {describe('target', target)}")
     check_same_device(op, student_x=student_x, student_lm_head_weight=student_w, teacher_x=teacher_x,
-                      teacher_lm_head_weight=teacher_w, target=target)
-    if student_x.dtype == torch.float64 and uses_triton(student_x):
-        check_kernel_dtypes(op, student_x=student_x)
+                      teacher_lm_head_weight=teacher_w, target=target, student_bias=student_bias,
+                      teacher_bias=teacher_bias)
+    if torch.float64 in (student_x.dtype, teacher_x.dtype) and uses_triton(student_x):
+        check_kernel_dtypes(op, student_x=student_x, teacher_x=teacher_x)
     return beta, temperature, int(ignore_index)
 
 
@@ -418,7 +456,8 @@ def _batchmean_factor(student_x: torch.Tensor, target: torch.Tensor | None, redu
 def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tensor, teacher_x: torch.Tensor,
                      teacher_lm_head_weight: torch.Tensor, target: torch.Tensor | None = None, beta: float = 0.5,
                      temperature: float = 1.0, ignore_index: int = -100, *,
-                     reduction: str = "token_mean") -> torch.Tensor:
+                     reduction: str = "token_mean", student_bias: torch.Tensor | None = None,
+                     teacher_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Generalised Jensen-Shannon divergence between the teacher's and the student's next-token distributions,
     from hidden states and LM heads, without the full logits (distillation; GKD, Agarwal et al. 2024).
 
@@ -453,54 +492,80 @@ def fused_linear_jsd(student_x: torch.Tensor, student_lm_head_weight: torch.Tens
             (the other values are not read as classes).
         beta: in [0, 1]. temperature: > 0, finite.
         reduction: "token_mean" or "batchmean" (keyword only), as above.
+        student_bias, teacher_bias: optional (vocab,) LM-head biases, each in its head's dtype (keyword only):
+            the logits are ``x @ W.T + bias`` (then divided by temperature); the student's bias gets its gradient.
+
+    Mixed precision: the teacher may have another dtype than the student among float32, bfloat16 and float16
+    (e.g. a bf16 student distilled from an fp32 teacher, or the reverse; each head in its hidden states'
+    dtype): each head's GEMM runs in its own dtype and the teacher's logits are kept in fp32 (fewer rows per
+    chunk keep the extra memory within the plan's). Under ``torch.autocast`` on the inputs' device the hidden
+    states, heads and biases of both are cast to the autocast dtype first, as autocast casts them for the heads'
+    GEMMs (the casts are differentiable: fp32 master weights get fp32 gradients).
 
     Returns the loss, 0-d float32 (float64 for float64 inputs, on the plain CPU path only), differentiable in
-    student_x and student_lm_head_weight (double backward is not supported).
+    student_x, student_lm_head_weight and student_bias (double backward is not supported).
 
     Raises:
         TypeError: a non-tensor, non-floating or mismatched dtypes, a target that is not int64/int32, float64 on
             the kernel path. ValueError: shapes (teacher_x's leading shape, a head that is not (vocab, hidden), a
-            teacher of another vocabulary), beta outside [0, 1], temperature ≤ 0 or infinite, a reduction not in
+            teacher of another vocabulary, a bias that is not (vocab,)), beta outside [0, 1], temperature ≤ 0 or
+            infinite, a reduction not in
             ("token_mean", "batchmean") (TypeError if not a string), tensors on different devices, a DeepSpeed
             ZeRO-3 partition as a head.
     """
     op = "fused_linear_jsd"
     beta, temperature, ignore_index = _check(op, student_x, student_lm_head_weight, teacher_x,
-                                             teacher_lm_head_weight, target, beta, temperature, ignore_index)
+                                             teacher_lm_head_weight, target, beta, temperature, ignore_index,
+                                             student_bias, teacher_bias)
     factor = _batchmean_factor(student_x, target, _check_reduction(op, reduction))
-    loss = _token_mean(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target, beta,
-                       temperature, ignore_index)
+    device_type = student_x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # as autocast runs the heads' GEMMs: every operand in the autocast dtype (differentiable casts)
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [None if t is None else t.to(dtype) for t in (student_x, student_lm_head_weight, teacher_x,
+                                                              teacher_lm_head_weight, student_bias, teacher_bias)]
+        with torch.autocast(device_type, enabled=False):
+            loss = _token_mean(*cast[:4], target, beta, temperature, ignore_index, *cast[4:])
+    else:
+        loss = _token_mean(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target, beta,
+                           temperature, ignore_index, student_bias, teacher_bias)
     # a constant on the 0-d loss: autograd scales the chunk gradients by it in their one scaling pass
     return loss if factor == 1.0 else loss * factor
 
 
 def _token_mean(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target, beta, temperature,
-                ignore_index) -> torch.Tensor:
+                ignore_index, student_bias=None, teacher_bias=None) -> torch.Tensor:
     """``fused_linear_jsd`` with reduction="token_mean", without its checks."""
     flat_target = None if target is None else target.reshape(-1).contiguous()
-    if student_x.dtype == torch.float64:  # plain CPU path only (checked above): the unfused reference
+    if torch.float64 in (student_x.dtype, teacher_x.dtype):  # plain CPU path only (checked): the unfused reference
         return fused_linear_jsd_torch(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight,
-                                      flat_target, beta, temperature, ignore_index)
+                                      flat_target, beta, temperature, ignore_index, student_bias, teacher_bias)
     grad = torch.is_grad_enabled()
     need_dx = grad and student_x.requires_grad
     need_dw = grad and student_lm_head_weight.requires_grad
-    if torch.jit.is_tracing():  # a trace records these flags as constants: compute both (autograd drops extras)
+    need_db = grad and student_bias is not None and student_bias.requires_grad
+    if torch.jit.is_tracing():  # a trace records these flags as constants: compute all (autograd drops extras)
         need_dx = need_dw = True
+        need_db = student_bias is not None
     return _fused_linear_jsd_2d(_rows(student_x), student_lm_head_weight, _rows(teacher_x).detach(),
                                 teacher_lm_head_weight.detach(), flat_target, beta, temperature, ignore_index,
-                                need_dx, need_dw)[0]
+                                need_dx, need_dw, student_bias,
+                                None if teacher_bias is None else teacher_bias.detach(), need_db)[0]
 
 
 def fused_linear_kl_div(student_x: torch.Tensor, student_lm_head_weight: torch.Tensor, teacher_x: torch.Tensor,
                         teacher_lm_head_weight: torch.Tensor, target: torch.Tensor | None = None,
                         reverse: bool = False, temperature: float = 1.0, ignore_index: int = -100, *,
-                        reduction: str = "token_mean") -> torch.Tensor:
+                        reduction: str = "token_mean", student_bias: torch.Tensor | None = None,
+                        teacher_bias: torch.Tensor | None = None) -> torch.Tensor:
     """KL divergence between the teacher's and the student's next-token distributions from hidden states and LM
     heads, without the full logits: ``KL(P ‖ Q) = Σ_v P·(log P − log Q)`` (forward KL, the classic distillation
     loss of Hinton et al. 2015, ``F.kl_div(student_logp, teacher_logp, log_target=True)``), or with
     ``reverse=True`` ``KL(Q ‖ P)`` (reverse KL, MiniLLM, Gu et al. 2024). ``fused_linear_jsd`` with beta 0 or 1:
-    the same arguments (``reduction`` too), result, gradients and errors."""
+    the same arguments (``reduction``, the biases, mixed precision and autocast too), result, gradients and
+    errors."""
     if not isinstance(reverse, bool):
         raise TypeError(f"fused_linear_kl_div: reverse must be a bool, got {type(reverse).__name__} {reverse!r}")
     return fused_linear_jsd(student_x, student_lm_head_weight, teacher_x, teacher_lm_head_weight, target,
-                            1.0 if reverse else 0.0, temperature, ignore_index, reduction=reduction)
+                            1.0 if reverse else 0.0, temperature, ignore_index, reduction=reduction,
+                            student_bias=student_bias, teacher_bias=teacher_bias)
