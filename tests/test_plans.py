@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import liger_gen
+from liger_gen.ops.glu import glu as G
+from liger_gen.ops.lm_head import cross_entropy as CE
 from liger_gen.ops.norms import fused_add_rms_norm as FA
+from liger_gen.ops.norms import layer_norm as LN
 from liger_gen.ops.norms import rms_norm as N
 from liger_gen.ops import rope as R
 from liger_gen.reference import rope_torch
@@ -25,6 +28,11 @@ from conftest import seeded
 F = liger_gen.functional
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not ops.interpreter_enabled(),
                                 reason="plans serve the Triton path (CUDA, or the interpreter on the CPU)")
+
+
+def _plans(planned) -> dict:
+    """The plans an op's ``PlannedOp`` holds (not the keys it keeps as served by no plan)."""
+    return {k: p for k, p in planned.plans.items() if p is not plans.NO_PLAN}
 
 
 def _randn(*shape, key, dtype=torch.float32, device="cpu"):
@@ -43,15 +51,15 @@ def test_rms_norm_through_its_plan_equals_the_full_path(device, shape, dtype):
     x = _randn(*shape, key=("x", dtype), dtype=dtype, device=device)
     w = _randn(shape[-1], key=("w", dtype), dtype=dtype, device=device)
     full = lambda a, b: N.rms_norm_2d(a if a.dim() == 2 else a.contiguous(), b, 1e-6, 0.0, "llama")[0]  # noqa: E731
-    before = len(N._PLANS)
+    before = len(_plans(N.rms_norm_planned))
     for call in range(3):  # the first call builds the plan (and records), the others use it
         dy = _randn(*shape, key=("dy", dtype, call), dtype=dtype, device=device)
         got = _rms_grads(lambda a, b: F.rms_norm(a, b, 1e-6), x, w, dy)
         want = _rms_grads(full, x, w, dy)
         for g, r in zip(got, want):
             assert torch.equal(g, r)
-    assert len(N._PLANS) == before + 1
-    plan = next(p for p in N._PLANS.values() if p.shape == x.shape and p.x_dtype == dtype)
+    assert len(_plans(N.rms_norm_planned)) == before + 1
+    plan = next(p for p in _plans(N.rms_norm_planned).values() if p.shape == x.shape and p.x_dtype == dtype)
     if device.type == "cuda":  # the later calls replayed the recorded launches
         assert plan.fwd.replay is not None and any(lc.replay is not None for lc in plan.bwd.values())
     with torch.no_grad():
@@ -90,8 +98,8 @@ def test_fused_add_rms_norm_through_its_plan_equals_the_full_path(device, shape,
         want = grads(full, dy, ds)
         for g, ref in zip(got, want):
             assert g.dtype == ref.dtype and torch.equal(g, ref)
-    assert len(FA._PLANS) == 1
-    plan = next(iter(FA._PLANS.values()))
+    assert len(_plans(FA.fused_add_rms_norm_planned)) == 1
+    plan = next(iter(_plans(FA.fused_add_rms_norm_planned).values()))
     if device.type == "cuda":  # the later calls replayed the recorded launches
         assert plan.fwd.replay is not None and any(lc.replay is not None for lc in plan.bwd.values())
     with torch.no_grad():
@@ -105,9 +113,9 @@ def test_fused_add_rms_norm_plan_skips_non_contiguous_inputs_and_still_checks(de
     w = _randn(64, key=("w",), device=device)
     ops.clear_caches()
     y, s = F.fused_add_rms_norm(x, r, w)
-    assert len(FA._PLANS) == 0 and torch.equal(s, x + r)
+    assert len(_plans(FA.fused_add_rms_norm_planned)) == 0 and torch.equal(s, x + r)
     F.fused_add_rms_norm(x, r.contiguous(), w)
-    assert len(FA._PLANS) == 1
+    assert len(_plans(FA.fused_add_rms_norm_planned)) == 1
     with pytest.raises(ValueError, match="residual must have x's shape"):
         F.fused_add_rms_norm(x, r.contiguous()[:4], w)
     with pytest.raises(ValueError, match="weight must have shape"):
@@ -147,13 +155,13 @@ def test_clear_caches_forgets_plans_and_heuristic_only_gets_its_own(device):
     x = _randn(6, 48, key=("x",), device=device)
     w = _randn(48, key=("w",), device=device)
     F.rms_norm(x, w)
-    assert len(N._PLANS) >= 1
+    assert len(_plans(N.rms_norm_planned)) >= 1
     ops.clear_caches()
-    assert len(N._PLANS) == 0 and len(R._PLANS) == 0
+    assert len(N.rms_norm_planned.plans) == 0 and len(R.rope_planned.plans) == 0
     F.rms_norm(x, w)
     with heuristic_only():
         F.rms_norm(x, w)
-    assert sorted(key[-2] for key in N._PLANS) == [False, True]
+    assert sorted(key[-2] for key in _plans(N.rms_norm_planned)) == [False, True]
 
 
 def test_tensor_subclasses_take_the_full_path(device):
@@ -164,7 +172,7 @@ def test_tensor_subclasses_take_the_full_path(device):
     w = _randn(32, key=("w",), device=device)
     ops.clear_caches()
     y = F.rms_norm(x, w)
-    assert len(N._PLANS) == 0
+    assert len(N.rms_norm_planned.plans) == 0  # not even a verdict: a subclass is never keyed
     assert torch.equal(y.as_subclass(torch.Tensor), N.rms_norm_2d(x.as_subclass(torch.Tensor), w, 1e-6, 0.0,
                                                                   "llama")[0])
 
@@ -175,7 +183,7 @@ def test_the_plan_cache_is_bounded(device, monkeypatch):
     w = _randn(16, key=("w",), device=device)
     for rows in range(1, 8):
         F.rms_norm(_randn(rows, 16, key=("x", rows), device=device), w)
-        assert len(N._PLANS) <= 3
+        assert len(_plans(N.rms_norm_planned)) <= 3
 
 
 def _rope_inputs(device, layout, pos, dtype=torch.float32):
@@ -199,7 +207,7 @@ def _rope_inputs(device, layout, pos, dtype=torch.float32):
 @pytest.mark.parametrize("pos", [False, True])
 def test_rope_through_its_plan_equals_the_full_path(device, layout, pos):
     q, k, cos, sin, pid = _rope_inputs(device, layout, pos)
-    before = len(R._PLANS)
+    before = len(_plans(R.rope_planned))
     for call in range(3):
         gq = _randn(*q.shape, key=("gq", call), device=device)
         gk = _randn(*k.shape, key=("gk", call), device=device)
@@ -212,9 +220,9 @@ def test_rope_through_its_plan_equals_the_full_path(device, layout, pos):
         want = tuple(map(t, (*out2, *torch.autograd.grad(out2, (q2, k2), (t(gq), t(gk))))))
         for g, r in zip(got, want):
             assert torch.equal(g, r)
-    assert len(R._PLANS) == before + 1
+    assert len(_plans(R.rope_planned)) == before + 1
     if device.type == "cuda":
-        plan = list(R._PLANS.values())[-1]
+        plan = list(_plans(R.rope_planned).values())[-1]
         assert plan.fwd.replay is not None and any(lc.replay is not None for lc in plan.bwd.values())
 
 
@@ -223,7 +231,7 @@ def test_rope_with_trainable_tables_or_one_unused_output_keeps_exact_gradients(d
     cos_t, sin_t = cos.clone().requires_grad_(), sin.clone().requires_grad_()
     ops.clear_caches()
     qo, ko = F.rope(q, k, cos_t, sin_t)
-    assert len(R._PLANS) == 0  # cos/sin gradients need q and k saved: the full path
+    assert len(_plans(R.rope_planned)) == 0  # cos/sin gradients need q and k saved: the full path
     dc, ds = torch.autograd.grad((qo * 2).sum() + ko.sum(), (cos_t, sin_t))
     cos_d, sin_d = cos.double().requires_grad_(), sin.double().requires_grad_()
     qr, kr = rope_torch(q.double(), k.double(), cos_d, sin_d, None, 1)
@@ -260,4 +268,204 @@ def test_a_nan_eps_does_not_fill_the_plan_cache(device):
     w = _randn(16, key=("w",), device=device)
     for _ in range(3):
         assert torch.isnan(F.rms_norm(x, w, eps=float("nan"))).all()
-    assert len(N._PLANS) == 0
+    assert len(N.rms_norm_planned.plans) == 0
+
+
+# ------------------------------------------------------------------------------------------------ every planned op
+# The binding (``liger_gen.runtime.binding.PlannedOp``) gives each op the same plan path: ``prepare`` (the checks,
+# the kernel choice, the output layout) once per key, the plan after. Each case: (name, its PlannedOp, a call
+# ``f(variant)`` whose variants are the same call shape (0, 1), another dtype (2), other strides (3), another
+# option (4)).
+
+
+def _t(*shape, dtype=torch.float32, key=()):
+    return _randn(*shape, key=("planned", *key, shape, str(dtype)), dtype=dtype)
+
+
+def _target(rows, classes, variant):
+    t = torch.randint(0, classes, (rows,), generator=seeded("target", rows, variant))
+    t[0] = -100
+    return t
+
+
+def _call(name, v):
+    """The op ``name`` called with variant ``v``; returns its output (a tensor or a tuple)."""
+    dt = torch.bfloat16 if v == 2 else torch.float32
+    grad = dict(dtype=dt)
+    if name == "rms_norm":
+        x = _t(6, 32, **grad) if v != 3 else _t(32, 6, **grad).t()
+        return F.rms_norm(x.requires_grad_(), _t(32, **grad), 1e-5 if v == 4 else 1e-6)
+    if name == "fused_add_rms_norm":
+        x = _t(2, 3, 32, **grad) if v != 3 else _t(2, 32, 3, **grad).transpose(1, 2)
+        return F.fused_add_rms_norm(x.requires_grad_(), _t(2, 3, 32, **grad), _t(32, **grad),
+                                    offset=1.0 if v == 4 else 0.0)
+    if name == "rope":
+        q, k = _t(2, 6, 4, 16, **grad), _t(2, 6, 2, 16, **grad)
+        if v == 3:
+            q = _t(2, 4, 6, 16, **grad).transpose(1, 2)
+        cos, sin = _t(1, 6, 16, **grad), _t(1, 6, 16, **grad)
+        return F.rope(q.requires_grad_(), k, cos, sin, None, 2 if v != 4 else -2)
+    if name == "cross_entropy":
+        logits = _t(5, 40, **grad) if v != 3 else _t(5, 48, **grad)[:, :40]
+        return F.cross_entropy(logits.requires_grad_(), _target(5, 40, v), reduction="sum" if v == 4 else "mean")
+    if name in ("swiglu", "geglu"):
+        gate = _t(2, 3, 24, **grad) if v != 3 else _t(2, 24, 3, **grad).transpose(1, 2)
+        up = _t(2, 3, 24, **grad)
+        if name == "swiglu":
+            return F.swiglu(gate.requires_grad_(), up) if v != 4 else F.geglu(gate.requires_grad_(), up)
+        return F.geglu(gate.requires_grad_(), up, "none" if v == 4 else "tanh")
+    if name in ("swiglu_gate_up", "geglu_gate_up"):
+        gate_up = _t(2, 3, 48, **grad) if v != 3 else _t(2, 3, 64, **grad)[..., :48]
+        if name == "swiglu_gate_up":
+            return F.swiglu_gate_up(gate_up.requires_grad_()) if v != 4 else F.geglu_gate_up(gate_up.requires_grad_())
+        return F.geglu_gate_up(gate_up.requires_grad_(), "none" if v == 4 else "tanh")
+    if name == "layer_norm":
+        x = _t(3, 5, 32, **grad) if v != 3 else _t(3, 32, 5, **grad).transpose(1, 2)
+        return F.layer_norm(x.requires_grad_(), _t(32, **grad), None if v == 4 else _t(32, **grad))
+    raise AssertionError(name)
+
+
+PLANNED = {"rms_norm": N.rms_norm_planned, "fused_add_rms_norm": FA.fused_add_rms_norm_planned,
+           "rope": R.rope_planned, "cross_entropy": CE.cross_entropy_planned, "swiglu": G.glu_planned,
+           "geglu": G.glu_planned, "swiglu_gate_up": G.glu_gate_up_planned, "geglu_gate_up": G.glu_gate_up_planned,
+           "layer_norm": LN.layer_norm_planned}
+
+
+def _counting(monkeypatch, planned) -> list:
+    calls: list = []
+    prepare = planned.prepare
+
+    def counted(*args):
+        calls.append(args)
+        return prepare(*args)
+
+    monkeypatch.setattr(planned, "prepare", counted)
+    return calls
+
+
+def _outputs(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_a_second_call_of_a_call_shape_skips_the_checks_and_equals_the_first(device, monkeypatch, name):
+    """Same shape, strides, dtypes and options: one ``prepare`` (the checks), then the plan, with the same
+    outputs and gradients as the first call (which ran through the plan it had just built)."""
+    if device.type != "cpu":
+        pytest.skip("the call factory makes CPU tensors")
+    ops.clear_caches()
+    calls = _counting(monkeypatch, PLANNED[name])
+    results = []
+    for _ in range(3):
+        out = _outputs(_call(name, 0))
+        leaf = [t for t in out if t.requires_grad]
+        grads = torch.autograd.grad(leaf, _leaves(out), [torch.ones_like(t) for t in leaf], allow_unused=True)
+        results.append((out, grads))
+    assert len(calls) == 1
+    assert len(_plans(PLANNED[name])) == 1
+    for out, grads in results[1:]:
+        for a, b in zip(out + grads, results[0][0] + results[0][1]):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _leaves(out) -> list:
+    """The leaf tensors that require grad behind ``out`` (the one input each call makes differentiable)."""
+    seen, todo, leaves = set(), [t.grad_fn for t in out if t.grad_fn is not None], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        todo.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_another_dtype_stride_or_option_prepares_again(device, monkeypatch, name):
+    """Each of another dtype, other strides and another option is another key: its checks run (a prepare each),
+    and calling it again does not."""
+    if device.type != "cpu":
+        pytest.skip("the call factory makes CPU tensors")
+    ops.clear_caches()
+    calls = _counting(monkeypatch, PLANNED[name])
+    for v in (0, 2, 3, 4):
+        _call(name, v)
+    assert len(calls) == 4
+    for v in (0, 2, 3, 4):
+        _call(name, v)
+    assert len(calls) == 4
+
+
+def test_bad_calls_after_good_ones_still_raise(device):
+    """A plan never lets a call through that the checks would refuse: a wrong shape, dtype or option is another
+    key, whose checks raise the op's own error; values (cross-entropy's targets) are checked on every call."""
+    if device.type != "cpu":
+        pytest.skip("CPU tensors")
+    ops.clear_caches()
+    for _ in range(2):
+        for name in PLANNED:
+            _call(name, 0)
+    x, w = _t(6, 32), _t(32)
+    with pytest.raises(ValueError, match=r"weight must have shape \(32,\)"):
+        F.layer_norm(x.view(2, 3, 32), w[:16])
+    with pytest.raises(TypeError, match="weight and bias must have x's dtype"):
+        F.layer_norm(_t(3, 5, 32), _t(32).double(), _t(32))
+    with pytest.raises(ValueError, match="gate and up must have the same shape"):
+        F.swiglu(_t(2, 3, 24), _t(2, 3, 12))
+    with pytest.raises(TypeError, match="gate and up must have the same dtype"):
+        F.swiglu(_t(2, 3, 24), _t(2, 3, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="last dim must be even"):
+        F.swiglu_gate_up(_t(2, 3, 47))
+    with pytest.raises(ValueError, match="approximate must be one of"):
+        F.geglu(_t(2, 3, 24), _t(2, 3, 24), "erf")
+    logits = _t(5, 40).requires_grad_()
+    with pytest.raises(ValueError, match="target must have logits' leading shape"):
+        F.cross_entropy(logits, _target(4, 40, 0))
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        F.cross_entropy(logits, _target(5, 40, 0), ignore_index=-100.0)
+    with pytest.raises(TypeError, match="return_z_loss must be a bool"):
+        F.cross_entropy(logits, _target(5, 40, 0), return_z_loss=1)
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        F.cross_entropy(logits, _target(5, 40, 0), label_smoothing=2.0)
+    bad = _target(5, 40, 0)
+    bad[3] = 40
+    for _ in range(2):  # a value: checked by every call, the plan's launches included
+        with pytest.raises(ValueError, match=r"class indices outside \[0, 40\)"):
+            F.cross_entropy(logits, bad)
+    weight = _t(40).abs().requires_grad_()
+    F.cross_entropy(logits, _target(5, 40, 0), weight.detach())
+    with pytest.raises(ValueError, match="not differentiable in weight"):
+        F.cross_entropy(logits, _target(5, 40, 0), weight)
+    with pytest.raises(ValueError, match="k must match q's batch"):
+        F.rope(_t(2, 6, 4, 16), _t(2, 5, 2, 16), _t(1, 6, 16), _t(1, 6, 16), None, 2)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        F.fused_add_rms_norm(_t(2, 3, 32), _t(2, 2, 32), _t(32))
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_planned_calls_without_autograd_equal_the_recorded_ones(device, name):
+    """no_grad and inference_mode take the plan's forward alone (no autograd node): the same outputs."""
+    if device.type != "cpu":
+        pytest.skip("CPU tensors")
+    ops.clear_caches()
+    want = [t.detach() for t in _outputs(_call(name, 0))]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = _outputs(_call(name, 0))
+        assert all(g.grad_fn is None for g in got)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    # cross-entropy keys whether a gradient is wanted (its forward may write it): a plan for each
+    assert len(_plans(PLANNED[name])) == (2 if name == "cross_entropy" else 1)
+
+
+def test_clear_caches_forgets_every_ops_plans(device):
+    if device.type != "cpu":
+        pytest.skip("CPU tensors")
+    for name in PLANNED:
+        _call(name, 0)
+    assert all(len(p.plans) for p in PLANNED.values())
+    ops.clear_caches()
+    assert not any(len(p.plans) for p in PLANNED.values())

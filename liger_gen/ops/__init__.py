@@ -1,7 +1,7 @@
 """The op set, by family: one module per op, each holding everything about it end to end.
 
     norms/        row_norm (shared) · rms_norm · fused_add_rms_norm · layer_norm
-    glu/          activations (shared) · glu (swiglu, geglu) · clamped_swiglu · moe (moe_permute)
+    glu/          activations (shared) · glu (swiglu, geglu; + glu_space) · clamped_swiglu · moe (moe_permute)
     lm_head/      chunks (shared) · cross_entropy (+ cross_entropy_space, cross_entropy_rows)
                   · fused_linear_cross_entropy (+ fused_linear_cross_entropy_plan) · selective_log_softmax
                   · fused_linear_jsd (distillation) · post_training (preference and RL losses)

@@ -23,10 +23,9 @@ from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, randn, referenc
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2, warps_for
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime import plans
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe,
-                                   interpreter_enabled, kernel_module, no_double_backward, uses_triton)
-from liger_gen.runtime.tables import heuristic_only_enabled
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
+from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, check_tensor, describe, kernel_module,
+                                   uses_triton)
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -438,19 +437,29 @@ k, cos and sin."""
 # ------------------------------------------------------------------------------------------------ eager plan
 
 
-class _Plan:
+class _Plan(plans.Plan):
     """One validated call shape of ``rope`` on the Triton path, in the kernels' (batch, heads, seq, head_dim)
-    order: the kernel module, the output dtype and the recorded launches (``liger_gen.runtime.plans``) of the
-    launch functions ``_fwd_impl`` and ``_bwd_impl`` call."""
+    order: the kernel module, the output dtype and the launches ``_fwd_impl`` and ``_bwd_impl`` make, recorded
+    (``liger_gen.runtime.plans``). ``transposed``: the public q, k are (batch, seq, heads, head_dim)."""
 
-    __slots__ = ("q_dtype", "out_dtype", "module", "fwd", "bwd")
+    __slots__ = ("q_dtype", "out_dtype", "module", "transposed")
+    BACKWARD = rope_bwd
+    GRAD_INPUTS = (0, 1)
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool):
+        super().__init__(q.device)
         self.q_dtype = q.dtype
         self.out_dtype = rope_out_dtype(q.dtype, cos.dtype, sin.dtype)
         self.module = kernel_module(RoPESpace, q, _dims(q, k, cos), q.shape[0] * q.shape[2])[0]
-        self.fwd = plans.Launches(record=q.is_cuda)
-        self.bwd: dict[tuple, plans.Launches] = {}  # per layout of the incoming gradients
+        self.transposed = transposed
+
+    def inputs(self, q, k, cos, sin, position_ids, unsqueeze_dim, half_tables):
+        if self.transposed:
+            return q.transpose(1, 2), k.transpose(1, 2), cos, sin, position_ids
+        return q, k, cos, sin, position_ids
+
+    def needs_grad(self, inputs) -> bool:
+        return inputs[0].requires_grad or inputs[1].requires_grad
 
     def forward(self, q, k, cos, sin, position_ids):
         q_out = torch.empty_like(q, dtype=self.out_dtype)
@@ -459,64 +468,134 @@ class _Plan:
                  q_out, k_out)
         return q_out, k_out
 
-    def backward(self, dq_out, dk_out, cos, sin, position_ids):
+    def backward(self, dq_out, dk_out, cos, sin, position_ids, q_dtype):
         if dq_out.stride(-1) != 1 or dk_out.stride(-1) != 1:
             return _bwd_impl(dq_out, dk_out, cos, sin, position_ids, self.q_dtype)
         key = (dq_out.shape, dq_out.stride(), dq_out.dtype, dk_out.shape, dk_out.stride(), dk_out.dtype)
-        launches = plans.launches_for(self.bwd, key, dq_out.is_cuda)
+        launches = self.launches_for(key)
         dq = torch.empty_like(dq_out, dtype=self.q_dtype)
         dk = torch.empty_like(dk_out, dtype=self.q_dtype)
         launches((dq_out, dk_out, cos, sin, position_ids, dq, dk), self.module.backward, dq_out, dk_out, cos, sin,
                  position_ids, dq, dk)
         return dq, dk
 
-
-class _Planned(torch.autograd.Function):
-    """``rope`` through a plan: (q_out, k_out) of (batch, heads, seq, head_dim)-indexed q and k, differentiable
-    in q and k (cos and sin, which do not require grad here, get none)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, plan):
-        q_out, k_out = plan.forward(q, k, cos, sin, position_ids)
-        ctx.set_materialize_grads(False)
-        saved(ctx, cos, sin, position_ids)
-        ctx.plan = plan
-        ctx.out_meta = (q_out.shape, k_out.shape)
+    def result(self, outputs, *args):
+        q_out, k_out = outputs
+        if self.transposed:
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
         return q_out, k_out
 
-    @staticmethod
-    def backward(ctx, dq_out, dk_out):
-        no_double_backward("rope", "liger_gen.reference.rope_torch")
-        cos, sin, position_ids = ctx.saved_tensors
-        if dq_out is None and dk_out is None:
-            return None, None, None, None, None, None
-        if dq_out is None:  # an output autograd did not materialise: its grad is zero
-            dq_out = torch.zeros(ctx.out_meta[0], dtype=ctx.plan.out_dtype, device=cos.device)
-        if dk_out is None:
-            dk_out = torch.zeros(ctx.out_meta[1], dtype=ctx.plan.out_dtype, device=cos.device)
-        dq, dk = ctx.plan.backward(dq_out, dk_out, cos, sin, position_ids)
-        return (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None), None, None, \
-            None, None
+
+def _key(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables):
+    plain = plans.PLAIN
+    if half_tables is not False or type(unsqueeze_dim) is not int or type(q) not in plain or type(k) not in plain \
+            or type(cos) not in plain or type(sin) not in plain or not (
+                position_ids is None or type(position_ids) is torch.Tensor):
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, cos.shape, cos.stride(),
+            cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype, sin.device, plans.meta_or_none(position_ids),
+            unsqueeze_dim, cos.requires_grad or sin.requires_grad)
 
 
-_PLANS = plans.new_cache()
+def _checked(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables):
+    """``rope``'s checks: (cos, sin) as the op takes them (widened for ``half_tables``), unsqueeze_dim as 1 or 2,
+    and whether the kernels take the call (else the plain-PyTorch path)."""
+    op = "rope"
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_tensor(op, name, t)
+    if not isinstance(half_tables, bool):
+        raise TypeError(f"{op}: half_tables must be a bool, got {type(half_tables).__name__}")
+    if half_tables and cos.dim() and sin.dim():
+        if cos.shape != sin.shape:
+            raise ValueError(f"{op}: cos and sin must have the same shape; got {describe('cos', cos)} and "
+                             f"{describe('sin', sin)}")
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    if position_ids is not None:
+        check_tensor(op, "position_ids", position_ids)
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
+        raise ValueError(f"{op}: unsqueeze_dim must be 1 (q, k as (batch, heads, seq, head_dim)) or 2 ((batch, "
+                         f"seq, heads, head_dim)), or -3 / -2; got {unsqueeze_dim!r}")
+    unsqueeze_dim = unsqueeze_dim % 4
+    seq_dim = 2 if unsqueeze_dim == 1 else 1
+    layout = "(batch, heads, seq, head_dim)" if unsqueeze_dim == 1 else "(batch, seq, heads, head_dim)"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}; "
+                             f"got {describe(name, t)}")
+    batch, seq, head_dim = q.shape[0], q.shape[seq_dim], q.shape[-1]
+    if k.shape[0] != batch or k.shape[seq_dim] != seq or k.shape[-1] != head_dim:
+        raise ValueError(f"{op}: k must match q's batch, seq and head_dim in {layout}; got {describe('q', q)} "
+                         f"and {describe('k', k)}")
+    for a, b, ta, tb in (("q", "k", q, k), ("cos", "sin", cos, sin)):
+        for name, t in ((a, ta), (b, tb)):
+            if not t.is_floating_point():
+                raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+        if ta.dtype != tb.dtype:
+            raise TypeError(f"{op}: {a} and {b} must have the same dtype; got {describe(a, ta)} and {describe(b, tb)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{op}: cos and sin must have the same shape; got {describe('cos', cos)} and "
+                         f"{describe('sin', sin)}")
+    rotary_dim = cos.shape[-1] if cos.dim() else 0
+    if position_ids is None:
+        if cos.dim() != 3 or cos.shape[1] != seq or cos.shape[0] not in (1, batch):
+            raise ValueError(f"{op}: without position_ids, cos and sin must be (batch or 1, seq, rotary_dim) = "
+                             f"({batch} or 1, {seq}, rotary_dim) for {describe('q', q)} with unsqueeze_dim="
+                             f"{unsqueeze_dim}; got {describe('cos', cos)}")
+    else:
+        if position_ids.dtype not in POSITION_DTYPES:
+            raise TypeError(f"{op}: position_ids must be int32 or int64; got {describe('position_ids', position_ids)}")
+        if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
+            raise ValueError(f"{op}: position_ids must be (batch or 1, seq) = ({batch} or 1, {seq}) for "
+                             f"{describe('q', q)}; got {describe('position_ids', position_ids)}")
+        if cos.dim() != 2:
+            raise ValueError(f"{op}: with position_ids, cos and sin must be (max_position, rotary_dim) tables; "
+                             f"got {describe('cos', cos)}")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"{op}: rotary_dim = cos.shape[-1] must be even, >= 2 and <= head_dim={head_dim}; got "
+                         f"{describe('cos', cos)} for {describe('q', q)}")
+    check_same_device(op, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    if not uses_triton(q):
+        return cos, sin, unsqueeze_dim, False
+    check_kernel_dtypes(op, q=q, cos=cos)
+    if head_dim > RoPESpace.MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head_dim {head_dim} exceeds the kernel's limit {RoPESpace.MAX_HEAD_DIM}; "
+                         f"got {describe('q', q)}")
+    return cos, sin, unsqueeze_dim, True
 
 
-def _run_plan(plan: _Plan, q, k, cos, sin, position_ids, transposed: bool):
-    """``rope``'s result through ``plan``; ``transposed``: q, k are (batch, seq, heads, head_dim)."""
+def _prepare(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables) -> _Plan | None:
+    cos, sin, unsqueeze_dim, kernel = _checked(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables)
+    if not kernel or cos.requires_grad or sin.requires_grad or not q.numel() or not k.numel() or \
+            not q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1:
+        return None  # the full path (the plain-PyTorch path, table gradients, nothing to launch, or copies)
+    transposed = unsqueeze_dim == 2
     if transposed:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        q_out, k_out = _Planned.apply(q, k, cos, sin, position_ids, plan)
-    else:
-        q_out, k_out = plan.forward(q, k, cos, sin, position_ids)
-    if transposed:
-        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    return _Plan(q, k, cos, sin, transposed)
+
+
+def _full(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables):
+    cos, sin, unsqueeze_dim, kernel = _checked(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables)
+    if not kernel:
+        return rope_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
+    if unsqueeze_dim == 2:  # (batch, seq, heads, d) → (batch, heads, seq, d) views: the kernel reads strides
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    q_out, k_out = rope_4d(q, k, cos, sin, position_ids)
+    if unsqueeze_dim == 2:
+        q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
     return q_out, k_out
 
 
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+rope_planned = PlannedOp(rope_4d, key=_key, prepare=_prepare, full=_full)
+"""``rope`` through per-call-shape plans (``liger_gen.runtime.binding.PlannedOp``)."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -578,91 +657,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     range after wrapping negatives reads cos = sin = 0 (its rows of q_out/k_out are zero in the rotated dims);
     the kernel never reads outside the table. The plain-PyTorch path raises IndexError, as indexing does.
     """
-    if half_tables is False and type(unsqueeze_dim) is int and plans.eager(q, k, cos, sin) and (
-            position_ids is None or type(position_ids) is torch.Tensor):  # a validated call shape
-        key = (_meta(q), _meta(k), _meta(cos), _meta(sin), _meta(position_ids), unsqueeze_dim,
-               cos.requires_grad or sin.requires_grad, heuristic_only_enabled(), interpreter_enabled())
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return _run_plan(plan, q, k, cos, sin, position_ids, unsqueeze_dim % 4 == 2)
-    else:
-        key = None
-    op = "rope"
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        check_tensor(op, name, t)
-    if not isinstance(half_tables, bool):
-        raise TypeError(f"{op}: half_tables must be a bool, got {type(half_tables).__name__}")
-    if half_tables and cos.dim() and sin.dim():
-        if cos.shape != sin.shape:
-            raise ValueError(f"{op}: cos and sin must have the same shape; got {describe('cos', cos)} and "
-                             f"{describe('sin', sin)}")
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    if position_ids is not None:
-        check_tensor(op, "position_ids", position_ids)
-    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
-        raise ValueError(f"{op}: unsqueeze_dim must be 1 (q, k as (batch, heads, seq, head_dim)) or 2 ((batch, "
-                         f"seq, heads, head_dim)), or -3 / -2; got {unsqueeze_dim!r}")
-    unsqueeze_dim = unsqueeze_dim % 4
-    seq_dim = 2 if unsqueeze_dim == 1 else 1
-    layout = "(batch, heads, seq, head_dim)" if unsqueeze_dim == 1 else "(batch, seq, heads, head_dim)"
-    for name, t in (("q", q), ("k", k)):
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}; "
-                             f"got {describe(name, t)}")
-    batch, seq, head_dim = q.shape[0], q.shape[seq_dim], q.shape[-1]
-    if k.shape[0] != batch or k.shape[seq_dim] != seq or k.shape[-1] != head_dim:
-        raise ValueError(f"{op}: k must match q's batch, seq and head_dim in {layout}; got {describe('q', q)} "
-                         f"and {describe('k', k)}")
-    for a, b, ta, tb in (("q", "k", q, k), ("cos", "sin", cos, sin)):
-        for name, t in ((a, ta), (b, tb)):
-            if not t.is_floating_point():
-                raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
-        if ta.dtype != tb.dtype:
-            raise TypeError(f"{op}: {a} and {b} must have the same dtype; got {describe(a, ta)} and {describe(b, tb)}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"{op}: cos and sin must have the same shape; got {describe('cos', cos)} and "
-                         f"{describe('sin', sin)}")
-    rotary_dim = cos.shape[-1] if cos.dim() else 0
-    if position_ids is None:
-        if cos.dim() != 3 or cos.shape[1] != seq or cos.shape[0] not in (1, batch):
-            raise ValueError(f"{op}: without position_ids, cos and sin must be (batch or 1, seq, rotary_dim) = "
-                             f"({batch} or 1, {seq}, rotary_dim) for {describe('q', q)} with unsqueeze_dim="
-                             f"{unsqueeze_dim}; got {describe('cos', cos)}")
-    else:
-        if position_ids.dtype not in POSITION_DTYPES:
-            raise TypeError(f"{op}: position_ids must be int32 or int64; got {describe('position_ids', position_ids)}")
-        if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
-            raise ValueError(f"{op}: position_ids must be (batch or 1, seq) = ({batch} or 1, {seq}) for "
-                             f"{describe('q', q)}; got {describe('position_ids', position_ids)}")
-        if cos.dim() != 2:
-            raise ValueError(f"{op}: with position_ids, cos and sin must be (max_position, rotary_dim) tables; "
-                             f"got {describe('cos', cos)}")
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"{op}: rotary_dim = cos.shape[-1] must be even, >= 2 and <= head_dim={head_dim}; got "
-                         f"{describe('cos', cos)} for {describe('q', q)}")
-    check_same_device(op, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
-    if not uses_triton(q):
-        return rope_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
-    check_kernel_dtypes(op, q=q, cos=cos)
-    if head_dim > RoPESpace.MAX_HEAD_DIM:
-        raise ValueError(f"{op}: head_dim {head_dim} exceeds the kernel's limit {RoPESpace.MAX_HEAD_DIM}; "
-                         f"got {describe('q', q)}")
-    if key is not None and not key[6] and q.numel() and k.numel() and q.stride(-1) == k.stride(-1) == \
-            cos.stride(-1) == sin.stride(-1) == 1:  # the same call shape skips the checks above from now on
-        plan = plans.remember(_PLANS, key, _Plan(*((q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 2
-                                                  else (q, k)), cos, sin))
-        return _run_plan(plan, q, k, cos, sin, position_ids, unsqueeze_dim == 2)
-    if unsqueeze_dim == 2:  # (batch, seq, heads, d) → (batch, heads, seq, d) views: the kernel reads strides
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if cos.stride(-1) != 1:
-        cos = cos.contiguous()
-    if sin.stride(-1) != 1:
-        sin = sin.contiguous()
-    q_out, k_out = rope_4d(q, k, cos, sin, position_ids)
-    if unsqueeze_dim == 2:
-        q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
-    return q_out, k_out
+    return rope_planned(q, k, cos, sin, position_ids, unsqueeze_dim, half_tables)

@@ -25,6 +25,15 @@ Function with ``setup_context`` (the same ``save``), whose forward functorch run
 dispatcher unwraps, and whose ``vmap`` rule runs the op once per batch element (``Kernel``\\s register the same
 rule, for backward kernels that jacrev vmaps). Forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) and a
 second derivative (``grad`` of ``grad``) raise a RuntimeError naming the op and its plain reference.
+
+An op's public function is a ``PlannedOp``: the one eager path with per-call-shape plans
+(``liger_gen.runtime.plans``). The op supplies its ``key`` (the call's tensors' shapes, strides, dtypes and
+devices and its scalar options; the binding adds ``heuristic_only_enabled()`` and ``interpreter_enabled()``), a
+``prepare`` that runs its checks once per key and returns a ``plans.Plan`` (kernel choice, output layout,
+recordable launches), and its ``full`` path (the checks and the ``Differentiable``, for every call no plan
+serves). A planned call runs the ``Differentiable``'s third Function, ``_Planned``: the same ``save`` and
+``backward``, with the plan's launches in place of the custom ops' impls (``Kernel.run`` hands the backward
+kernel's call to ``ctx.plan``).
 """
 
 from __future__ import annotations
@@ -33,7 +42,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from liger_gen.runtime.ops import describe, no_double_backward, transforms_active, use_custom_op
+from torch.autograd import forward_ad
+
+from liger_gen.runtime import plans
+from liger_gen.runtime.ops import (describe, interpreter_enabled, no_double_backward, transforms_active,
+                                   use_custom_op)
+from liger_gen.runtime.tables import heuristic_only_enabled
 
 
 class Kernel:
@@ -53,8 +67,14 @@ class Kernel:
             self.op.register_vmap(lambda info, in_dims, *args: per_element(name, self.op, info, in_dims, args))
 
     def run(self, ctx, *args: Any) -> Any:
-        """Call from a ``Differentiable``'s backward: ``impl`` under the eager Function, the op otherwise."""
-        return self.impl(*args) if ctx.eager else self.op(*args)
+        """Call from a ``Differentiable``'s backward: ``impl`` under the eager Function (the plan's ``backward``
+        under a planned call, when this is the plan's ``BACKWARD`` kernel), the op otherwise."""
+        if not ctx.eager:
+            return self.op(*args)
+        plan = ctx.plan
+        if plan is not None and plan.BACKWARD is self:
+            return plan.backward(*args)
+        return self.impl(*args)
 
 
 class Differentiable:
@@ -99,6 +119,7 @@ class Differentiable:
             output = impl(*args)
             ctx.set_materialize_grads(False)
             ctx.eager = True
+            ctx.plan = None
             save(ctx, args, output)
             return output if kept == n_out else output[:kept]
 
@@ -106,10 +127,32 @@ class Differentiable:
             no_double_backward(op_name, reference)
             return backward(ctx, *grads, *padding)
 
+        def planned_forward(ctx, *tensors_and_plan):
+            # the op's leading tensor arguments, then the plan (its ``tail``: the rest, fixed per plan), so that
+            # ``needs_input_grad`` and the gradients keep their positions (autograd drops the gradients past the
+            # plan's, all None: those of the tail)
+            tensors, plan = tensors_and_plan[:-1], tensors_and_plan[-1]
+            output = plan.forward(*tensors)
+            ctx.set_materialize_grads(False)
+            ctx.eager = True
+            ctx.plan = plan
+            save(ctx, tensors + plan.tail, output)
+            return output if kept == n_out else output[:kept]
+
+        def planned_backward(ctx, *grads):
+            no_double_backward(op_name, reference)
+            return *backward(ctx, *grads, *padding), None  # the plan's, where it has no tail
+
         self.function = type(f"{type(self).__name__}_{op_name}", (torch.autograd.Function,), {
             "forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward),
             "__doc__": f"Eager binding of {forward.name} (same save/backward as its registered autograd).",
         })
+        # a planned call (``PlannedOp``): the same save and backward, the plan's launches for the kernels
+        self.planned = type("_Planned", (torch.autograd.Function,), {
+            "forward": staticmethod(planned_forward), "backward": staticmethod(planned_backward),
+            "__doc__": f"Eager binding of {forward.name} through a per-call-shape plan (same save/backward).",
+        })
+        self.kept = None if kept == n_out else kept  # leading outputs the eager Functions return
         self._op = forward.op
         self._apply = self.function.apply
         self._name = op_name
@@ -126,6 +169,49 @@ class Differentiable:
         except Exception as exc:  # costs nothing until something fails: then say so if a DTensor was the cause
             refuse_dtensors(self._name, args, exc)
             raise
+
+
+class PlannedOp:
+    """An op's public path: per-call-shape plans in eager mode, the op's full path for every other call.
+
+    ``key(*args)`` → a hashable tuple of what makes a call valid and its kernels' launches the same (the tensors'
+    ``plans.meta``, the scalar options), or None / ``plans.Unplanned`` for a call no plan may serve.
+    ``prepare(*args)`` → the op's checks (raising the op's errors), then a ``plans.Plan`` for the call shape, or
+    None where the op's full path must run (the plain-PyTorch path, an empty tensor, a layout that needs a copy);
+    called once per key (the verdict is kept too). ``full(*args)`` → the op's result through its checks and its
+    ``Differentiable`` (torch.compile, torch.func transforms, forward-mode AD, tensor subclasses, unkeyed calls).
+
+    ``plans`` is the op's plan cache (emptied by ``liger_gen.runtime.ops.clear_caches``). A call of a known key
+    skips the checks: with grad mode on and an input that requires grad it runs ``differentiable``'s
+    ``_planned`` Function (the same save and backward), else the plan's forward alone.
+    """
+
+    def __init__(self, differentiable: Differentiable, *, key: Callable[..., tuple | None],
+                 prepare: Callable[..., plans.Plan | None], full: Callable[..., Any]):
+        self.differentiable = differentiable
+        self.key, self.prepare, self.full = key, prepare, full
+        self.plans = plans.new_cache()
+        self._apply = differentiable.planned.apply
+        self._kept = differentiable.kept
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            key = self.key(*args)
+        except plans.Unplanned:
+            key = None
+        if key is None or use_custom_op() or transforms_active() or forward_ad._current_level >= 0:
+            return self.full(*args)
+        key = (key, heuristic_only_enabled(), interpreter_enabled())
+        plan = self.plans.get(key)
+        if plan is None:  # the first call of this key: the op's checks, then its plan (or the verdict: none)
+            plan = plans.remember(self.plans, key, self.prepare(*args) or plans.NO_PLAN)
+        if plan is plans.NO_PLAN:
+            return self.full(*args)
+        tensors = plan.inputs(*args)
+        if torch.is_grad_enabled() and plan.needs_grad(tensors):
+            return plan.result(self._apply(*tensors, plan), *args)
+        outputs = plan.forward(*tensors)
+        return plan.result(outputs if self._kept is None else outputs[:self._kept], *args)
 
 
 def per_element(op: str, fn: Callable, info: Any, in_dims: tuple, args: tuple) -> tuple[Any, Any]:

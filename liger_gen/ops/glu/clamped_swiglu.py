@@ -24,7 +24,8 @@ import torch
 
 from liger_gen.codegen.problems import Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.glu.glu import GLUConfig, GLUProblem, GLUSpace, as_rows, check_gate_up_input, check_glu_inputs
+from liger_gen.ops.glu.glu import GLUProblem, as_rows, check_gate_up_input, check_glu_inputs
+from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import check_float_arg, kernel_module, uses_triton
 

@@ -19,114 +19,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module  # the global hook registries
 
 from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
-from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, act_torch, geglu_torch, gelu_activation, glu_float64,
-                                           glu_gate_up_torch, glu_torch, swiglu_torch)
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, act_torch, gelu_activation, glu_float64,
+                                           glu_gate_up_torch, glu_torch)
+from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace
+from liger_gen.runtime import plans
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    no_double_backward, transforms_active, use_custom_op, uses_triton)
-
-# ------------------------------------------------------------------------------------------------ space
-
-
-@dataclass(frozen=True)
-class GLUConfig(KernelConfig):
-    """Launch settings of one GLU variant (``templates/glu.py.jinja``), forward and backward separately.
-
-    Each program covers TILES row tiles of BLOCK_M x BLOCK_N elements, walked in a loop (so num_stages can
-    pipeline the next tile's loads); a row of n_cols is split over ceil(n_cols / BLOCK_N) programs, so any
-    width works. The kernels are pure streaming (no reductions): the knobs trade bytes in flight per SM
-    against the tail of partial tiles. The heuristic is analytic (no GPU measurements yet). Compiled for sm_90
-    with Triton 3.9, the loads vectorise to 16-byte accesses (when pointers and row strides are multiples of
-    16 bytes) and the TILES loop gets no cp.async pipelining, so num_stages may well time flat.
-    """
-
-    BLOCK_N_FWD: int
-    BLOCK_M_FWD: int = 1
-    TILES_FWD: int = 1
-    num_warps_fwd: int = 4
-    num_stages_fwd: int = 1
-    BLOCK_N_BWD: int = 1024
-    BLOCK_M_BWD: int = 1
-    TILES_BWD: int = 1
-    num_warps_bwd: int = 4
-    num_stages_bwd: int = 1
-
-
-class GLUSpace(Space):
-    """Search space, constraints and heuristic of SwiGLU for one width (dims ``{"n_cols": intermediate}``) and
-    dtype. GeGLU's space is the same with ``op = "geglu"``."""
-
-    op = "swiglu"
-    template = "glu"
-    config_cls = GLUConfig
-    DIMS = ("n_cols",)
-    MIN_BLOCK_N = 16
-    TILE_TARGET = 2048  # elements per tile of the heuristic: 16 per thread at 4 warps (two 16-byte bf16 vectors)
-    # fp32 values one thread may hold per tile before the compiler spills: ~3 live per element forward (gate,
-    # up, a), ~5 backward (dy, gate, up, s, products) — estimates, not measurements
-    MAX_ELEMS_PER_THREAD_FWD = 64
-    MAX_ELEMS_PER_THREAD_BWD = 32
-    _BLOCK_N = tuple(2 ** k for k in range(4, 14))  # 16 .. 8192
-
-    PARAMS = (
-        Param("BLOCK_N_FWD", _BLOCK_N, "fwd"),
-        Param("BLOCK_M_FWD", (1, 2, 4, 8, 16), "fwd"),
-        Param("TILES_FWD", (1, 2, 4, 8), "fwd"),
-        Param("num_warps_fwd", (1, 2, 4, 8, 16), "fwd"),
-        Param("num_stages_fwd", (1, 2, 3), "fwd"),
-        Param("BLOCK_N_BWD", _BLOCK_N, "bwd"),
-        Param("BLOCK_M_BWD", (1, 2, 4, 8, 16), "bwd"),
-        Param("TILES_BWD", (1, 2, 4, 8), "bwd"),
-        Param("num_warps_bwd", (1, 2, 4, 8, 16), "bwd"),
-        Param("num_stages_bwd", (1, 2, 3), "bwd"),
-    )
-
-    def check_dims(self) -> None:
-        self.n_cols = self.dims["n_cols"]
-        # widest useful column block: a block past the padded row only adds masked-off lanes
-        self.max_block_n = max(self.MIN_BLOCK_N, next_power_of_2(self.n_cols))
-
-    def heuristic(self) -> GLUConfig:
-        """Analytic default, valid for every n_cols >= 1: tiles of ~2K elements, up to 1024 columns wide, 4 warps."""
-        block_n = min(self.max_block_n, 1024)
-        block_m = max(1, min(16, self.TILE_TARGET // block_n))
-        warps = self.fit_warps(4, block_m * block_n)
-        config = GLUConfig(
-            BLOCK_N_FWD=block_n, BLOCK_M_FWD=block_m, TILES_FWD=1, num_warps_fwd=warps, num_stages_fwd=1,
-            BLOCK_N_BWD=block_n, BLOCK_M_BWD=block_m, TILES_BWD=1, num_warps_bwd=warps, num_stages_bwd=1,
-        )
-        problems = self.violations(config)
-        assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
-        return config
-
-    def shape_violations(self, config: GLUConfig) -> list[str]:
-        """Block width, threads, registers and shared memory of both kernels."""
-        problems: list[str] = []
-        for phase, block_n, block_m, warps, stages, max_elems, n_streams in (
-            ("fwd", config.BLOCK_N_FWD, config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd,
-             self.MAX_ELEMS_PER_THREAD_FWD, 2),
-            ("bwd", config.BLOCK_N_BWD, config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd,
-             self.MAX_ELEMS_PER_THREAD_BWD, 3),
-        ):
-            if block_n > self.max_block_n:
-                problems.append(f"{phase}: BLOCK_N={block_n} > {self.max_block_n} (next_power_of_2(n_cols="
-                                f"{self.n_cols})): the extra columns are masked-off work")
-            tile = block_m * block_n
-            problems += self.threads_violations(phase, warps, tile, max_elems)
-            # pipelined loads keep (stages - 1) tiles of each streamed input (gate, up; + dy backward) in shared memory
-            smem = (stages - 1) * n_streams * tile * self.element_size
-            problems += self.smem_violations(phase, smem)
-        return problems
-
 
 # ------------------------------------------------------------------------------------------------ tuning
 
@@ -236,6 +142,8 @@ SPECS = {spec.name: spec for spec in (
     OpSpec("swiglu", GLUSpace, GLUProblem, tuning_problems, custom_ops=_CUSTOM_OPS),
     OpSpec("geglu", GeGLUSpace, GeGLUProblem, geglu_tuning_problems, custom_ops=_CUSTOM_OPS),
 )}
+#: the space's names where callers have always imported them from (``glu_space`` holds them)
+SPACE_NAMES = (GLUConfig, GLUSpace)
 # the space (and so the table) of each activation
 _SPACE_OF = {"silu": GLUSpace, "gelu": GeGLUSpace, "gelu_tanh": GeGLUSpace}
 
@@ -410,6 +318,120 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t2d if t2d.stride(-1) == 1 or n_cols <= 1 else t2d.contiguous()
 
 
+# ------------------------------------------------------------------------------------------------ eager plans
+
+
+class _Plan(plans.Plan):
+    """One validated call shape of ``swiglu``/``geglu`` on the Triton path whose rows of gate and up are views:
+    the kernel module, the output layout and the impls' launches, recorded (``liger_gen.runtime.plans``). The
+    plan takes the tensors in their own shape (the launches view them as rows): no view nodes around the op."""
+
+    __slots__ = ("shape", "out_shape", "rows", "n_cols", "dtype", "device", "activation", "module")
+    BACKWARD = glu_bwd
+    GRAD_INPUTS = (0, 1)
+    PACKED = False
+
+    def __init__(self, gate: torch.Tensor, activation: str, shape: torch.Size, out_shape: tuple):
+        super().__init__(gate.device, (activation,))
+        self.rows, self.n_cols = gate.shape  # gate (or gate_up's first half) as (rows, n_cols)
+        self.shape, self.out_shape = shape, out_shape
+        self.dtype, self.device, self.activation = gate.dtype, gate.device, activation
+        self.module = kernel_module(_SPACE_OF[activation], gate, self.n_cols, self.rows, activation=activation)[0]
+
+    def inputs(self, *args):
+        return args[:-1]
+
+    def _halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up (or their gradients) as (rows, n_cols) views."""
+        if self.PACKED:
+            return _split(tensors[0].view(self.rows, 2 * self.n_cols))
+        return tensors[0].view(self.rows, self.n_cols), tensors[1].view(self.rows, self.n_cols)
+
+    def forward(self, *tensors):
+        y = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        self.fwd((*tensors, y), self._launch_fwd, tensors, y)
+        return y
+
+    def _launch_fwd(self, tensors, y):
+        self.module.forward(*self._halves(tensors), y.view(self.rows, self.n_cols))
+
+    def backward(self, dy, *args):
+        tensors = args[:-1]
+        grads = tuple(torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in tensors)
+        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
+        launches((dy, *tensors, *grads), self._launch_bwd, dy, tensors, grads)
+        return grads[0] if self.PACKED else grads
+
+    def _launch_bwd(self, dy, tensors, grads):
+        dy = dy.reshape(self.rows, self.n_cols)
+        if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
+            dy = dy.contiguous()
+        self.module.backward(dy, *self._halves(tensors), *self._halves(grads))
+
+
+class _GateUpPlan(_Plan):
+    """``_Plan`` of the ``*_gate_up`` forms: gate and up are the halves of one gate_up, whose gradient is one
+    tensor."""
+
+    __slots__ = ()
+    BACKWARD = glu_gate_up_bwd
+    GRAD_INPUTS = (0,)
+    PACKED = True
+
+
+def _op_name(activation: str, packed: bool) -> str:
+    return ("swiglu" if activation == "silu" else "geglu") + ("_gate_up" if packed else "")
+
+
+def _unit_view(t: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``rows`` (``as_rows`` of t) is a view of t with unit column stride (no copy was made)."""
+    return rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and rows.stride(-1) == 1
+
+
+def _glu_key(gate, up, activation):
+    return plans.meta(gate), plans.meta(up), activation
+
+
+def _glu_prepare(gate, up, activation) -> _Plan | None:
+    if not check_glu_inputs(_op_name(activation, False), gate, up) or not gate.numel():
+        return None  # the full path (the plain-PyTorch path, or nothing to launch)
+    gate2, up2 = as_rows(gate, gate.shape[-1]), as_rows(up, gate.shape[-1])
+    return _Plan(gate2, activation, gate.shape, gate.shape) if _unit_view(gate, gate2) and _unit_view(up, up2) \
+        else None
+
+
+def _glu_full(gate, up, activation):
+    if not check_glu_inputs(_op_name(activation, False), gate, up):
+        return glu_torch(gate, up, activation)
+    n_cols = gate.shape[-1]
+    return glu_2d(as_rows(gate, n_cols), as_rows(up, n_cols), activation).view(gate.shape)
+
+
+def _gate_up_key(gate_up, activation):
+    return plans.meta(gate_up), activation
+
+
+def _gate_up_prepare(gate_up, activation) -> _GateUpPlan | None:
+    if not check_gate_up_input(_op_name(activation, True), gate_up) or not gate_up.numel():
+        return None  # the full path (the plain-PyTorch path, or nothing to launch)
+    packed = as_rows(gate_up, gate_up.shape[-1])
+    return _GateUpPlan(_split(packed)[0], activation, gate_up.shape,
+                       (*gate_up.shape[:-1], gate_up.shape[-1] // 2)) if _unit_view(gate_up, packed) else None
+
+
+def _gate_up_full(gate_up, activation):
+    if not check_gate_up_input(_op_name(activation, True), gate_up):
+        return glu_gate_up_torch(gate_up, activation)
+    width = gate_up.shape[-1]
+    return glu_gate_up_2d(as_rows(gate_up, width), activation).view(*gate_up.shape[:-1], width // 2)
+
+
+glu_planned = PlannedOp(glu_2d, key=_glu_key, prepare=_glu_prepare, full=_glu_full)
+"""``swiglu``/``geglu`` (gate, up, activation) through per-call-shape plans (``binding.PlannedOp``)."""
+glu_gate_up_planned = PlannedOp(glu_gate_up_2d, key=_gate_up_key, prepare=_gate_up_prepare, full=_gate_up_full)
+"""``swiglu_gate_up``/``geglu_gate_up`` (gate_up, activation) through per-call-shape plans."""
+
+
 # ------------------------------------------------------------------------------------------------ public ops
 
 
@@ -440,11 +462,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     Not checked: NaN/inf values (they propagate as in PyTorch).
     """
-    op = "swiglu"
-    if not check_glu_inputs(op, gate, up):
-        return swiglu_torch(gate, up)
-    n_cols = gate.shape[-1]
-    return glu_2d(as_rows(gate, n_cols), as_rows(up, n_cols), "silu").view(gate.shape)
+    return glu_planned(gate, up, "silu")
 
 
 def swiglu_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
@@ -464,11 +482,7 @@ def swiglu_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
         TypeError: gate_up is not a floating tensor, or float64 on the kernel path.
         ValueError: gate_up is 0-dim or its last dim is odd.
     """
-    op = "swiglu_gate_up"
-    if not check_gate_up_input(op, gate_up):
-        return glu_gate_up_torch(gate_up, "silu")
-    width = gate_up.shape[-1]
-    return glu_gate_up_2d(as_rows(gate_up, width), "silu").view(*gate_up.shape[:-1], width // 2)
+    return glu_gate_up_planned(gate_up, "silu")
 
 
 
@@ -501,12 +515,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
 
     Not checked: NaN/inf values (they propagate as in PyTorch).
     """
-    op = "geglu"
-    gelu_activation(op, approximate)
-    if not check_glu_inputs(op, gate, up):
-        return geglu_torch(gate, up, approximate)
-    n_cols = gate.shape[-1]
-    return glu_2d(as_rows(gate, n_cols), as_rows(up, n_cols), gelu_activation(op, approximate)).view(gate.shape)
+    return glu_planned(gate, up, gelu_activation("geglu", approximate))
 
 
 def geglu_gate_up(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
@@ -526,12 +535,7 @@ def geglu_gate_up(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Ten
         TypeError: gate_up is not a floating tensor, or float64 on the kernel path.
         ValueError: approximate is not "none"/"tanh", gate_up is 0-dim or its last dim is odd.
     """
-    op = "geglu_gate_up"
-    activation = gelu_activation(op, approximate)
-    if not check_gate_up_input(op, gate_up):
-        return glu_gate_up_torch(gate_up, activation)
-    width = gate_up.shape[-1]
-    return glu_gate_up_2d(as_rows(gate_up, width), activation).view(*gate_up.shape[:-1], width // 2)
+    return glu_gate_up_planned(gate_up, gelu_activation("geglu_gate_up", approximate))
 
 
 # ------------------------------------------------------------------------------------------------ module

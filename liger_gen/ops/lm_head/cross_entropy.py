@@ -28,7 +28,8 @@ from liger_gen.ops.lm_head.cross_entropy_rows import (CrossEntropyOptions, ce_ro
                                                       check_prediction_flags, cross_entropy_mean_scale,
                                                       target_probability, with_predictions)
 from liger_gen.ops.lm_head.cross_entropy_space import CrossEntropySpace
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime import plans
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import check_kernel_dtypes, check_targets, kernel_module, use_custom_op, uses_triton
 
 # ------------------------------------------------------------------------------------------------ references
@@ -537,7 +538,8 @@ def _backward(ctx, grad_loss, *_unused):
         if not ctx.eager:  # the custom op's node (a direct call of the op; its backward may be traced): new tensor
             scaled = dlogits.float() * (g[:, None] if g.dim() else g).float()
             return (scaled.to(dlogits.dtype).view(ctx.logits_shape),) + (None,) * 9
-        module, _, _ = kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])
+        module = ctx.plan.module if ctx.plan is not None else \
+            kernel_module(CrossEntropySpace, dlogits, dlogits.shape[-1], dlogits.shape[0])[0]
         module.scale_grad_(dlogits, g)
         torch.autograd.graph.increment_version(dlogits)
         return (dlogits.view(ctx.logits_shape),) + (None,) * 9
@@ -565,6 +567,148 @@ def _rows_layout(logits: torch.Tensor) -> torch.Tensor:
         if b > 1 and t > 1 and logits.stride(0) != logits.stride(1) * t:
             return logits
     return logits.reshape(-1, n_cols)
+
+
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+class _Plan(plans.Plan):
+    """One validated call shape of ``cross_entropy`` on the Triton path (logits whose rows layout is a view,
+    target viewable as (rows,), weight with unit stride or absent, no prediction outputs): the options, whether
+    the forward writes the gradient, the kernel module and the launches of ``_fwd_impl`` and ``_bwd_impl`` with
+    the same arguments, recorded (``liger_gen.runtime.plans``). The targets' range is checked on every call (on
+    CUDA by a launch the replay repeats)."""
+
+    __slots__ = ("options", "grad_in_fwd", "token_scaling", "flat", "rows", "n_cols", "dtype", "device",
+                 "target_shape", "return_z_loss", "module")
+    BACKWARD = cross_entropy_bwd
+    GRAD_INPUTS = (0,)
+
+    def __init__(self, x: torch.Tensor, t: torch.Tensor, options: CrossEntropyOptions, grad_in_fwd: bool,
+                 token_scaling: bool, flat: bool, target_shape: torch.Size, return_z_loss: bool):
+        super().__init__(x.device, (*options, grad_in_fwd, token_scaling))
+        self.options, self.grad_in_fwd, self.token_scaling = options, grad_in_fwd, token_scaling
+        self.flat, self.target_shape, self.return_z_loss = flat, target_shape, return_z_loss
+        self.rows, self.n_cols = t.shape[0], x.shape[-1]
+        self.dtype, self.device = x.dtype, x.device
+        self.module = kernel_module(CrossEntropySpace, x, self.n_cols, self.rows)[0]
+
+    def inputs(self, logits, target, weight, *_options):
+        x = logits.view(self.rows, self.n_cols) if self.flat else logits
+        return x, target.view(self.rows), weight
+
+    def needs_grad(self, inputs) -> bool:
+        return inputs[0].requires_grad
+
+    def forward(self, x, t, weight):
+        grad_in_fwd, reduction = self.grad_in_fwd, self.options.reduction
+        out = _alloc_outputs(x, self.rows, reduction)
+        dlogits = torch.empty((self.rows, self.n_cols), dtype=self.dtype, device=self.device) if grad_in_fwd \
+            else x.new_empty((0,))
+        q = None if grad_in_fwd else out["q"]
+        loss, zl = (None, None) if reduction == "none" else (out["loss"], out["zl"])  # one slot per buffer
+        self.fwd((x, t, weight, out["loss_rows"], out["zl_rows"], out["lse"], q, out["scale"],
+                  dlogits if grad_in_fwd else None, loss, zl), self._launch_fwd, x, t, weight, out["loss_rows"],
+                 out["zl_rows"], out["lse"], q, out["scale"], dlogits if grad_in_fwd else None, out["loss"], out["zl"])
+        return out["loss"], out["zl"], out["lse"], out["q"], out["scale"], dlogits
+
+    def _launch_fwd(self, x, t, weight, loss_rows, zl_rows, lse, q, scale, dlogits, loss, zl):
+        # in the launches, so that a replay repeats it (no host sync on CUDA; a host check on the CPU)
+        check_targets("cross_entropy", t, self.n_cols, self.options.ignore_index)
+        _launch_forward(self.module, x, t, weight, self.options, loss_rows=loss_rows, zl_rows=zl_rows, lse=lse, q=q,
+                        scale=scale, dlogits=dlogits, loss=loss, zl=zl, token_scaling=self.token_scaling)
+
+    def backward(self, grad_loss, logits, target, weight, lse, q, scale, ignore_index, reduction, label_smoothing,
+                 lse_square_scale, softcap, token_scaling):
+        options = self.options
+        g = grad_loss.reshape(-1) if reduction == "none" else grad_loss.reshape(())
+        if token_scaling:
+            g = g.float() * target_probability(logits, target, lse, options.softcap, options.ignore_index)
+        dlogits = torch.empty((self.rows, self.n_cols), dtype=self.dtype, device=self.device)
+        launches = self.launches_for((g.shape, g.stride(), g.dtype))
+        launches((g, logits, target, weight, lse, q, scale, dlogits), _launch_backward, self.module, g, logits,
+                 target, weight, lse, q, scale, options, dlogits)
+        return dlogits.view(logits.shape)
+
+    def result(self, outputs, *args):
+        loss, zl = outputs
+        if self.options.reduction == "none":
+            loss, zl = loss.view(self.target_shape), zl.view(self.target_shape)
+        return (loss, zl) if self.return_z_loss else loss
+
+
+def _key(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+         return_z_loss, return_token_accuracy, return_predicted_tokens, use_token_scaling):
+    if return_token_accuracy is not False or return_predicted_tokens is not False or type(ignore_index) is not int \
+            or type(reduction) is not str or type(return_z_loss) is not bool or type(use_token_scaling) is not bool:
+        return None
+    grad = torch.is_grad_enabled()  # the forward writes the gradient only when one is wanted; weight must not want one
+    return (plans.meta(logits), plans.meta(target), plans.meta_or_none(weight), ignore_index, reduction,
+            plans.number(label_smoothing), plans.number(lse_square_scale),
+            None if softcap is None else plans.number(softcap), return_z_loss, use_token_scaling,
+            grad and logits.requires_grad, grad and weight is not None and weight.requires_grad)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _prepare(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+             return_z_loss, return_token_accuracy, return_predicted_tokens, use_token_scaling) -> _Plan | None:
+    op = "cross_entropy"
+    options = check_inputs(op, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                           softcap)
+    _check_flags(op, return_z_loss, use_token_scaling)
+    check_prediction_flags(op, return_token_accuracy, return_predicted_tokens)
+    if not uses_triton(logits):
+        return None
+    check_kernel_dtypes(op, logits=logits)
+    x, t = _rows_layout(logits), target.reshape(-1)
+    if not t.shape[0] or not _same_storage(x, logits) or not _same_storage(t, target) or \
+            (weight is not None and weight.stride(0) != 1):
+        return None  # the full path (nothing to launch, or copies first)
+    grad_in_fwd = (torch.is_grad_enabled() and logits.requires_grad and not use_token_scaling
+                   and _grad_in_fwd(x, t))
+    return _Plan(x, t, options, grad_in_fwd, use_token_scaling, x is not logits, target.shape, return_z_loss)
+
+
+def _check_flags(op: str, return_z_loss, use_token_scaling) -> None:
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    if not isinstance(use_token_scaling, bool):
+        raise TypeError(f"{op}: use_token_scaling must be a bool, got {type(use_token_scaling).__name__}")
+
+
+def _full(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+          return_z_loss, return_token_accuracy, return_predicted_tokens, use_token_scaling):
+    op = "cross_entropy"
+    options = check_inputs(op, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                           softcap)
+    _check_flags(op, return_z_loss, use_token_scaling)
+    if check_prediction_flags(op, return_token_accuracy, return_predicted_tokens):
+        out = cross_entropy(logits, target, weight, *options, return_z_loss=return_z_loss,
+                            use_token_scaling=use_token_scaling)
+        with torch.no_grad():  # softcap is monotone: the argmax of the raw logits
+            pred = logits.argmax(-1)
+        return with_predictions(out if return_z_loss else (out,), pred, target, options.ignore_index,
+                                return_token_accuracy, return_predicted_tokens)
+    if not uses_triton(logits):
+        return cross_entropy_torch(logits, target, weight, *options, return_z_loss, use_token_scaling)
+    check_kernel_dtypes(op, logits=logits)
+    x = _rows_layout(logits)
+    t = target.reshape(-1)
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    grad_in_fwd = (torch.is_grad_enabled() and logits.requires_grad and not use_token_scaling
+                   and _grad_in_fwd(x, t))
+    loss, zl, *_ = cross_entropy_2d(x, t, weight, *options, grad_in_fwd, use_token_scaling)
+    if reduction == "none":
+        loss, zl = loss.view(target.shape), zl.view(target.shape)
+    return (loss, zl) if return_z_loss else loss
+
+
+cross_entropy_planned = PlannedOp(cross_entropy_2d, key=_key, prepare=_prepare, full=_full)
+"""``cross_entropy`` through per-call-shape plans (``liger_gen.runtime.binding.PlannedOp``)."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -640,30 +784,6 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
             tuned config computes the gradient in the forward (bf16/fp32 on the kernel path): run the forward
             again, or use the plain path.
     """
-    op = "cross_entropy"
-    options = check_inputs(op, logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-                           softcap)
-    if not isinstance(return_z_loss, bool):
-        raise TypeError(f"{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
-    if not isinstance(use_token_scaling, bool):
-        raise TypeError(f"{op}: use_token_scaling must be a bool, got {type(use_token_scaling).__name__}")
-    if check_prediction_flags(op, return_token_accuracy, return_predicted_tokens):
-        out = cross_entropy(logits, target, weight, *options, return_z_loss=return_z_loss,
-                            use_token_scaling=use_token_scaling)
-        with torch.no_grad():  # softcap is monotone: the argmax of the raw logits
-            pred = logits.argmax(-1)
-        return with_predictions(out if return_z_loss else (out,), pred, target, options.ignore_index,
-                                return_token_accuracy, return_predicted_tokens)
-    if not uses_triton(logits):
-        return cross_entropy_torch(logits, target, weight, *options, return_z_loss, use_token_scaling)
-    check_kernel_dtypes(op, logits=logits)
-    x = _rows_layout(logits)
-    t = target.reshape(-1)
-    if weight is not None and weight.stride(0) != 1:
-        weight = weight.contiguous()
-    grad_in_fwd = (torch.is_grad_enabled() and logits.requires_grad and not use_token_scaling
-                   and _grad_in_fwd(x, t))
-    loss, zl, *_ = cross_entropy_2d(x, t, weight, *options, grad_in_fwd, use_token_scaling)
-    if reduction == "none":
-        loss, zl = loss.view(target.shape), zl.view(target.shape)
-    return (loss, zl) if return_z_loss else loss
+    return cross_entropy_planned(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+                                 softcap, return_z_loss, return_token_accuracy, return_predicted_tokens,
+                                 use_token_scaling)

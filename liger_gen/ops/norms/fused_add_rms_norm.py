@@ -29,10 +29,9 @@ from liger_gen.ops.norms.row_norm import (RMSNormKernelProblem, RowNormConfig, R
                                           check_floating, check_row_input, check_row_params, check_row_width,
                                           rms_norm_float64, rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime import plans
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe,
-                                   interpreter_enabled, kernel_module, no_double_backward, uses_triton)
-from liger_gen.runtime.tables import heuristic_only_enabled
+                                   kernel_module, uses_triton)
 
 OP = "fused_add_rms_norm"
 
@@ -298,36 +297,43 @@ weight."""
 # ------------------------------------------------------------------------------------------------ eager plan
 
 
-class _Plan:
-    """One validated call shape of ``fused_add_rms_norm`` on the Triton path (contiguous x and residual): the
-    kernel module, the output layout and the recorded launches (``liger_gen.runtime.plans``), as RMSNorm's plan.
-    The kernels and their arguments are those of ``_fwd_impl`` and ``_bwd_impl``."""
+class _Plan(plans.Plan):
+    """One validated call shape of ``fused_add_rms_norm`` on the Triton path (contiguous x and residual, weight
+    with unit stride): the kernel module, the output layout and the launches of ``_fwd_impl`` and ``_bwd_impl``
+    with the same arguments, recorded (``liger_gen.runtime.plans``). The plan takes x and residual in their own
+    shape (the launches view them as rows), so the outputs need no view nodes."""
 
     __slots__ = ("shape", "rows", "n_cols", "x_dtype", "r_dtype", "s_dtype", "out_dtype", "device", "eps",
-                 "offset", "module", "num_sms", "n_programs", "fwd", "bwd")
+                 "offset", "casting_mode", "module", "num_sms", "n_programs")
+    BACKWARD = fused_add_rms_norm_bwd
+    GRAD_INPUTS = (0, 1, 2)
 
     def __init__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                  casting_mode: str):
+        super().__init__(x.device, (eps, offset, casting_mode))
         self.shape, self.n_cols = x.shape, x.shape[-1]
         self.rows = math.prod(x.shape[:-1])
         self.x_dtype, self.r_dtype, self.device = x.dtype, residual.dtype, x.device
         self.s_dtype = torch.promote_types(x.dtype, residual.dtype)
         self.out_dtype = rms_norm_out_dtype(self.s_dtype, weight.dtype, casting_mode)
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.casting_mode = eps, offset, casting_mode
         like_s = x if x.dtype == self.s_dtype else residual if residual.dtype == self.s_dtype \
             else torch.empty(0, dtype=self.s_dtype, device=x.device)
         self.module, _, limits = kernel_module(FusedAddRMSNormSpace, like_s, self.n_cols, self.rows,
                                                casting_mode=casting_mode)
         self.num_sms = limits.num_sms
         self.n_programs = self.module.num_bwd_programs(self.rows, limits.num_sms)
-        self.fwd = plans.Launches(record=x.is_cuda)
-        self.bwd: dict[tuple, plans.Launches] = {}  # per layout of the upstream gradients
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.rows, self.n_cols)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor,
-                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def inputs(self, x, residual, weight, eps, offset, casting_mode):
+        return x, residual, weight
+
+    def needs_grad(self, inputs) -> bool:
+        return inputs[0].requires_grad or inputs[1].requires_grad or inputs[2].requires_grad
+
+    def forward(self, x, residual, weight):
         y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         s = torch.empty(self.shape, dtype=self.s_dtype, device=self.device)
         rstd = torch.empty((self.rows,), dtype=torch.float32, device=self.device)
@@ -338,10 +344,9 @@ class _Plan:
         self.module.forward(self._rows(x), self._rows(residual), weight, self._rows(y), self._rows(s), rstd,
                             self.eps, self.offset)
 
-    def backward(self, dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
-                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, dy, ds, s, weight, rstd, offset, casting_mode, x_dtype, residual_dtype):
         key = (dy.shape, dy.stride(), dy.dtype) + ((None,) if ds is None else (ds.shape, ds.stride(), ds.dtype))
-        launches = plans.launches_for(self.bwd, key, self.device.type == "cuda")
+        launches = self.launches_for(key)
         dx = torch.empty(self.shape, dtype=self.x_dtype, device=self.device)
         dr = torch.empty(self.shape, dtype=self.r_dtype, device=self.device)
         dw = torch.empty_like(weight)
@@ -361,30 +366,62 @@ class _Plan:
                              self.offset, self.num_sms)
 
 
-class _Planned(torch.autograd.Function):
-    """``fused_add_rms_norm`` through a plan: (y, s) of x + residual, differentiable in x, residual and weight
-    (the kernels and gradients of ``fused_add_rms_norm_2d``)."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, plan):
-        y, s, rstd = plan.forward(x, residual, weight)
-        ctx.set_materialize_grads(False)
-        saved(ctx, s, weight, rstd)
-        ctx.plan = plan
-        return y, s
-
-    @staticmethod
-    def backward(ctx, dy, ds):
-        no_double_backward(OP, "liger_gen.reference.fused_add_rms_norm_torch")
-        plan = ctx.plan
-        if dy is None:
-            return _sum_only_grads(ds, plan.x_dtype, plan.r_dtype) + (None, None)
-        s, weight, rstd = ctx.saved_tensors
-        dx, dr, dw = plan.backward(dy, ds, s, weight, rstd)
-        return dx, dr, (dw if ctx.needs_input_grad[2] else None), None
+def _key(x, residual, weight, eps, offset, casting_mode):
+    if type(eps) not in plans.NUMBERS or type(offset) not in plans.NUMBERS or type(casting_mode) is not str \
+            or eps != eps:
+        return None
+    return plans.meta(x), plans.meta(residual), plans.meta(weight), eps, offset, casting_mode
 
 
-_PLANS = plans.new_cache()
+def _checked(x, residual, weight, eps, offset, casting_mode):
+    """``fused_add_rms_norm``'s checks: (eps, offset) as floats, and whether the kernels take the call (else the
+    plain-PyTorch path)."""
+    op = OP
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
+    check_casting_mode(op, casting_mode)
+    check_row_input(op, x)
+    if residual.shape != x.shape:
+        raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)} (no broadcasting); "
+                         f"got {describe('residual', residual)} and {describe('x', x)}")
+    check_row_params(op, x, weight=weight)
+    check_same_device(op, x=x, residual=residual, weight=weight)
+    check_floating(op, x=x, residual=residual, weight=weight)
+    if not uses_triton(x):
+        return eps, offset, False
+    check_kernel_dtypes(op, x=x, residual=residual, weight=weight)
+    check_row_width(op, FusedAddRMSNormSpace, x)
+    return eps, offset, True
+
+
+def _prepare(x, residual, weight, eps, offset, casting_mode) -> _Plan | None:
+    eps, offset, kernel = _checked(x, residual, weight, eps, offset, casting_mode)
+    if kernel and x.numel() and x.is_contiguous() and residual.is_contiguous() and weight.stride(-1) == 1:
+        return _Plan(x, residual, weight, eps, offset, casting_mode)
+    return None  # the full path (the plain-PyTorch path, nothing to launch, or copies first)
+
+
+def _full(x, residual, weight, eps, offset, casting_mode):
+    eps, offset, kernel = _checked(x, residual, weight, eps, offset, casting_mode)
+    if not kernel:
+        return fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
+    hidden = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    x2d, r2d = x.reshape(rows, hidden), residual.reshape(rows, hidden)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if r2d.stride(-1) != 1:
+        r2d = r2d.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y, s = fused_add_rms_norm_2d(x2d, r2d, weight, eps, offset, casting_mode)[:2]
+    return y.view(x.shape), s.view(x.shape)
+
+
+fused_add_rms_norm_planned = PlannedOp(fused_add_rms_norm_2d, key=_key, prepare=_prepare, full=_full)
+"""``fused_add_rms_norm`` through per-call-shape plans (``liger_gen.runtime.binding.PlannedOp``)."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -425,51 +462,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         ValueError: residual's shape differs from x's (no broadcasting), weight is not (hidden,), the tensors are
             on different devices, hidden exceeds the kernel's limit (32768), or casting_mode is unknown.
     """
-    if type(eps) in plans.NUMBERS and type(offset) in plans.NUMBERS and type(casting_mode) is str \
-            and eps == eps and plans.eager(x, residual, weight):  # a call shape validated before skips the checks
-        key = (x.shape, x.stride(), x.dtype, x.device, residual.shape, residual.stride(), residual.dtype,
-               residual.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps, offset,
-               casting_mode, heuristic_only_enabled(), interpreter_enabled())
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return _run_plan(plan, x, residual, weight)
-    else:
-        key = None
-    op = OP
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
-    check_casting_mode(op, casting_mode)
-    hidden = check_row_input(op, x)
-    if residual.shape != x.shape:
-        raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)} (no broadcasting); "
-                         f"got {describe('residual', residual)} and {describe('x', x)}")
-    check_row_params(op, x, weight=weight)
-    check_same_device(op, x=x, residual=residual, weight=weight)
-    check_floating(op, x=x, residual=residual, weight=weight)
-    if not uses_triton(x):
-        return fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
-    check_kernel_dtypes(op, x=x, residual=residual, weight=weight)
-    check_row_width(op, FusedAddRMSNormSpace, x)
-    if key is not None and x.numel() and x.is_contiguous() and residual.is_contiguous() and weight.stride(-1) == 1:
-        # the same call shape skips the checks above from now on
-        return _run_plan(plans.remember(_PLANS, key, _Plan(x, residual, weight, eps, offset, casting_mode)), x,
-                         residual, weight)
-    rows = math.prod(x.shape[:-1])
-    x2d, r2d = x.reshape(rows, hidden), residual.reshape(rows, hidden)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    if r2d.stride(-1) != 1:
-        r2d = r2d.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    y, s = fused_add_rms_norm_2d(x2d, r2d, weight, eps, offset, casting_mode)[:2]
-    return y.view(x.shape), s.view(x.shape)
-
-
-def _run_plan(plan: _Plan, x: torch.Tensor, residual: torch.Tensor,
-              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
-        return _Planned.apply(x, residual, weight, plan)
-    return plan.forward(x, residual, weight)[:2]
+    return fused_add_rms_norm_planned(x, residual, weight, eps, offset, casting_mode)

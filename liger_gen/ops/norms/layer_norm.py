@@ -22,7 +22,8 @@ from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormConfig, RowNormSpace, check_floating,
                                           check_row_input, check_row_params, check_row_width)
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime import plans
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe, kernel_module,
                                    uses_triton)
 
@@ -293,6 +294,121 @@ layer_norm_2d = Differentiable(layer_norm_fwd, _save, _backward, reference="torc
 """(y, mean, rstd) of a 2-D x with unit column stride, differentiable in x, weight and bias."""
 
 
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+class _Plan(plans.Plan):
+    """One validated call shape of ``layer_norm`` on the Triton path (x 2-D with unit column stride or
+    contiguous, weight and bias with unit stride or absent): the kernel module, the output layout and the
+    launches of ``_fwd_impl`` and ``_bwd_impl`` with the same arguments, recorded (``liger_gen.runtime.plans``).
+    The plan takes x in its own shape (the launches view it as rows), so the output needs no view node."""
+
+    __slots__ = ("shape", "rows", "n_cols", "dtype", "device", "eps", "module", "num_sms", "n_programs")
+    BACKWARD = layer_norm_bwd
+    GRAD_INPUTS = (0, 1, 2)
+
+    def __init__(self, x: torch.Tensor, eps: float):
+        super().__init__(x.device, (eps,))
+        self.shape, self.n_cols = x.shape, x.shape[-1]
+        self.rows = math.prod(x.shape[:-1])
+        self.dtype, self.device, self.eps = x.dtype, x.device, eps
+        self.module, _, limits = kernel_module(LayerNormSpace, x, self.n_cols, self.rows)
+        self.num_sms = limits.num_sms
+        self.n_programs = self.module.num_bwd_programs(self.rows, limits.num_sms)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 2 else t.view(self.rows, self.n_cols)
+
+    def inputs(self, x, weight, bias, eps):
+        return x, weight, bias
+
+    def forward(self, x, weight, bias):
+        y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        mean = torch.empty((self.rows,), dtype=torch.float32, device=self.device)
+        rstd = torch.empty((self.rows,), dtype=torch.float32, device=self.device)
+        self.fwd((x, weight, bias, y, mean, rstd), self._launch_fwd, x, weight, bias, y, mean, rstd)
+        return y, mean, rstd
+
+    def _launch_fwd(self, x, weight, bias, y, mean, rstd):
+        self.module.forward(self._rows(x), weight, bias, self._rows(y), mean, rstd, self.eps)
+
+    def backward(self, dy, x, weight, bias, mean, rstd):
+        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
+        dx = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dw = torch.empty_like(weight) if weight is not None else x.new_empty((0,))
+        db = torch.empty_like(bias) if bias is not None else x.new_empty((0,))
+        dw_partial, db_partial = (torch.empty((self.n_programs, self.n_cols), dtype=torch.float32,
+                                              device=self.device) if t is not None else None for t in (weight, bias))
+        launches((dy, x, weight, bias, mean, rstd, dx, dw, db, dw_partial, db_partial), self._launch_bwd, dy, x,
+                 weight, bias, mean, rstd, dx, dw, db, dw_partial, db_partial)
+        return dx, dw, db
+
+    def _launch_bwd(self, dy, x, weight, bias, mean, rstd, dx, dw, db, dw_partial, db_partial):
+        dy2 = dy.reshape(self.rows, self.n_cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        self.module.backward(dy2, self._rows(x), weight, mean, rstd, self._rows(dx),
+                             dw if weight is not None else None, db if bias is not None else None, dw_partial,
+                             db_partial, self.num_sms)
+
+    def result(self, outputs, *args):
+        return outputs[0]
+
+
+def _key(x, weight, bias, eps):
+    if type(eps) not in plans.NUMBERS or eps != eps:
+        return None
+    return plans.meta(x), plans.meta_or_none(weight), plans.meta_or_none(bias), eps
+
+
+def _checked(x, weight, bias, eps):
+    """``layer_norm``'s checks: eps as a float, and whether the kernels take the call (else the plain-PyTorch
+    path)."""
+    op = "layer_norm"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
+    eps = check_float_arg(op, "eps", eps)
+    check_row_input(op, x)
+    check_row_params(op, x, weight=weight, bias=bias)
+    check_same_device(op, x=x, weight=weight, bias=bias)
+    check_floating(op, x=x, weight=weight, bias=bias)
+    _check_param_dtypes(op, x, weight=weight, bias=bias)
+    if not uses_triton(x):
+        return eps, False
+    check_kernel_dtypes(op, x=x, weight=weight, bias=bias)
+    check_row_width(op, LayerNormSpace, x)
+    return eps, True
+
+
+def _prepare(x, weight, bias, eps) -> _Plan | None:
+    eps, kernel = _checked(x, weight, bias, eps)
+    if not kernel or not x.numel() or (not (x.dim() == 2 and x.stride(-1) == 1) and not x.is_contiguous()) \
+            or any(t is not None and t.stride(-1) != 1 for t in (weight, bias)):
+        return None  # the full path (the plain-PyTorch path, nothing to launch, or copies first)
+    return _Plan(x, eps)
+
+
+def _full(x, weight, bias, eps):
+    eps, kernel = _checked(x, weight, bias, eps)
+    if not kernel:
+        return layer_norm_torch(x, weight, bias, eps)
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if weight is not None and weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    return layer_norm_2d(x2d, weight, bias, eps)[0].view(x.shape)
+
+
+layer_norm_planned = PlannedOp(layer_norm_2d, key=_key, prepare=_prepare, full=_full)
+"""``layer_norm`` through per-call-shape plans (``liger_gen.runtime.binding.PlannedOp``)."""
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
@@ -341,30 +457,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
         ValueError: x has no dims, weight or bias is not (hidden,), the tensors are on different devices, or
             hidden exceeds the kernel's limit (65536).
     """
-    op = "layer_norm"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
-    eps = check_float_arg(op, "eps", eps)
-    hidden = check_row_input(op, x)
-    check_row_params(op, x, weight=weight, bias=bias)
-    check_same_device(op, x=x, weight=weight, bias=bias)
-    check_floating(op, x=x, weight=weight, bias=bias)
-    _check_param_dtypes(op, x, weight=weight, bias=bias)
-    if not uses_triton(x):
-        return layer_norm_torch(x, weight, bias, eps)
-    check_kernel_dtypes(op, x=x, weight=weight, bias=bias)
-    check_row_width(op, LayerNormSpace, x)
-    x2d = x.reshape(math.prod(x.shape[:-1]), hidden)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    if weight is not None and weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    if bias is not None and bias.stride(-1) != 1:
-        bias = bias.contiguous()
-    return layer_norm_2d(x2d, weight, bias, eps)[0].view(x.shape)
+    return layer_norm_planned(x, weight, bias, eps)
 
 
 class LayerNorm(torch.nn.LayerNorm):

@@ -21,10 +21,9 @@ from liger_gen.ops.norms.row_norm import (RMSNormKernelProblem, RowNormConfig, R
                                           check_floating, check_row_input, check_row_params, check_row_width,
                                           rms_norm_float64, rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime import plans
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, interpreter_enabled,
-                                   kernel_module, no_double_backward, uses_triton)
-from liger_gen.runtime.tables import heuristic_only_enabled
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
+from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, kernel_module,
+                                   uses_triton)
 
 # ------------------------------------------------------------------------------------------------ search space
 
@@ -205,15 +204,18 @@ and weight."""
 # ------------------------------------------------------------------------------------------------ eager plan
 
 
-class _Plan:
-    """One validated call shape of ``rms_norm`` on the Triton path: the kernel module, the output layout and
-    the recorded launches (``liger_gen.runtime.plans``). The launch functions are the ones ``_fwd_impl`` and
-    ``_bwd_impl`` use, with the same arguments."""
+class _Plan(plans.Plan):
+    """One validated call shape of ``rms_norm`` on the Triton path (x 2-D with unit column stride or contiguous,
+    weight with unit stride): the kernel module, the output layout and the launches of ``_fwd_impl`` and
+    ``_bwd_impl`` with the same arguments, recorded (``liger_gen.runtime.plans``)."""
 
     __slots__ = ("shape", "rows", "n_cols", "x_dtype", "out_dtype", "device", "eps", "offset", "casting_mode",
-                 "module", "num_sms", "n_programs", "fwd", "bwd")
+                 "module", "num_sms", "n_programs")
+    BACKWARD = rms_norm_bwd
+    GRAD_INPUTS = (0, 1)
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting_mode: str):
+        super().__init__(x.device, (eps, offset, casting_mode))
         self.shape, self.n_cols = x.shape, x.shape[-1]
         self.rows = math.prod(x.shape[:-1])
         self.x_dtype, self.device = x.dtype, x.device
@@ -222,10 +224,14 @@ class _Plan:
         self.module, _, limits = kernel_module(RMSNormSpace, x, self.n_cols, self.rows, casting_mode=casting_mode)
         self.num_sms = limits.num_sms
         self.n_programs = self.module.num_bwd_programs(self.rows, limits.num_sms)
-        self.fwd = plans.Launches(record=x.is_cuda)
-        self.bwd: dict[tuple, plans.Launches] = {}  # per upstream gradient layout
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(self, x, weight, eps, offset, casting_mode):
+        return x, weight
+
+    def needs_grad(self, inputs) -> bool:
+        return inputs[0].requires_grad or inputs[1].requires_grad
+
+    def forward(self, x, weight):
         y = torch.empty(self.shape, dtype=self.out_dtype, device=self.device)
         rstd = torch.empty((self.rows,), dtype=torch.float32, device=self.device)
         self.fwd((x, weight, y, rstd), self._launch_fwd, x, weight, y, rstd)
@@ -234,9 +240,8 @@ class _Plan:
     def _launch_fwd(self, x, weight, y, rstd):
         self.module.forward(_rows(x), weight, _rows(y), rstd, self.eps, self.offset)
 
-    def backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        launches = plans.launches_for(self.bwd, (dy.shape, dy.stride(), dy.dtype), self.device.type == "cuda")
+    def backward(self, dy, x, weight, rstd, offset, casting_mode):
+        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
         dx = torch.empty(self.shape, dtype=self.x_dtype, device=self.device)
         dw = torch.empty((self.n_cols,), dtype=weight.dtype, device=self.device)
         dw_partial = torch.empty((self.n_programs, self.n_cols), dtype=torch.float32, device=self.device)
@@ -250,29 +255,63 @@ class _Plan:
             dy2 = dy2.contiguous()
         self.module.backward(dy2, _rows(x), weight, rstd, _rows(dx), dw, dw_partial, self.offset, self.num_sms)
 
-
-class _Planned(torch.autograd.Function):
-    """``rms_norm`` through a plan: y of x, differentiable in x and weight (the kernels of ``rms_norm_2d``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, plan):
-        y, rstd = plan.forward(x, weight)
-        ctx.set_materialize_grads(False)
-        saved(ctx, x, weight, rstd)
-        ctx.plan = plan
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        no_double_backward("rms_norm", "liger_gen.reference.rms_norm_torch")
-        if dy is None:
-            return None, None, None
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = ctx.plan.backward(dy, x, weight, rstd)
-        return dx, (dw if ctx.needs_input_grad[1] else None), None
+    def result(self, outputs, *args):
+        return outputs[0]
 
 
-_PLANS = plans.new_cache()
+def _key(x, weight, eps, offset, casting_mode):
+    if type(eps) not in plans.NUMBERS or type(offset) not in plans.NUMBERS or type(casting_mode) is not str \
+            or eps != eps or type(x) not in plans.PLAIN or type(weight) not in plans.PLAIN:
+        return None
+    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device, eps,
+            offset, casting_mode)
+
+
+def _checked(x, weight, eps, offset, casting_mode):
+    """``rms_norm``'s checks: (x, weight, eps, offset) as the kernels take them, and whether they do (else the
+    plain-PyTorch path)."""
+    op = "rms_norm"
+    if not isinstance(x, torch.Tensor) or not (weight is None or isinstance(weight, torch.Tensor)):
+        raise TypeError(f"{op}: x must be a tensor and weight a tensor or None, got {type(x).__name__} and "
+                        f"{type(weight).__name__}")
+    eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
+    check_casting_mode(op, casting_mode)
+    hidden = check_row_input(op, x)
+    if weight is None:
+        if offset != 0.0:
+            raise ValueError(f"{op}: offset={offset} needs a weight (it is added to the weight); got weight=None")
+        weight = x.new_ones(hidden)  # no scale: a product with 1 rounds to the normalised value itself
+    check_row_params(op, x, weight=weight)
+    check_same_device(op, x=x, weight=weight)
+    check_floating(op, x=x, weight=weight)
+    if not uses_triton(x):
+        return x, weight, eps, offset, False
+    check_kernel_dtypes(op, x=x, weight=weight)
+    check_row_width(op, RMSNormSpace, x)
+    return x, weight, eps, offset, True
+
+
+def _prepare(x, weight, eps, offset, casting_mode) -> _Plan | None:
+    x, weight, eps, offset, kernel = _checked(x, weight, eps, offset, casting_mode)
+    if not kernel or not x.numel() or weight.stride(-1) != 1 or \
+            (not (x.dim() == 2 and x.stride(-1) == 1) and not x.is_contiguous()):
+        return None  # the full path (the plain-PyTorch path, nothing to launch, or a copy first)
+    return _Plan(x, weight, eps, offset, casting_mode)
+
+
+def _full(x, weight, eps, offset, casting_mode):
+    x, weight, eps, offset, kernel = _checked(x, weight, eps, offset, casting_mode)
+    if not kernel:
+        return rms_norm_torch(x, weight, eps, offset, casting_mode)
+    if not (x.dim() == 2 and x.stride(-1) == 1) and not x.is_contiguous():
+        x = x.contiguous()  # the op flattens rows with a view: 2-D with unit column stride, or contiguous
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    return rms_norm_2d(x, weight, eps, offset, casting_mode)[0]
+
+
+rms_norm_planned = PlannedOp(rms_norm_2d, key=_key, prepare=_prepare, full=_full)
+"""``rms_norm`` through per-call-shape plans (``liger_gen.runtime.binding.PlannedOp``)."""
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -308,44 +347,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
         ValueError: weight is not (hidden,), the tensors are on different devices, hidden exceeds the kernel's
             limit (65536), casting_mode is unknown, or a nonzero offset without a weight.
     """
-    if type(eps) in plans.NUMBERS and type(offset) in plans.NUMBERS and type(casting_mode) is str \
-            and eps == eps and plans.eager(x, weight):  # a call shape validated before skips the checks
-        key = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device,
-               eps, offset, casting_mode, heuristic_only_enabled(), interpreter_enabled())
-        plan = _PLANS.get(key)
-        if plan is not None:
-            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-                return _Planned.apply(x, weight, plan)
-            return plan.forward(x, weight)[0]
-    else:
-        key = None
-    op = "rms_norm"
-    if not isinstance(x, torch.Tensor) or not (weight is None or isinstance(weight, torch.Tensor)):
-        raise TypeError(f"{op}: x must be a tensor and weight a tensor or None, got {type(x).__name__} and "
-                        f"{type(weight).__name__}")
-    eps, offset = check_float_arg(op, "eps", eps), check_float_arg(op, "offset", offset)
-    check_casting_mode(op, casting_mode)
-    hidden = check_row_input(op, x)
-    if weight is None:
-        if offset != 0.0:
-            raise ValueError(f"{op}: offset={offset} needs a weight (it is added to the weight); got weight=None")
-        weight = x.new_ones(hidden)  # no scale: a product with 1 rounds to the normalised value itself
-    check_row_params(op, x, weight=weight)
-    check_same_device(op, x=x, weight=weight)
-    check_floating(op, x=x, weight=weight)
-    if not uses_triton(x):
-        return rms_norm_torch(x, weight, eps, offset, casting_mode)
-    check_kernel_dtypes(op, x=x, weight=weight)
-    check_row_width(op, RMSNormSpace, x)
-    if not (x.dim() == 2 and x.stride(-1) == 1) and not x.is_contiguous():
-        x = x.contiguous()  # the op flattens rows with a view: 2-D with unit column stride, or contiguous
-        key = None
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-        key = None
-    if key is not None and x.numel():  # the same call shape skips the checks above from now on
-        plan = plans.remember(_PLANS, key, _Plan(x, weight, eps, offset, casting_mode))
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _Planned.apply(x, weight, plan)
-        return plan.forward(x, weight)[0]
-    return rms_norm_2d(x, weight, eps, offset, casting_mode)[0]
+    return rms_norm_planned(x, weight, eps, offset, casting_mode)
