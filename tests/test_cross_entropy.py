@@ -966,6 +966,11 @@ def test_token_accuracy_and_predicted_tokens(interpret, monkeypatch):
     assert logits.grad is not None
     with pytest.raises(TypeError, match="return_predicted_tokens must be a bool"):
         liger_gen.functional.cross_entropy(logits, target, return_predicted_tokens="yes")
+    # reduction="none": the accuracy per token, as the loss (1 for a hit, 0 for a miss and at ignored tokens)
+    per_row, per_acc = liger_gen.functional.cross_entropy(logits, target, reduction="none",
+                                                          return_token_accuracy=True)
+    assert per_row.shape == per_acc.shape == target.shape
+    assert torch.equal(per_acc, ((ref == target) & valid).float())
 
 
 TOKEN_SCALING_OPTIONS = [

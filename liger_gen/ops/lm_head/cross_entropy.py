@@ -691,7 +691,7 @@ def _full(logits, target, weight, ignore_index, reduction, label_smoothing, lse_
         with torch.no_grad():  # softcap is monotone: the argmax of the raw logits
             pred = logits.argmax(-1)
         return with_predictions(out if return_z_loss else (out,), pred, target, options.ignore_index,
-                                return_token_accuracy, return_predicted_tokens)
+                                return_token_accuracy, return_predicted_tokens, options.reduction)
     if not uses_triton(logits):
         return cross_entropy_torch(logits, target, weight, *options, return_z_loss, use_token_scaling)
     check_kernel_dtypes(op, logits=logits)
@@ -748,7 +748,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         softcap: None, or s > 0.
         return_z_loss: also return the z-loss, reduced like the loss.
         return_token_accuracy: also return the share of non-ignored rows whose argmax class is the target (0-dim
-            float32, NaN when every row is ignored; not differentiable).
+            float32, NaN when every row is ignored; not differentiable); with reduction="none", per row instead
+            (float32 of target's shape, 1 for a hit, 0 for a miss and for an ignored row).
         return_predicted_tokens: also return each row's argmax class, int64 of target's shape.
         use_token_scaling: weigh each row by its detached target probability (above). The gradient is then
             always recomputed in the backward (one more read of the logits than the default).

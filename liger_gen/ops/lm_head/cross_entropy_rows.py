@@ -124,13 +124,16 @@ def check_prediction_flags(op: str, return_token_accuracy, return_predicted_toke
 
 
 def with_predictions(outputs: tuple, pred: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                     accuracy: bool, predicted: bool) -> tuple:
-    """``outputs`` followed by the token accuracy (share of non-ignored rows whose argmax is the target, 0-dim
-    float32, NaN when every row is ignored) and/or the predicted tokens ``pred``."""
+                     accuracy: bool, predicted: bool, reduction: str = "mean") -> tuple:
+    """``outputs`` followed by the token accuracy and/or the predicted tokens ``pred``. The accuracy follows the
+    loss's reduction: "mean" and "sum", the share of non-ignored rows whose argmax is the target (0-dim float32,
+    NaN when every row is ignored); "none", per row (float32 of target's shape: 1 where the argmax is the
+    target, 0 where not and at ignored rows)."""
     extra = []
     if accuracy:
         valid = target != ignore_index
-        extra.append(((pred == target) & valid).sum().float() / valid.sum().float())
+        hit = (pred.reshape(target.shape) == target) & valid
+        extra.append(hit.float() if reduction == "none" else hit.sum().float() / valid.sum().float())
     if predicted:
         extra.append(pred)
     return (*outputs, *extra)

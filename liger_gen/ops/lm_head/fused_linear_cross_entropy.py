@@ -569,7 +569,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
         return_z_loss: also return the z-loss term (already included in the loss), for logging.
         return_token_accuracy: also return the share of non-ignored rows whose most likely class (argmax of the
             row's logits, each chunk's taken before its gradient overwrites it) is the target: 0-dim float32,
-            NaN when every row is ignored; not differentiable (what trainers log as token accuracy).
+            NaN when every row is ignored; not differentiable (what trainers log as token accuracy); with
+            reduction="none", per row instead (float32 of x's leading shape, 1 for a hit, 0 for a miss and for an
+            ignored row).
         return_predicted_tokens: also return those argmax classes, int64 of x's leading shape (every row).
         use_token_scaling: multiply each row's loss terms (and so its gradient) by its target probability
             p_y = softmax(z)_y, detached, as ``cross_entropy`` defines it (the Dynamic Fine-Tuning loss of Wu et
@@ -620,7 +622,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
         with torch.no_grad():
             logits = x @ lm_head_weight.t() if bias is None else x @ lm_head_weight.t() + bias
         return with_predictions(out if return_z_loss else (out,), logits.argmax(-1), target, options.ignore_index,
-                                 return_token_accuracy, return_predicted_tokens)
+                                 return_token_accuracy, return_predicted_tokens, options.reduction)
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)
     if x2d.stride(0) != 1 and x2d.stride(1) != 1:  # GEMMs take row- or column-major operands without a copy
@@ -633,5 +635,5 @@ def fused_linear_cross_entropy(x: torch.Tensor, lm_head_weight: torch.Tensor, ta
     if not need_pred:
         return (loss, z) if return_z_loss else loss
     return with_predictions((loss, z) if return_z_loss else (loss,), pred.view(x.shape[:-1]), target,
-                             options.ignore_index, return_token_accuracy, return_predicted_tokens)
+                             options.ignore_index, return_token_accuracy, return_predicted_tokens, options.reduction)
 
