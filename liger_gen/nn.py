@@ -8,7 +8,7 @@ from torch import nn
 from liger_gen import functional as F
 from liger_gen.ops.norms.layer_norm import LayerNorm
 from liger_gen.ops.glu.glu import GLUMLP, SwiGLUMLP
-from liger_gen.ops.fp8.linear import check_fp8_linear, linear_2d_call
+from liger_gen.ops.fp8.linear import WEIGHT_DTYPES as FP8_WEIGHT_DTYPES, check_fp8_linear, linear_2d_call
 from liger_gen.reference import CASTING_MODES
 from liger_gen.runtime.fp8 import Float8Recipe, fp8_unsupported_reason, gemm_dims_reason
 
@@ -113,8 +113,9 @@ class Float8Linear(nn.Linear):
     Forward: a bf16 input runs the FP8 GEMMs and returns bf16. Under ``torch.autocast`` with a bf16 autocast
     dtype (CUDA or CPU), an input of another float dtype is cast to bf16 first, as ``F.linear`` would compute in
     bf16 there. Otherwise (a float32 or float16 input outside autocast, an fp16 autocast, a device without FP8
-    GEMMs such as a GPU before compute capability 8.9, or the meta device) the layer computes
-    ``torch.nn.functional.linear``, as ``nn.Linear`` does; nothing is logged per call.
+    GEMMs such as a GPU before compute capability 8.9, or the meta device, or a weight or bias neither bf16 nor
+    fp32, e.g. after ``model.half()``) the layer computes ``torch.nn.functional.linear``, as ``nn.Linear`` does
+    (under a bf16 autocast: in bf16); nothing is logged per call.
 
     Args:
         in_features, out_features: K and N; both multiples of 16 (the FP8 GEMM's requirement).
@@ -159,7 +160,9 @@ class Float8Linear(nn.Linear):
                 return nn.functional.linear(x, self.weight, self.bias)
             if x.is_floating_point():
                 x = x.to(torch.bfloat16)
-        if x.dtype != torch.bfloat16 or fp8_unsupported_reason(x.device) is not None:
+        if x.dtype != torch.bfloat16 or self.weight.dtype not in FP8_WEIGHT_DTYPES or (
+                self.bias is not None and self.bias.dtype not in FP8_WEIGHT_DTYPES) \
+                or fp8_unsupported_reason(x.device) is not None:
             return nn.functional.linear(x, self.weight, self.bias)
         check_fp8_linear("Float8Linear", x, self.weight, self.bias)
         return linear_2d_call(x, self.weight, self.bias, self.recipe, source=input)

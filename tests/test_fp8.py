@@ -13,8 +13,11 @@ per element; a wrong scale axis, a missing dequant or a wrong GEMM operand moves
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import pickle
+import threading
+import weakref
 
 import pytest
 import torch
@@ -283,6 +286,9 @@ def test_fp8_linear_propagates_nan_and_inf(cpu_path):
       torch.zeros(8, dtype=torch.bfloat16)), ValueError, ["bias must be (16,)", "bias of shape (8,)"]),
     ((torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16), None, "e4m3"),
      TypeError, ["recipe_", "Float8Recipe", "str"]),
+    ((torch.zeros(4, 32, dtype=torch.bfloat16, device="meta"), torch.zeros(16, 32, dtype=torch.bfloat16,
+                                                                           device="meta")),
+     RuntimeError, ["not on meta", "x of shape (4, 32), dtype torch.bfloat16, device meta"]),
 ])
 def test_fp8_linear_errors_name_the_tensor(args, exc, words):
     with pytest.raises(exc) as info:
@@ -609,3 +615,158 @@ def test_a_frozen_weight_makes_no_weight_gradient_work(monkeypatch):
     assert ("quantize", "cols", (40, 32)) not in calls and calls.count(("gemm",)) == 2
     dx, _ = fp8_linear_grads_float64(x.detach(), layer.weight, dy)
     assert ((x.grad.double() - dx).norm() / dx.norm()).item() < 2.0 ** -7
+
+
+# ------------------------------------------------------------------------------------------------ regressions
+
+
+def _forward_bound(x, w, y, what):
+    """y of ``fp8_linear(x, w)`` (no bias) against the float64 recipe, within ``_gemm_bound``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    ref = fp8_linear_float64(x2, w)
+    products = _dequantized(x2, -1).abs() @ _dequantized(w, -1).abs().t()
+    _assert_within(y.reshape(ref.shape), ref, _gemm_bound(ref, products, x.shape[-1]), what)
+
+
+def test_float8_linear_runs_under_inference_mode(cpu_path):
+    """Inference tensors have no version counter, which the shared quantization's entry reads: under
+    ``torch.inference_mode`` (and for an inference tensor passed outside it) the projections of one input give
+    the no_grad results, bit for bit, within the recipe's bound."""
+    gen = seeded("inference", cpu_path)
+    layers = [Float8Linear(32, 16 * (i + 1), bias=False, dtype=torch.bfloat16) for i in range(2)]
+    x0 = torch.randn(3, 5, 32, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        want = [layer(x0) for layer in layers]
+    with torch.inference_mode():
+        x = x0.clone()
+        got = [layer(x) for layer in layers]
+    got_outside = [layer(x) for layer in layers]
+    for layer, a, b, c in zip(layers, want, got, got_outside):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        _forward_bound(x0, layer.weight.detach(), b, "y")
+
+
+def test_shared_quantization_follows_its_input(cpu_path):
+    """The entry of the shared quantization: a ``.data`` swap (same shape, new storage) or an in-place write is a
+    miss (the result is a fresh call's); the FP8 copies are freed with their input (no large tensor outlives the
+    step); another thread neither reads nor evicts this thread's entry."""
+    gen = seeded("shared-entry", cpu_path)
+    w = torch.randn(16, 32, generator=gen).to(torch.bfloat16)
+    lookup = fp8_linear_module.shared_operands
+    x = torch.randn(8, 32, generator=gen).to(torch.bfloat16)
+    fp8_linear(x, w)
+    x.data = torch.randn(8, 32, generator=gen).to(torch.bfloat16)
+    got = fp8_linear(x, w)
+    fp8_linear_module.LAST_INPUT.clear()
+    assert torch.equal(got, fp8_linear(x.clone(), w))
+    _forward_bound(x, w, got, "y after a .data swap")
+    x.mul_(-3)
+    got = fp8_linear(x, w)
+    _forward_bound(x, w, got, "y after an in-place write")
+
+    with torch.no_grad():
+        fp8_linear(x, w)
+    held = [weakref.ref(t) for t in fp8_linear_module.LAST_INPUT.operands if t is not None]
+    assert held
+    del x
+    gc.collect()
+    assert all(r() is None for r in held)
+
+    xa, xb = (torch.randn(8, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    first = lookup(xa, xa, False)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(lookup(xb, xb, False)))
+    thread.start()
+    thread.join()
+    assert lookup(xa, xa, False)[0] is first[0] and other[0][0] is not first[0]
+    assert torch.equal(other[0][0].view(torch.uint8), recipe.quantize_reference(xb, -1)[0].view(torch.uint8))
+
+
+def test_a_layer_that_keeps_no_copy_saves_none_from_the_shared_entry():
+    """A frozen weight, or ``keep_fp8_for_backward=False``, after a projection that made x's token-axis copy:
+    the layer's backward does not hold that copy (the frozen one saves nothing of x, the other the bf16 x)."""
+    gen = seeded("keep")
+    x = torch.randn(24, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+    trained = Float8Linear(32, 16, bias=False, dtype=torch.bfloat16)
+    frozen = Float8Linear(32, 16, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    requantize = Float8Linear(32, 16, bias=False, dtype=torch.bfloat16,
+                              recipe=liger_gen.Float8Recipe(keep_fp8_for_backward=False))
+    fp8_linear_module.LAST_INPUT.clear()
+    ys = [layer(x) for layer in (trained, frozen, requantize)]
+    saved = [y.grad_fn.saved_tensors for y in ys]
+    assert saved[0][1].shape == (32, 32)  # (K, padded tokens)
+    assert saved[1][0] is None and saved[1][1].numel() == 0
+    assert saved[2][0] is not None and saved[2][1].numel() == 0
+    dy = torch.randn(24, 16, generator=gen).to(torch.bfloat16)
+    torch.autograd.backward(ys, [dy] * 3)
+    _, dw = fp8_linear_grads_float64(x.detach(), requantize.weight.detach(), dy)
+    products = _dequantized(dy, 0).abs().t() @ _dequantized(x.detach(), 0).abs()
+    _assert_within(requantize.weight.grad, dw, _gemm_bound(dw, products, 32), "dW")
+
+
+def test_float8_linear_with_weights_it_cannot_quantize_computes_f_linear():
+    """A Float8Linear whose weight became fp16 (``model.half()`` after ``apply_to``) under a bf16 autocast computes
+    ``F.linear`` there, as ``nn.Linear`` does, instead of raising."""
+    gen = seeded("half")
+    layer = Float8Linear(32, 16, dtype=torch.float16)
+    x = torch.randn(5, 32, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+        want = nn.functional.linear(x, layer.weight, layer.bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_routers_inside_a_gate_or_router_module_stay():
+    """Routers held as a linear layer inside a module named gate/router (Hunyuan-MoE's ``mlp.gate.wg``, Gemma 4's
+    ``router.proj``) are MoE routers, kept as they are even when their expert count is a multiple of 16; a
+    Float8Recipe's ``modules`` list becomes a (hashable) tuple and a generator is refused."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wg = nn.Linear(32, 16, bias=False)
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 16, bias=False)
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.experts = Gate(), nn.ModuleList(nn.Linear(32, 32) for _ in range(16))
+
+    class ToyDecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.router, self.o_proj = Moe(), Router(), nn.Linear(32, 32)
+            self.experts = nn.Module()
+            self.experts.gate_up_proj = nn.Parameter(torch.zeros(16, 64, 32))
+
+    model = nn.ModuleDict({"layer": ToyDecoderLayer()})
+    plan = fp8_swaps.plan_fp8(model, liger_gen.Float8Recipe())
+    layer = model["layer"]
+    assert layer.mlp.gate.wg not in plan.convert and layer.router.proj not in plan.convert
+    assert layer.o_proj in plan.convert and layer.mlp.experts[0] in plan.convert
+    assert ("layer.mlp.gate.wg", "MoE router: stays float32, by design") in plan.kept
+    assert ("layer.router.proj", "MoE router: stays float32, by design") in plan.kept
+    rec = liger_gen.Float8Recipe(modules=["*.mlp.*"])
+    assert rec.modules == ("*.mlp.*",) and hash(rec) == hash(liger_gen.Float8Recipe(modules=("*.mlp.*",)))
+    with pytest.raises(TypeError, match="modules"):
+        liger_gen.Float8Recipe(modules=(p for p in ["*.mlp.*"]))
+
+
+@pytest.mark.parametrize("m, k, n", [(4, 0, 16), (4, 16, 0)], ids=["no-in-features", "no-out-features"])
+def test_fp8_linear_of_empty_feature_dims(m, k, n, cpu_path):
+    """``nn.Linear(0, N)`` and ``nn.Linear(K, 0)`` (K and N multiples of 16): the bias, and zero or empty
+    gradients of F.linear's shapes; the empty token-axis copy of a 0-feature x is the kept copy, not a missing one."""
+    gen = seeded("empty-dims", m, k, n)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(n, generator=gen).requires_grad_()
+    y = fp8_linear(x, w, b)
+    assert y.shape == (m, n) and torch.equal(y, b.detach().to(torch.bfloat16).expand(m, n))
+    dy = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+    y.backward(dy)
+    assert x.grad.shape == (m, k) and w.grad.shape == (n, k) and not x.grad.any() and not w.grad.any()
+    torch.testing.assert_close(b.grad, dy.double().sum(0).float(), rtol=m * U_FP32, atol=0)

@@ -74,9 +74,11 @@ class Float8Recipe:
         if not isinstance(self.keep_fp8_for_backward, bool):
             raise TypeError(f"Float8Recipe: keep_fp8_for_backward must be a bool, got "
                             f"{type(self.keep_fp8_for_backward).__name__}")
-        if isinstance(self.modules, str) or not all(isinstance(p, str) and p for p in self.modules):
+        if isinstance(self.modules, str) or not isinstance(self.modules, (tuple, list)) \
+                or not all(isinstance(p, str) and p for p in self.modules):
             raise TypeError(f"Float8Recipe: modules must be a tuple of non-empty name patterns, got "
                             f"{self.modules!r}")
+        object.__setattr__(self, "modules", tuple(self.modules))  # a list: hashable, as a frozen recipe must be
 
 
 def scale_exponent(amax: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:

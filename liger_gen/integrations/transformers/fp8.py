@@ -11,8 +11,8 @@ gate/up/down or packed gate_up, shared experts, linear-attention and Mamba proje
   bf16 nor fp32, parameters on a device without FP8 GEMMs (a GPU before compute capability 8.9, a CPU torch
   build without ``torch._scaled_mm``), a subclass of ``nn.Linear`` with its own forward;
 - MoE experts whose weights are fused 3-D Parameters (transformers' ``*Experts`` modules), not ``nn.Linear``;
-- MoE routers (a module named ``gate`` or ``router`` whose weight has one row per expert): never converted, by
-  design (a handful of columns, and the top-k choice they feed is sensitive to rounding); ``strict`` does not
+- MoE routers (a module named ``gate`` or ``router``, or a linear layer inside one, whose weight has one row per
+  expert): never converted, by design (a handful of columns, and the top-k choice they feed is sensitive to rounding); ``strict`` does not
   count them as failures.
 
 Embeddings and the LM head are outside the decoder layers and never converted. Parameters on the meta device are
@@ -74,12 +74,19 @@ def _expert_counts(model: nn.Module) -> set[int]:
             for n in [getattr(c, key, None)] if isinstance(n, int) and n > 0}
 
 
-def _is_router(name: str, module: nn.Module, parent: nn.Module | None, counts: set[int]) -> bool:
-    """A MoE router: named gate/router, with a 2-D weight of one row per expert (the config's expert count, or the
-    number of its sibling ``experts``)."""
+def _is_router(name: str, module: nn.Module, parent: nn.Module | None, counts: set[int],
+               grandparent: nn.Module | None = None) -> bool:
+    """A MoE router: named gate/router, or a linear layer inside a module so named (Hunyuan's ``gate.wg``,
+    Gemma 4's ``router.proj``), with a 2-D weight of one row per expert (the config's expert count, or the number
+    of the router's sibling ``experts``)."""
     weight = getattr(module, "weight", None)
-    if name.rsplit(".", 1)[-1] not in ROUTER_NAMES or getattr(weight, "dim", lambda: 0)() != 2:
+    if getattr(weight, "dim", lambda: 0)() != 2:
         return False
+    parts = name.split(".")
+    if parts[-1] not in ROUTER_NAMES:
+        if len(parts) < 2 or parts[-2] not in ROUTER_NAMES or not isinstance(module, nn.Linear):
+            return False
+        parent = grandparent  # the router module's parent holds the experts
     siblings = set(counts)
     experts = getattr(parent, "experts", None) if parent is not None else None
     if isinstance(experts, nn.ModuleList):
@@ -120,9 +127,11 @@ def plan_fp8(model: nn.Module, recipe: Float8Recipe) -> Fp8Plan:
             seen.add(id(module))
             if recipe.modules and not any(fnmatch.fnmatchcase(name, p) for p in recipe.modules):
                 continue
-            parent = parents.get(name.rsplit(".", 1)[0])
+            parent_name = name.rsplit(".", 1)[0]
+            parent = parents.get(parent_name)
+            grandparent = parents.get(parent_name.rsplit(".", 1)[0])
             dtype = str(getattr(getattr(module, "weight", None), "dtype", "")).removeprefix("torch.")
-            if _is_router(name, module, parent, counts):
+            if _is_router(name, module, parent, counts, grandparent):
                 plan.kept.append((_pattern(name), f"MoE router: stays {dtype}, by design"))
             elif isinstance(module, nn.Linear):
                 why = _linear_reason(module)

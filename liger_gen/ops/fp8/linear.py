@@ -10,7 +10,9 @@ of x and W, are bf16 GEMM outputs (W's cast to its dtype); the bias gradient is 
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import weakref
 
 import torch
@@ -89,7 +91,7 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, xtq: torch.Tensor, xtd: 
         dx = recipe.scaled_mm(dyq, dyd, wtq.t(), wtd.t(), OUT_DTYPE)  # (K, N) W: N is a multiple of 16, no padding
     else:
         dx = dy.new_empty((0,), dtype=OUT_DTYPE)
-    if need_dw and m:
+    if need_dw and m and weight.shape[1]:  # (no features: xtq is empty, which is not "not kept"; dW is (N, 0))
         dytq, dytd = quantize_2d(dy, "cols", grad_fp8)
         if xtq.numel() == 0:
             xtq, xtd = quantize_2d(x, "cols", "e4m3")
@@ -166,7 +168,7 @@ def check_fp8_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
     # the device's capability is a host fact: checked in eager calls (torch.compile's trace would record a probe)
     reason = None if torch.compiler.is_compiling() else recipe.fp8_unsupported_reason(x.device)
     if reason:
-        raise RuntimeError(f"{op}: {reason}; use torch.nn.functional.linear")
+        raise RuntimeError(f"{op}: {reason} ({describe('x', x)}); use torch.nn.functional.linear")
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -218,35 +220,57 @@ def linear_2d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
-class _LastInput:
+class _LastInput(threading.local):
     """The quantization of the last input ``linear_2d_call`` saw: attention's q, k and v projections (and the
     MLP's gate and up) read one tensor, which is then quantized once, and its token-axis copy saved once for
     the three weight gradients instead of three times. Eager mode only: under torch.compile and torch.func
-    every call quantizes (a compiled graph's buffers must not alias)."""
+    every call quantizes (a compiled graph's buffers must not alias).
 
-    __slots__ = ("ref", "version", "shape", "operands")
+    One entry per thread (threads calling concurrently neither read each other's entry nor evict it), read and
+    replaced as one tuple. The entry is the input's weak reference, its version counter, data pointer, shape,
+    strides and dtype (an in-place write, ``set_`` or a ``.data =`` swap is a miss; writes that bypass the
+    version counter, through ``.data`` or the storage, cannot be seen), and the operands; it is dropped when the
+    input is freed, so the FP8 copies live no longer than the tensor they were made from (and the backward's
+    references). Inference tensors are never cached: they have no version counter."""
 
     def __init__(self):
-        self.ref = None
-        self.version = -1
-        self.shape = None
-        self.operands: tuple = ()
+        self.slot: list = [None]  # [entry]: the weakref callback clears this thread's slot from any thread
+
+    @property
+    def operands(self) -> tuple:
+        entry = self.slot[0]
+        return () if entry is None else entry[-1]
 
     def lookup(self, x: torch.Tensor, x2: torch.Tensor, keep: bool) -> tuple:
-        if use_custom_op() or transforms_active():
+        if use_custom_op() or transforms_active() or x.is_inference():
             return ()
-        if self.ref is not None and self.ref() is x and self.version == x._version and self.shape == x.shape \
-                and (not keep or self.operands[2] is not None):
-            return self.operands
+        slot = self.slot
+        entry = slot[0]
+        if entry is not None:
+            ref, key, operands = entry
+            if ref() is x and key == _key(x) and (not keep or operands[2] is not None):
+                # without the token-axis copy when the caller keeps none (a frozen weight, keep_fp8 False)
+                return operands if keep else (*operands[:2], None, None)
         with torch.no_grad():
             xq, xd = quantize_2d(x2, "rows", "e4m3")
             xtq, xtd = quantize_2d(x2, "cols", "e4m3") if keep else (None, None)
-        self.ref, self.version, self.shape = weakref.ref(x), x._version, x.shape
-        self.operands = (xq, xd, xtq, xtd)
-        return self.operands
+        operands = (xq, xd, xtq, xtd)
+        slot[0] = (weakref.ref(x, functools.partial(_forget, slot)), _key(x), operands)
+        return operands
 
     def clear(self) -> None:
-        self.__init__()
+        self.slot[0] = None
+
+
+def _key(x: torch.Tensor) -> tuple:
+    return x._version, x.data_ptr(), x.shape, x.stride(), x.dtype
+
+
+def _forget(slot: list, ref: weakref.ref) -> None:
+    """The input of ``slot``'s entry was freed: drop its operands."""
+    entry = slot[0]
+    if entry is not None and entry[0] is ref:
+        slot[0] = None
 
 
 LAST_INPUT = _LastInput()
