@@ -66,12 +66,12 @@ def _slices(fp8_dtype, length: int, dtype: torch.dtype, gen) -> torch.Tensor:
     """(S, length) rows, each a slice the op scales as a unit: random magnitudes spread over 2^-24..1 of the row's
     amax (FP8 subnormals, values that round to 0, ties of bf16 inputs), and rows whose amax sits at the edges of
     the scale formula: 0, NaN, ±inf, exactly the format's max, just above it, exactly at the mantissa threshold
-    1.75·2^k and one bf16 step above it, below the 2^-40 floor, an fp32 subnormal, near fp32's max, all negative."""
+    1.75·2^k and one bf16 step above it, below the 2^-90 floor, an fp32 subnormal, near fp32's max, all negative."""
     fmt_max = recipe.FP8_FORMATS[fp8_dtype][0]
     spread = torch.exp2(-24 * torch.rand(14, length, generator=gen))
     signs = torch.where(torch.rand(14, length, generator=gen) < 0.5, -1.0, 1.0)
     amaxes = torch.tensor([0.0, 1.0, 3.0, 1.0, fmt_max, fmt_max * (1 + 2**-7), 1.75 * 2**5, 1.75 * 2**5 * (1 + 2**-7),
-                           2.0**-45, 2.0**-130, 3.0e38, 2.5, 1e-3, 7.0e4])
+                           2.0**-110, 2.0**-130, 3.0e38, 2.5, 1e-3, 7.0e4])
     rows = spread * signs
     rows = rows / rows.abs().amax(1, keepdim=True) * amaxes[:, None]
     rows[:, 0] = amaxes * torch.where(torch.rand(14, generator=gen) < 0.5, -1.0, 1.0)  # amax reached exactly

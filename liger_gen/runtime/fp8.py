@@ -15,7 +15,9 @@ slice and ``E, m`` its binary exponent and mantissa (``amax = m·2^E``, ``1 ≤ 
 so ``|x·scale| ≤ 448`` (e4m3's largest finite value) and nothing saturates. Power-of-two scales are the choice
 of torchao's "rowwise" float8 recipe too; computing the exponent from amax's bits (not ``log2(448 / amax)`` in
 floating point, which rounds up to the next integer just below a power of two) makes the kernels and this
-reference agree exactly. ``amax`` below ``2^−40`` (an all-zero slice) counts as ``2^−40`` (``s = 48``).
+reference agree exactly. ``amax`` below ``2^−90`` (an all-zero slice) counts as ``2^−90`` (``s = 98`` for e4m3):
+slices of tiny gradients keep their digits, the scales stay normal fp32 numbers, and fp32 subnormal inputs
+(below ``2^−126``) always quantize to 0, whatever a device does with subnormals.
 Non-finite input is never hidden: a slice holding NaN gets a NaN scale (every element NaN), and a slice whose
 amax is ±inf gets ``scale = 0`` and ``dequant_scale = inf``, so its finite elements quantize to 0, its infinite
 ones to NaN, and every GEMM output that reads the slice is NaN, not a silent 0.
@@ -43,7 +45,7 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 #: The largest finite value and the exponent-from-bits threshold of each FP8 format: ``max = t·2^EMAX``.
 FP8_FORMATS = {E4M3: (448.0, 8, 0x600000), E5M2: (57344.0, 15, 0x600000)}  # 448 = 1.75·2^8, 57344 = 1.75·2^15
-MIN_AMAX_EXPONENT = -40  # amax below 2^-40 (all-zero slices) is taken as 2^-40
+MIN_AMAX_EXPONENT = -90  # amax below 2^-90 (all-zero slices) is taken as 2^-90
 #: cuBLASLt's FP8 GEMM takes K and N (and the wgrad's token count, padded here) in multiples of 16.
 GEMM_MULTIPLE = 16
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 tensor cores
