@@ -57,7 +57,7 @@ def family_table() -> str:
     """The Markdown table of every family in ``MODEL_FAMILIES``, in its order."""
     from liger_gen.integrations.transformers import MODEL_FAMILIES
 
-    rows = ["| `model_type` | causal-LM class | norms | RoPE | gated MLP | loss (logit transform) | left as transformers' |",
+    rows = ["| `model_type` | LM class (fused loss) | norms | RoPE | gated MLP | loss (logit transform) | left as transformers' |",
             "|---|---|---|---|---|---|---|"]
     for family in MODEL_FAMILIES.values():
         norms = _describe(NORMS, family.norm, 'norm')

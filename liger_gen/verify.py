@@ -173,7 +173,7 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | No
     weights allocated, no remote code), patched by ``apply_to`` and asked (``patched_ops``), so the answer is
     ``apply_to``'s own: the family's norm, RoPE where the family's rotation is routed, the gated MLPs' and
     experts' GLU, ``moe_permute`` for fused experts, ``fused_linear_cross_entropy`` where the LM-head loss is
-    fused (a multimodal model's keeps its own loss). Attention is built as "eager" whatever the config names (the
+    fused (in a ``*ForConditionalGeneration`` of a vision-language family too). Attention is built as "eager" whatever the config names (the
     ops do not depend on it, and flash-attention need not be installed where verify runs); a config of more than
     MAX_LAYERS layers is not built. ``quiet``: raise the ``liger_gen`` and ``transformers`` loggers to ERROR
     while building (process-wide: for the single-threaded command line)."""

@@ -136,3 +136,83 @@ def mini_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float3
     with torch.device(device):
         model = cls(config)
     return model.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ vision-language
+
+# vision-language mini models: the text stack as above (hidden 64, 2 layers), a vision tower of depth 1 and width 32
+# with 4-pixel patches; special ids above the byte tokens
+IMAGE, VIDEO, VISION_START, VISION_END = 260, 261, 258, 259
+_TEXT = {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"}
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])  # head_dim 16: 8 frequencies
+_QWEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
+                 vision_end_token_id=VISION_END, tie_word_embeddings=False)
+_QWEN_VISION = dict(depth=1, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+
+# model_type -> (config class, conditional-generation class, config settings)
+VLM_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(_QWEN_IDS, text_config=dict(_TEXT, rope_parameters=_MROPE),
+                        vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                                           window_size=16, fullatt_block_indexes=[0]))),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(_QWEN_IDS, text_config=dict(_TEXT, rope_parameters=_MROPE),
+                      vision_config=dict(_QWEN_VISION, embed_dim=32, hidden_size=64, mlp_ratio=2))),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(_QWEN_IDS, text_config=dict(_TEXT, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
+                      vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                                         num_position_embeddings=16, deepstack_visual_indexes=[0]))),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
+               dict(text_config=dict(_TEXT, hidden_activation="gelu_pytorch_tanh", sliding_window=16,
+                                     query_pre_attn_scalar=16),
+                    vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=16, patch_size=4),
+                    mm_tokens_per_image=4, boi_token_index=VISION_START, eoi_token_index=VISION_END,
+                    image_token_index=IMAGE, tie_word_embeddings=False)),
+}
+
+
+def mini_vlm(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
+    """A randomly initialised ``*ForConditionalGeneration`` of the family (eager attention), seeded; None if
+    this transformers release lacks it."""
+    import transformers
+
+    config_name, model_name, settings = VLM_CONFIGS[model_type]
+    config_cls, model_cls = getattr(transformers, config_name, None), getattr(transformers, model_name, None)
+    if config_cls is None or model_cls is None:
+        return None
+    config = config_cls(**settings)
+    config._attn_implementation = "eager"
+    for sub in ("text_config", "vision_config"):
+        getattr(config, sub)._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+    return model.to(dtype)
+
+
+def vlm_batch(model_type: str, ids: torch.Tensor, generator: torch.Generator) -> dict:
+    """Model inputs for a (batch, seq) tensor of text tokens as the family's processor lays them out: per sample
+    one image of random pixels, its placeholder tokens (as many as the vision tower yields) between the family's
+    start and end tokens at a position that varies by sample, and the image's side inputs (Qwen's patches and
+    ``image_grid_thw`` and ``mm_token_type_ids``, Gemma 3's pixels and ``token_type_ids``). ``labels``: the tokens with
+    the image placeholders masked (-100), as the fine-tuning collators do (transformers' loss does not mask them)."""
+    ids = ids.clone()
+    batch = {}
+    if model_type.startswith("qwen"):
+        grids = [(1, 4, 4), (1, 4, 8)] * (ids.shape[0] // 2) + [(1, 4, 4)] * (ids.shape[0] % 2)
+        for row, (t, h, w) in enumerate(grids):
+            n, at = t * h * w // 4, 2 + 3 * row  # merged 2x2 patches per token
+            ids[row, at], ids[row, at + 1:at + 1 + n], ids[row, at + 1 + n] = VISION_START, IMAGE, VISION_END
+        patches = sum(t * h * w for t, h, w in grids)
+        batch.update(pixel_values=torch.randn(patches, 3 * 2 * 4 * 4, generator=generator),
+                     image_grid_thw=torch.tensor(grids), mm_token_type_ids=(ids == IMAGE).int())
+    else:  # Gemma 3: 16x16 images of 4x4 patches, pooled to 4 tokens
+        for row in range(ids.shape[0]):
+            at = 2 + 3 * row
+            ids[row, at], ids[row, at + 1:at + 5], ids[row, at + 5] = VISION_START, IMAGE, VISION_END
+        batch.update(pixel_values=torch.randn(ids.shape[0], 3, 16, 16, generator=generator),
+                     token_type_ids=(ids == IMAGE).long())
+    batch["input_ids"] = ids
+    batch["labels"] = ids.masked_fill(ids == IMAGE, -100)
+    return batch

@@ -30,7 +30,10 @@ class ModelFamily:
     returns them in that layout (GLM-4, Cohere 2, Llama 4, ERNIE 4.5);
     interleaved_rope: the name of a second function that rotates interleaved pairs of a de-interleavable layout
     (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP
-    modules are patched. causal_lm: the causal-LM class names (default ``<prefix>ForCausalLM``). logits: the transform between
+    modules are patched. causal_lm: the class names whose LM-head loss is fused (default ``<prefix>ForCausalLM``; a
+    multimodal family's ``*ForConditionalGeneration``, whose base model takes the images and returns the text stack's
+    hidden states). norm_classes may name torch's ``LayerNorm`` beside the family's RMSNorm classes: a multimodal
+    family's vision tower, swapped for liger-gen's LayerNorm. logits: the transform between
     ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
     ``config.logits_scaling``, "multiply" by the model's ``logit_scale``, "lm_head_multiplier" by the base
     model's ``lm_head_multiplier``). experts_gate: how the family's experts compute their gate where it is not
@@ -72,6 +75,9 @@ class ModelFamily:
 
 
 _F = ModelFamily
+# what a Qwen vision-language family leaves as transformers' own
+_VISION_LEFT = ("the vision tower's patch embedding, attention and 2-D RoPE (apply_rotary_pos_emb_vision) and the "
+                "patch merger stay transformers' own")
 MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("llama", "Llama"),
     _F("llama4_text", "Llama4Text", module="transformers.models.llama4.modeling_llama4", experts_gate="batched",
@@ -127,12 +133,32 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
        note="the squared-ReLU MLP (not gated) stays transformers' own"),
     _F("gemma4_text", "Gemma4", norm="fp32", logits="softcap", rope_single=True,
        module="transformers.models.gemma4.modeling_gemma4"),
+    # multimodal (vision-language): the text stack as a text family's; the vision tower's RMSNorm / LayerNorm and
+    # gated MLPs where it has them; the loss of the *ForConditionalGeneration. Qwen's multimodal RoPE (M-RoPE, its
+    # sections interleaved in Qwen 3-VL) is assembled into per-token cos/sin tables by the text rotary embedding
+    # module, so the apply_rotary_pos_emb it feeds is the plain rotate-half rotation
+    _F("qwen2_5_vl", "Qwen2_5_VL", causal_lm=("Qwen2_5_VLForConditionalGeneration",),
+       note=_VISION_LEFT + " (but for its RMSNorm); the vision blocks' RMSNorms and SwiGLU MLPs are patched"),
+    _F("qwen2_vl", "Qwen2VL", norm_classes=("Qwen2VLRMSNorm", "LayerNorm"), causal_lm=("Qwen2VLForConditionalGeneration",),
+       note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their QuickGELU "
+       "MLPs (fc1/fc2, not gated) stay"),
+    _F("qwen3_vl", "Qwen3VL", norm_classes=("Qwen3VLTextRMSNorm", "LayerNorm"),
+       causal_lm=("Qwen3VLForConditionalGeneration",),
+       note=_VISION_LEFT + ", as do the deepstack mergers (but for their LayerNorms); the vision blocks' LayerNorms "
+       "are patched, their GELU MLPs (linear_fc1/linear_fc2, not gated) stay and are listed in the report"),
+    _F("gemma3", "Gemma3", norm="gemma", norm_classes=("Gemma3RMSNorm", "LayerNorm"),
+       causal_lm=("Gemma3ForConditionalGeneration",),
+       note="the SigLIP vision tower's patch embedding, attention and GELU MLPs (fc1/fc2, not gated) and the "
+       "projector's pooling stay transformers' own; its LayerNorms and the projector's RMSNorm are patched; the "
+       "multimodal model's logits are not soft-capped (transformers caps only Gemma3ForCausalLM's)"),
     _F("deepseek_v4", "DeepseekV4", norm="fp32", rope=False,
        note="the RoPE of the trailing slice of each head, the hyper-connections, the compressed attention and the "
        "clamped SwiGLU of the MLPs and experts (swiglu_limit) stay transformers' own"),
 )}
 # model types that are these families under another name in some transformers releases
-ALIASES = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+# (a multimodal family's text model alone: its base text model, patched as the family's text stack)
+ALIASES = {"llama4": "llama4_text", "qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl",
+           "qwen3_vl_text": "qwen3_vl"}
 
 
 def family_of(model: nn.Module) -> ModelFamily:

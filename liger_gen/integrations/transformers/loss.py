@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import inspect
 import sys
+import typing
 from typing import Any
 
 import torch
 from torch import nn
 
+from liger_gen.integrations.transformers import packing
 from liger_gen.integrations.transformers.families import ModelFamily, family_of
 
 # ------------------------------------------------------------------------------------------------ loss
@@ -30,8 +32,9 @@ def _signature(function) -> inspect.Signature:
 def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | None, float | None]:
     """(multiplier of the hidden states, softcap) that reproduce the family's logits before the loss."""
     config = model.config
-    if family.logits == "softcap":
-        return None, getattr(config, "final_logit_softcapping", None)
+    if family.logits == "softcap":  # a multimodal model's text settings are in its text config (PaliGemma's)
+        text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        return None, getattr(text_config, "final_logit_softcapping", None)
     if family.logits == "divide":
         return 1.0 / float(config.logits_scaling), None
     if family.logits == "multiply":
@@ -41,8 +44,36 @@ def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | Non
     return None, None
 
 
+_OUTPUT_CLASSES: dict[Any, Any] = {}
+
+
+def _output_class(model_cls: type, moe: bool):
+    """The output class of ``model_cls.forward``: the ``ModelOutput`` with ``loss`` and ``logits`` its annotation
+    names (a multimodal model's own, with its image fields; resolved once per class), else transformers'
+    ``MoeCausalLMOutputWithPast`` (``moe``: the base model's output has router logits) or
+    ``CausalLMOutputWithPast``."""
+    key = (model_cls, moe)
+    if key not in _OUTPUT_CLASSES:
+        # imported by every modeling module; an import statement here stops torch.compile in a process where
+        # nothing imported transformers' lazy module attribute before (a patched model loaded with torch.load)
+        modeling_outputs = sys.modules["transformers.modeling_outputs"]
+        annotation = _signature(model_cls.forward).return_annotation
+        modeling = sys.modules.get(model_cls.__module__)
+        names = annotation.replace(" ", "").split("|") if isinstance(annotation, str) else None
+        candidates = [getattr(modeling, n, getattr(modeling_outputs, n, None)) for n in names] if names \
+            else (typing.get_args(annotation) or (annotation,))
+        found = [c for c in candidates if isinstance(c, type) and issubclass(c, modeling_outputs.ModelOutput)
+                 and {"loss", "logits"} <= set(getattr(c, "__dataclass_fields__", ()))]
+        _OUTPUT_CLASSES[key] = found[0] if found else (
+            modeling_outputs.MoeCausalLMOutputWithPast if moe else modeling_outputs.CausalLMOutputWithPast)
+    return _OUTPUT_CLASSES[key]
+
+
 def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
-    """Causal-LM forward whose training loss never materialises the logits (see the module docstring).
+    """Causal-LM forward whose training loss never materialises the logits (see the module docstring); also the
+    forward of a multimodal ``*ForConditionalGeneration``, whose base model takes the images and returns the text
+    stack's last hidden states, and whose loss is transformers' same ``ForCausalLMLoss`` of the labels (image
+    placeholder tokens are in the loss unless the labels mask them, as the collator does for transformers).
 
     The call is bound to the original ``forward``'s signature, so positional and keyword arguments mean what
     they mean there; a call without labels, with gradients disabled or with ``use_cache=True`` runs the original
@@ -55,11 +86,9 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     extra = dict(named.pop(var_keyword, {})) if var_keyword else {}  # **kwargs, **loss_kwargs (4.46), none (4.45)
     labels = named.get("labels")
+    packing.warn_if_mixed(self, named, extra)  # packed documents that transformers will not keep apart: warn once
     if labels is None or not torch.is_grad_enabled() or named.get("use_cache") or extra.get("use_cache"):
         return original(self, *args, **kwargs)
-    # imported by every modeling module; an import statement here stops torch.compile in a process where nothing
-    # imported transformers' lazy module attribute before (a patched model loaded with torch.load)
-    modeling_outputs = sys.modules["transformers.modeling_outputs"]
     from liger_gen.functional import fused_linear_cross_entropy
 
     for name in ("self", "labels", "logits_to_keep", "num_logits_to_keep"):
@@ -71,8 +100,11 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     # router logits: asked by name, in **kwargs, or by the config (the base model reads the same three)
     router = named.get("output_router_logits", extra.get("output_router_logits"))
     router = bool(getattr(self.config, "output_router_logits", False) if router is None else router)
-    if "return_dict" in _signature(type(self.model).forward).parameters:
+    base_parameters = _signature(type(self.model).forward).parameters
+    if "return_dict" in base_parameters:
         named["return_dict"] = True  # the base model returns a tuple when config.return_dict/its caller says so
+    if "labels" in base_parameters:
+        named["labels"] = labels  # a multimodal base model that takes them (Gemma 3's, PaliGemma's), as passed there
     outputs = self.model(**named, **extra)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # tokens < n predict token n, as transformers' ForCausalLMLoss shifts them
@@ -100,13 +132,13 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
         aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
                                                      self.num_experts_per_tok, named.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    out_cls = modeling_outputs.MoeCausalLMOutputWithPast if moe else modeling_outputs.CausalLMOutputWithPast
+    out_cls = _output_class(type(self), moe)
     # the base model's fields by the output class's own names (the cache field was renamed in transformers 5);
     # __dataclass_fields__ rather than dataclasses.fields, which torch.compile does not trace (the output classes
     # declare no ClassVar or InitVar, so both name the same fields)
     fields = {name: getattr(outputs, name, None) for name in out_cls.__dataclass_fields__}
     fields.update(loss=loss, logits=None)
-    if moe:
+    if moe and "aux_loss" in fields:
         fields["aux_loss"] = aux_loss
     out = out_cls(**fields)
     if return_dict is None:

@@ -28,7 +28,10 @@ class OffsetLayerNorm(LayerNorm):
 
 def replace_norm(module: nn.Module, kind: str) -> nn.Module | None:
     """A liger-gen norm sharing ``module``'s Parameters, or None where the weight is not 1-D. An RMSNorm without
-    a weight (Gemma 4's ``with_scale=False``) becomes one without a weight too."""
+    a weight (Gemma 4's ``with_scale=False``) becomes one without a weight too. A torch ``nn.LayerNorm`` (a
+    vision tower's, listed beside a family's RMSNorm classes) is a LayerNorm whatever the family's RMSNorm formula."""
+    if isinstance(module, nn.LayerNorm) and kind in ("llama", "gemma", "fp32"):
+        kind = "layer"
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     if weight is None and "weight" not in module._parameters and kind in ("llama", "fp32"):

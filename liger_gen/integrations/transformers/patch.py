@@ -107,19 +107,23 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     ernie4_5, ernie4_5_moe, exaone4, falcon_h1, gemma, gemma2, gemma3_text, gemma4_text, glm4, glm4_moe, gpt_oss,
     granite, granitemoe, hunyuan_v1_dense, hunyuan_v1_moe, lfm2, lfm2_moe, llama, llama4_text, minimax, ministral,
     mistral, mixtral, nemotron, olmo2, olmo3, olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text,
-    qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3); the module docstring says what each replacement
-    does. The state_dict, the Parameter objects (so an optimizer built before still updates them) and the devices
+    qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3; vision-language, their ``*ForConditionalGeneration``
+    and base models: gemma3, qwen2_5_vl, qwen2_vl, qwen3_vl, whose vision towers' norms and gated MLPs are patched
+    too and whose loss is fused alike); the module docstring says what each replacement does. The state_dict, the
+    Parameter objects (so an optimizer built before still updates them) and the devices
     are unchanged; meta-device and half-precision models are patched alike.
     Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as
     ``model.liger_gen_report`` (a ``PatchReport``). Calling it again on a patched model changes nothing already
     replaced (the log line says so).
 
     Args:
-        model: a transformers model of a supported family (a ``*ForCausalLM`` or its base ``*Model``).
+        model: a transformers model of a supported family (a ``*ForCausalLM``, a vision-language
+            ``*ForConditionalGeneration``, or its base ``*Model``).
         rms_norm: swap the norm modules (RMSNorm, or LayerNorm for the families that use it).
         swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` and route MoE experts' gates.
         rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
-        fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` without logits.
+        fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` (or a vision-language
+            ``*ForConditionalGeneration``) without logits.
         fused_add_rms_norm: in decoder layers whose forward adds the attention output to the residual stream and
             then applies an RMSNorm (``h = residual + h; residual = h; h = self.norm(h)``), do the add inside
             the norm's kernel (``liger_gen.functional.fused_add_rms_norm``: one pass, same values). Needs
