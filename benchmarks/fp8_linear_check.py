@@ -25,24 +25,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from liger_gen.bench import _time_reps
 from liger_gen.models import resolve_model
 from liger_gen.ops.fp8.linear import fp8_linear, fp8_linear_float64, fp8_linear_grads_float64
 from liger_gen.ops.fp8.quantize import fp8_quantize
 from liger_gen.runtime import fp8 as recipe
 
 
-def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def cuda_ms(fn, iters: int) -> float:
+    """Median CUDA-event milliseconds of ``iters`` calls after warm-up (the bench harness's clock)."""
+    return statistics.median(_time_reps(fn, torch.device("cuda"), iters))
 
 
 def special_rows(m: int, k: int, device) -> torch.Tensor:

@@ -13,30 +13,18 @@ the smallest median of each (a shared host adds noise, never removes it).
 """
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 import liger_gen
 from liger_gen.runtime import ops
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_overhead import per_call_us  # noqa: E402  (the same clock for every op)
+
 F = liger_gen.functional
 STUBBED = ("forward", "backward", "mean_scale", "reduce", "scale_grad_")
-
-
-def per_call_us(step, n=1000, repeats=11):
-    """Median over ``repeats`` of the mean wall time of ``n`` calls, in µs."""
-    for _ in range(100):
-        step()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(samples)
 
 
 def _stub(module) -> None:
@@ -115,7 +103,7 @@ def main(names):
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are stubbed out, but the Triton path is taken)")
     print(f"torch {torch.__version__}; liger_gen from {os.path.dirname(liger_gen.__file__)}")
     for name in names or OPS:
-        print(f"{name:14s} fwd+bwd: {per_call_us(OPS[name]()):7.1f} µs/call")
+        print(f"{name:14s} fwd+bwd: {per_call_us(OPS[name](), n=1000):7.1f} µs/call")
 
 
 if __name__ == "__main__":
