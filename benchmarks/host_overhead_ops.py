@@ -94,8 +94,53 @@ def layer_norm():
     return step
 
 
+def clamped_swiglu():
+    from liger_gen.ops.glu.clamped_swiglu import ClampedSwiGLUSpace
+
+    gate, up = torch.randn(64, 256, requires_grad=True), torch.randn(64, 256, requires_grad=True)
+    dy = torch.ones(64, 256)
+    step = lambda: F.clamped_swiglu(gate, up).backward(dy)  # noqa: E731
+    step()
+    _stub(ops.kernel_module(ClampedSwiGLUSpace, gate.detach(), 256, 64)[0])
+    return step
+
+
+def clamped_swiglu_gate_up():
+    from liger_gen.ops.glu.clamped_swiglu import ClampedSwiGLUSpace
+
+    gate_up, dy = torch.randn(64, 512, requires_grad=True), torch.ones(64, 256)  # gpt-oss's interleaved layout
+    step = lambda: F.clamped_swiglu_gate_up(gate_up).backward(dy)  # noqa: E731
+    step()
+    _stub(ops.kernel_module(ClampedSwiGLUSpace, gate_up.detach()[:, ::2], 256, 64)[0])
+    return step
+
+
+def kl_div():
+    from liger_gen.ops.divergence.kl_div import KLDivSpace
+
+    x = torch.randn(64, 512).log_softmax(-1).requires_grad_()
+    t = torch.randn(64, 512).softmax(-1)
+    step = lambda: F.kl_div(x, t, reduction="batchmean").backward()  # noqa: E731
+    step()
+    _stub(ops.kernel_module(KLDivSpace, x.detach(), 512, 64)[0])
+    return step
+
+
+def jsd():
+    from liger_gen.ops.divergence.jsd import JSDSpace
+
+    s = torch.randn(64, 512).log_softmax(-1).requires_grad_()
+    t = torch.randn(64, 512).log_softmax(-1)
+    label = torch.randint(0, 512, (64,))
+    step = lambda: F.jsd(s, t, 0.5, -100, label).backward()  # noqa: E731
+    step()
+    _stub(ops.kernel_module(JSDSpace, s.detach(), 512, 64)[0])
+    return step
+
+
 OPS = {"rms_norm": rms_norm, "rope": rope, "cross_entropy": cross_entropy, "swiglu": swiglu,
-       "layer_norm": layer_norm}
+       "layer_norm": layer_norm, "clamped_swiglu": clamped_swiglu, "clamped_swiglu_gate_up": clamped_swiglu_gate_up,
+       "kl_div": kl_div, "jsd": jsd}
 
 
 def main(names):
@@ -103,7 +148,7 @@ def main(names):
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are stubbed out, but the Triton path is taken)")
     print(f"torch {torch.__version__}; liger_gen from {os.path.dirname(liger_gen.__file__)}")
     for name in names or OPS:
-        print(f"{name:14s} fwd+bwd: {per_call_us(OPS[name](), n=1000):7.1f} µs/call")
+        print(f"{name:24s} fwd+bwd: {per_call_us(OPS[name](), n=1000):7.1f} µs/call")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 import liger_gen
+from liger_gen.ops.divergence import jsd as J
+from liger_gen.ops.divergence import kl_div as KL
+from liger_gen.ops.glu import clamped_swiglu as CS
 from liger_gen.ops.glu import glu as G
 from liger_gen.ops.lm_head import cross_entropy as CE
 from liger_gen.ops.norms import fused_add_rms_norm as FA
@@ -322,13 +325,29 @@ def _call(name, v):
     if name == "layer_norm":
         x = _t(3, 5, 32, **grad) if v != 3 else _t(3, 32, 5, **grad).transpose(1, 2)
         return F.layer_norm(x.requires_grad_(), _t(32, **grad), None if v == 4 else _t(32, **grad))
+    if name == "clamped_swiglu":
+        gate = _t(2, 3, 24, **grad) if v != 3 else _t(2, 3, 48, **grad)[..., ::2]
+        up = _t(2, 3, 24, **grad) if v != 3 else _t(2, 3, 48, **grad)[..., 1::2]
+        return F.clamped_swiglu(gate.requires_grad_(), up, limit=5.0 if v == 4 else 7.0)
+    if name == "clamped_swiglu_gate_up":
+        gate_up = _t(2, 3, 48, **grad) if v != 3 else _t(2, 3, 64, **grad)[..., :48]
+        return F.clamped_swiglu_gate_up(gate_up.requires_grad_(), alpha=1.0 if v == 4 else 1.702)
+    if name == "kl_div":
+        x = _t(5, 40, **grad).log_softmax(-1) if v != 3 else _t(40, 5, **grad).log_softmax(0).t()
+        return F.kl_div(x.requires_grad_(), _t(5, 40, **grad).softmax(-1), "sum" if v == 4 else "batchmean")
+    if name == "jsd":
+        s = _t(2, 3, 40, **grad).log_softmax(-1) if v != 3 else _t(3, 2, 40, **grad).log_softmax(-1).transpose(0, 1)
+        label = _target(6, 40, 0).view(2, 3)
+        return F.jsd(s.requires_grad_(), _t(2, 3, 40, **grad).log_softmax(-1), 0.0 if v == 4 else 0.5, -100, label)
     raise AssertionError(name)
 
 
 PLANNED = {"rms_norm": N.rms_norm_planned, "fused_add_rms_norm": FA.fused_add_rms_norm_planned,
            "rope": R.rope_planned, "cross_entropy": CE.cross_entropy_planned, "swiglu": G.glu_planned,
            "geglu": G.glu_planned, "swiglu_gate_up": G.glu_gate_up_planned, "geglu_gate_up": G.glu_gate_up_planned,
-           "layer_norm": LN.layer_norm_planned}
+           "layer_norm": LN.layer_norm_planned, "clamped_swiglu": CS.clamped_swiglu_planned,
+           "clamped_swiglu_gate_up": CS.clamped_swiglu_gate_up_planned, "kl_div": KL.kl_div_planned,
+           "jsd": J.jsd_planned}
 
 
 def _counting(monkeypatch, planned) -> list:
@@ -442,6 +461,37 @@ def test_bad_calls_after_good_ones_still_raise(device):
         F.rope(_t(2, 6, 4, 16), _t(2, 5, 2, 16), _t(1, 6, 16), _t(1, 6, 16), None, 2)
     with pytest.raises(ValueError, match="residual must have x's shape"):
         F.fused_add_rms_norm(_t(2, 3, 32), _t(2, 2, 32), _t(32))
+    with pytest.raises(ValueError, match="gate and up must have the same shape"):
+        F.clamped_swiglu(_t(2, 3, 24), _t(2, 3, 12))
+    with pytest.raises(ValueError, match="limit must be a finite number > 0"):
+        F.clamped_swiglu(_t(2, 3, 24), _t(2, 3, 24), limit=-1.0)
+    with pytest.raises(TypeError, match="alpha must be a real number, got bool"):
+        F.clamped_swiglu(_t(2, 3, 24), _t(2, 3, 24), alpha=True)
+    with pytest.raises(ValueError, match="last dim must be even"):
+        F.clamped_swiglu_gate_up(_t(2, 3, 47))
+    with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
+        F.clamped_swiglu_gate_up(_t(2, 3, 48), alpha=float("inf"))
+    x = _t(5, 40).log_softmax(-1)
+    with pytest.raises(ValueError, match="input and target must have the same shape"):
+        F.kl_div(x, _t(5, 39))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        F.kl_div(x, _t(5, 40), "avg")
+    with pytest.raises(TypeError, match="log_target must be a bool"):
+        F.kl_div(x, _t(5, 40), "batchmean", 1)
+    with pytest.raises(TypeError, match="target must be float32, bfloat16 or float16"):
+        F.kl_div(x, _target(5, 40, 0)[:, None].expand(5, 40))
+    s, t = _t(2, 3, 40).log_softmax(-1), _t(2, 3, 40).log_softmax(-1)
+    with pytest.raises(ValueError, match="beta must be in"):
+        F.jsd(s, t, 1.5)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        F.jsd(s, t, 0.5, True)
+    with pytest.raises(ValueError, match="label must have student_logp's leading shape"):
+        F.jsd(s, t, 0.5, -100, _target(5, 40, 0))
+    with pytest.raises(TypeError, match="label must be an integer tensor"):
+        F.jsd(s, t, 0.5, -100, _t(2, 3))
+    F.jsd(s.requires_grad_(), t)
+    with pytest.raises(ValueError, match="teacher_logp requires grad"):  # a flag, not a shape: keyed too
+        F.jsd(s, t.requires_grad_())
 
 
 @pytest.mark.parametrize("name", sorted(PLANNED))

@@ -25,7 +25,8 @@ from liger_gen.codegen.problems import (FP32_OUT_TOL, IGNORE_FRACTION, IGNORE_IN
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.divergence.rows import (DivergenceSpace, check_beta, jsd_mode, jsd_rows, tuning_row_cap,
                                            tuning_rows)
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime import plans
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
 # ------------------------------------------------------------------------------------------------ references
@@ -266,6 +267,135 @@ jsd_2d = Differentiable(jsd_fwd, _save, _backward, reference="liger_gen.referenc
 """(loss, n_valid) of 2-D (rows, vocab) log-probabilities, differentiable in the student."""
 
 
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+def _checked(student_logp, teacher_logp, beta, ignore_index, label) -> tuple[float, bool]:
+    """``jsd``'s checks: beta as a float, and whether the kernels take the call (else ``jsd_torch``)."""
+    op = "jsd"
+    for name, value in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    if label is not None and not isinstance(label, torch.Tensor):
+        raise TypeError(f"{op}: label must be a tensor or None, got {type(label).__name__}")
+    beta = check_beta(op, beta)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    if student_logp.dim() < 1:
+        raise ValueError(f"{op}: student_logp must have a vocab dim (..., vocab); got "
+                         f"{describe('student_logp', student_logp)}")
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"{op}: student_logp and teacher_logp must have the same shape; got "
+                         f"{describe('student_logp', student_logp)} and {describe('teacher_logp', teacher_logp)}")
+    if label is not None and label.shape != student_logp.shape[:-1]:
+        raise ValueError(f"{op}: label must have student_logp's leading shape {tuple(student_logp.shape[:-1])}; "
+                         f"got {describe('label', label)} and {describe('student_logp', student_logp)}")
+    check_same_device(op, student_logp=student_logp, teacher_logp=teacher_logp, label=label)
+    for name, t in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if label is not None and (label.is_floating_point() or label.is_complex() or label.dtype == torch.bool):
+        raise TypeError(f"{op}: label must be an integer tensor; got {describe('label', label)}")
+    if teacher_logp.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: teacher_logp requires grad, but only student_logp is differentiated; pass "
+                         f"teacher_logp.detach() (got {describe('teacher_logp', teacher_logp)})")
+    if not uses_triton(student_logp):
+        return beta, False
+    check_kernel_dtypes(op, student_logp=student_logp, teacher_logp=teacher_logp)
+    return beta, True
+
+
+def _is_view(t: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``rows`` (a reshape of t) is a view of t (no copy was made)."""
+    return rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+class _Plan(plans.Plan):
+    """One validated call shape of ``jsd`` on the Triton path whose student, teacher (and label) reshape to
+    (rows, vocab) (and (rows,)) views: the kernel module and the launches of ``_fwd_impl`` and ``_bwd_impl`` with
+    the same arguments, recorded (``liger_gen.runtime.plans``). The plan takes the tensors in their own shape
+    (the launches view them as rows, as the full path's reshape does)."""
+
+    __slots__ = ("shape", "rows", "vocab", "dtype", "device", "mode", "beta", "ignore_index", "module")
+    BACKWARD = jsd_bwd
+    GRAD_INPUTS = (0,)
+
+    def __init__(self, s: torch.Tensor, beta: float, ignore_index: int):
+        super().__init__(s.device, (beta, ignore_index))
+        self.shape, self.vocab, self.rows = s.shape, s.shape[-1], math.prod(s.shape[:-1])
+        self.dtype, self.device = s.dtype, s.device
+        self.mode, self.beta, self.ignore_index = jsd_mode(beta), beta, ignore_index
+        self.module = kernel_module(JSDSpace, s, self.vocab, self.rows)[0]
+
+    def inputs(self, student_logp, teacher_logp, beta, ignore_index, label):
+        return student_logp, teacher_logp, label
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.rows, self.vocab)
+
+    def forward(self, s, t, label):
+        loss = torch.empty((), dtype=self.dtype, device=self.device)
+        n_valid = torch.empty((), dtype=torch.float32, device=self.device)
+        self.fwd((s, t, label, loss, n_valid), self._launch_fwd, s, t, label, loss, n_valid)
+        return loss, n_valid
+
+    def _launch_fwd(self, s, t, label, loss, n_valid):
+        self.module.forward(self._rows(s), self._rows(t), None if label is None else label.view(self.rows), loss,
+                            n_valid, self.mode, self.beta, self.ignore_index)
+
+    def backward(self, g, n_valid, s, t, label, beta, ignore_index):
+        ds = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        launches = self.launches_for((g.shape, g.stride(), g.dtype))
+        launches((g, n_valid, s, t, label, ds), self._launch_bwd, g, n_valid, s, t, label, ds)
+        return ds
+
+    def _launch_bwd(self, g, n_valid, s, t, label, ds):
+        self.module.backward(g, n_valid, self._rows(s), self._rows(t), None if label is None else label.view(self.rows),
+                             self._rows(ds), self.mode, self.beta, self.ignore_index)
+
+    def result(self, outputs, *args):
+        return outputs[0]
+
+
+def _key(student_logp, teacher_logp, beta, ignore_index, label):
+    if type(ignore_index) is not int:
+        return None
+    # the teacher must not want a gradient while autograd records: its requires_grad is part of the call shape
+    teacher_grad = torch.is_grad_enabled() and type(teacher_logp) in plans.PLAIN and teacher_logp.requires_grad
+    return (plans.meta(student_logp), plans.meta(teacher_logp), plans.meta_or_none(label), plans.number(beta),
+            ignore_index, teacher_grad)
+
+
+def _prepare(student_logp, teacher_logp, beta, ignore_index, label) -> _Plan | None:
+    beta, kernel = _checked(student_logp, teacher_logp, beta, ignore_index, label)
+    if not kernel or not student_logp.numel():
+        return None  # the full path (jsd_torch, or nothing to launch)
+    vocab = student_logp.shape[-1]
+    rows = math.prod(student_logp.shape[:-1])
+    if not (_is_view(student_logp, student_logp.reshape(rows, vocab))
+            and _is_view(teacher_logp, teacher_logp.reshape(rows, vocab))
+            and (label is None or _is_view(label, label.reshape(rows)))):
+        return None  # the full path (copies first)
+    return _Plan(student_logp, beta, ignore_index)
+
+
+def _full(student_logp, teacher_logp, beta, ignore_index, label):
+    beta, kernel = _checked(student_logp, teacher_logp, beta, ignore_index, label)
+    if not kernel:
+        return jsd_torch(student_logp, teacher_logp, beta, ignore_index, label)
+    vocab = student_logp.shape[-1]
+    rows = math.prod(student_logp.shape[:-1])
+    s2d = student_logp.reshape(rows, vocab)
+    t2d = teacher_logp.reshape(rows, vocab)
+    label1d = None if label is None else label.reshape(rows)
+    return jsd_2d(s2d, t2d, label1d, beta, ignore_index)[0]
+
+
+jsd_planned = PlannedOp(jsd_2d, key=_key, prepare=_prepare, full=_full)
+"""``jsd`` (student_logp, teacher_logp, beta, ignore_index, label) through per-call-shape plans
+(``binding.PlannedOp``)."""
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
@@ -322,39 +452,4 @@ def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float = 0.
             leading shape, tensors are on different devices, beta is outside [0, 1], or teacher_logp
             requires a gradient (only the student is differentiated).
     """
-    op = "jsd"
-    for name, value in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
-    if label is not None and not isinstance(label, torch.Tensor):
-        raise TypeError(f"{op}: label must be a tensor or None, got {type(label).__name__}")
-    beta = check_beta(op, beta)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
-    if student_logp.dim() < 1:
-        raise ValueError(f"{op}: student_logp must have a vocab dim (..., vocab); got "
-                         f"{describe('student_logp', student_logp)}")
-    if student_logp.shape != teacher_logp.shape:
-        raise ValueError(f"{op}: student_logp and teacher_logp must have the same shape; got "
-                         f"{describe('student_logp', student_logp)} and {describe('teacher_logp', teacher_logp)}")
-    if label is not None and label.shape != student_logp.shape[:-1]:
-        raise ValueError(f"{op}: label must have student_logp's leading shape {tuple(student_logp.shape[:-1])}; "
-                         f"got {describe('label', label)} and {describe('student_logp', student_logp)}")
-    check_same_device(op, student_logp=student_logp, teacher_logp=teacher_logp, label=label)
-    for name, t in (("student_logp", student_logp), ("teacher_logp", teacher_logp)):
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
-    if label is not None and (label.is_floating_point() or label.is_complex() or label.dtype == torch.bool):
-        raise TypeError(f"{op}: label must be an integer tensor; got {describe('label', label)}")
-    if teacher_logp.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{op}: teacher_logp requires grad, but only student_logp is differentiated; pass "
-                         f"teacher_logp.detach() (got {describe('teacher_logp', teacher_logp)})")
-    if not uses_triton(student_logp):
-        return jsd_torch(student_logp, teacher_logp, beta, ignore_index, label)
-    check_kernel_dtypes(op, student_logp=student_logp, teacher_logp=teacher_logp)
-    vocab = student_logp.shape[-1]
-    rows = math.prod(student_logp.shape[:-1])
-    s2d = student_logp.reshape(rows, vocab)
-    t2d = teacher_logp.reshape(rows, vocab)
-    label1d = None if label is None else label.reshape(rows)
-    return jsd_2d(s2d, t2d, label1d, beta, ignore_index)[0]
+    return jsd_planned(student_logp, teacher_logp, beta, ignore_index, label)

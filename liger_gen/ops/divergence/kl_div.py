@@ -19,7 +19,8 @@ import torch
 from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, VocabProblem, chunk_rows, log_probs, randn
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.divergence.rows import DivergenceSpace, tuning_row_cap, tuning_rows
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime import plans
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
@@ -292,6 +293,124 @@ def kl_div_2d(input: torch.Tensor, target: torch.Tensor, reduction: str, divisor
     return _kl_div_2d(input, target, reduction, divisor, log_target)
 
 
+# ------------------------------------------------------------------------------------------------ eager plan
+
+
+def _checked(input, target, reduction, log_target) -> bool:
+    """``kl_div``'s checks; returns whether the kernels take the call (else ``torch.kl_div``)."""
+    op = "kl_div"
+    for name, value in (("input", input), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(log_target, bool):
+        raise TypeError(f"{op}: log_target must be a bool, got {type(log_target).__name__} {log_target!r}")
+    if input.shape != target.shape:
+        raise ValueError(f"{op}: input and target must have the same shape (no broadcasting); got "
+                         f"{describe('input', input)} and {describe('target', target)}")
+    check_same_device(op, input=input, target=target)
+    for name, t in (("input", input), ("target", target)):
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
+    if not uses_triton(input):
+        return False
+    check_kernel_dtypes(op, input=input, target=target)
+    return True
+
+
+def _rows_vocab(shape: torch.Size) -> tuple[int, int]:
+    """(rows, vocab) of the 2-D layout the kernels see (a 0-d input is one row of one)."""
+    if len(shape) == 0:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _is_view(t: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``rows`` (a reshape of t) is a view of t (no copy was made)."""
+    return rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+class _Plan(plans.Plan):
+    """One validated call shape of ``kl_div`` on the Triton path whose input and target reshape to (rows, vocab)
+    views (any strides: the kernels take them): the kernel module, the output layout and the launches of
+    ``_fwd_impl`` and ``_bwd_impl`` with the same arguments, recorded (``liger_gen.runtime.plans``). The plan
+    takes the tensors in their own shape (the launches view them as rows, as the full path's reshape does)."""
+
+    __slots__ = ("shape", "rows", "vocab", "out_dtype", "input_dtype", "device", "reduce", "divisor",
+                 "log_target", "module")
+    BACKWARD = kl_div_bwd
+    GRAD_INPUTS = (0, 1)
+
+    def __init__(self, input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool):
+        divisor = kl_div_divisor(input.shape, reduction)
+        super().__init__(input.device, (reduction, divisor, log_target))
+        self.shape = input.shape
+        self.rows, self.vocab = _rows_vocab(input.shape)
+        self.out_dtype = torch.promote_types(input.dtype, target.dtype)
+        self.input_dtype, self.device = input.dtype, input.device
+        self.reduce, self.divisor, self.log_target = reduction != "none", divisor, log_target
+        self.module = kernel_module(KLDivSpace, input, self.vocab, self.rows)[0]
+
+    def inputs(self, input, target, reduction, log_target):
+        return input, target
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.rows, self.vocab)
+
+    def forward(self, input, target):
+        out = torch.empty(() if self.reduce else self.shape, dtype=self.out_dtype, device=self.device)
+        self.fwd((input, target, out), self._launch_fwd, input, target, out)
+        return out
+
+    def _launch_fwd(self, input, target, out):
+        self.module.forward(self._rows(input), self._rows(target), out if self.reduce else self._rows(out),
+                            self.log_target, self.reduce, self.divisor)
+
+    def backward(self, g, x, t, reduction, divisor, log_target, input_grad, target_grad, input_dtype):
+        dx = t.new_empty(self.shape if input_grad else (0,), dtype=input_dtype)
+        dt = t.new_empty(self.shape if target_grad else (0,))
+        if not (input_grad or target_grad):
+            return dx, dt
+        launches = self.launches_for((g.shape, g.stride(), g.dtype, x is None, input_grad, target_grad))
+        dx_out, dt_out = dx if input_grad else None, dt if target_grad else None
+        launches((g, x, t, dx_out, dt_out), self._launch_bwd, g, x, t, dx_out, dt_out)
+        return dx, dt
+
+    def _launch_bwd(self, g, x, t, dx, dt):
+        if not self.reduce:  # the gradient of the (..., vocab) loss, as the full path's view hands it on
+            g = g.reshape(self.rows, self.vocab)
+        self.module.backward(g, None if x is None else self._rows(x), self._rows(t),
+                             None if dx is None else self._rows(dx), None if dt is None else self._rows(dt),
+                             self.log_target, self.reduce, self.divisor)
+
+
+def _key(input, target, reduction, log_target):
+    return plans.meta(input), plans.meta(target), plans.exact(reduction), plans.exact(log_target)
+
+
+def _prepare(input, target, reduction, log_target) -> _Plan | None:
+    if not _checked(input, target, reduction, log_target) or not input.numel():
+        return None  # the full path (torch.kl_div, or nothing to launch)
+    rows, vocab = _rows_vocab(input.shape)
+    if not (_is_view(input, input.reshape(rows, vocab)) and _is_view(target, target.reshape(rows, vocab))):
+        return None  # the full path (copies first)
+    return _Plan(input, target, reduction, log_target)
+
+
+def _full(input, target, reduction, log_target):
+    if not _checked(input, target, reduction, log_target):
+        return kl_div_torch(input, target, reduction, log_target)
+    divisor = kl_div_divisor(input.shape, reduction)
+    rows, vocab = _rows_vocab(input.shape)
+    out = kl_div_2d(input.reshape(rows, vocab), target.reshape(rows, vocab), reduction, divisor, log_target)
+    return out.view(input.shape) if reduction == "none" else out
+
+
+kl_div_planned = PlannedOp(_kl_div_2d, key=_key, prepare=_prepare, full=_full)
+"""``kl_div`` (input, target, reduction, log_target) through per-call-shape plans (``binding.PlannedOp``)."""
+
+
 # ------------------------------------------------------------------------------------------------ public op
 
 
@@ -335,26 +454,4 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
         ValueError: input and target shapes differ (no broadcasting), the tensors are on different devices,
             or reduction is unknown.
     """
-    op = "kl_div"
-    for name, value in (("input", input), ("target", target)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(log_target, bool):
-        raise TypeError(f"{op}: log_target must be a bool, got {type(log_target).__name__} {log_target!r}")
-    if input.shape != target.shape:
-        raise ValueError(f"{op}: input and target must have the same shape (no broadcasting); got "
-                         f"{describe('input', input)} and {describe('target', target)}")
-    check_same_device(op, input=input, target=target)
-    for name, t in (("input", input), ("target", target)):
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16; got {describe(name, t)}")
-    if not uses_triton(input):
-        return kl_div_torch(input, target, reduction, log_target)
-    check_kernel_dtypes(op, input=input, target=target)
-    divisor = kl_div_divisor(input.shape, reduction)
-    vocab = input.shape[-1] if input.dim() > 0 else 1
-    rows = math.prod(input.shape[:-1]) if input.dim() > 0 else 1
-    out = kl_div_2d(input.reshape(rows, vocab), target.reshape(rows, vocab), reduction, divisor, log_target)
-    return out.view(input.shape) if reduction == "none" else out
+    return kl_div_planned(input, target, reduction, log_target)

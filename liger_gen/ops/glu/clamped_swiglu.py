@@ -26,7 +26,8 @@ from liger_gen.codegen.problems import Inputs, Problem, chunk_rows, float64_grad
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.glu.glu import GLUProblem, as_rows, check_gate_up_input, check_glu_inputs
 from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace
-from liger_gen.runtime.binding import Differentiable, Kernel, saved
+from liger_gen.runtime import plans
+from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import check_float_arg, kernel_module, uses_triton
 
 _FP32_MAX = 3.4028234663852886e38
@@ -266,7 +267,7 @@ clamped_swiglu_gate_up_2d = Differentiable(clamped_swiglu_gate_up_fwd, _save, _g
                                            reference="liger_gen.reference.clamped_swiglu_gate_up_torch")
 
 
-# ------------------------------------------------------------------------------------------------ public ops
+# ------------------------------------------------------------------------------------------------ input checks
 
 
 def _check_float(op: str, name: str, value, positive: bool) -> float:
@@ -285,6 +286,145 @@ def _shared_column_stride(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.T
     if n > 1 and g.stride(1) != u.stride(1):
         g, u = g.contiguous(), u.contiguous()
     return g, u
+
+
+# ------------------------------------------------------------------------------------------------ eager plans
+
+
+def _checked(gate, up, alpha, limit) -> tuple[float, float, bool]:
+    """``clamped_swiglu``'s checks: alpha and limit as floats, and whether the kernels take the call."""
+    op = "clamped_swiglu"
+    kernel = check_glu_inputs(op, gate, up)
+    return _check_float(op, "alpha", alpha, True), _check_float(op, "limit", limit, True), kernel
+
+
+def _gate_up_checked(gate_up, alpha, limit) -> tuple[float, float, bool]:
+    """``clamped_swiglu_gate_up``'s checks: alpha and limit as floats, and whether the kernels take the call."""
+    op = "clamped_swiglu_gate_up"
+    kernel = check_gate_up_input(op, gate_up)
+    return _check_float(op, "alpha", alpha, True), _check_float(op, "limit", limit, True), kernel
+
+
+def _is_view(t: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``rows`` (a reshape of t) is a view of t (no copy was made)."""
+    return rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+class _Plan(plans.Plan):
+    """One validated call shape of ``clamped_swiglu`` on the Triton path whose (rows, n) views of gate and up
+    share one column stride (as ``_shared_column_stride`` leaves them without a copy): the kernel module, the
+    output layout and the impls' launches, recorded (``liger_gen.runtime.plans``). The plan takes the tensors in
+    their own shape (the launches view them as rows, as the full path's reshape does)."""
+
+    __slots__ = ("shape", "out_shape", "rows", "n_cols", "dtype", "device", "alpha", "limit", "module")
+    BACKWARD = clamped_swiglu_bwd
+    GRAD_INPUTS = (0, 1)
+
+    def __init__(self, gate2d: torch.Tensor, alpha: float, limit: float, shape: torch.Size, out_shape: tuple):
+        super().__init__(gate2d.device, (alpha, limit))
+        self.rows, self.n_cols = gate2d.shape
+        self.shape, self.out_shape = shape, out_shape
+        self.dtype, self.device, self.alpha, self.limit = gate2d.dtype, gate2d.device, alpha, limit
+        self.module = _module(gate2d)
+
+    def inputs(self, *args):
+        return args[:-2]
+
+    def _halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up (or their gradients) as (rows, n_cols) views."""
+        return tensors[0].view(self.rows, self.n_cols), tensors[1].view(self.rows, self.n_cols)
+
+    def forward(self, *tensors):
+        y = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        self.fwd((*tensors, y), self._launch_fwd, tensors, y)
+        return y
+
+    def _launch_fwd(self, tensors, y):
+        self.module.forward(*self._halves(tensors), y.view(self.rows, self.n_cols), self.alpha, self.limit)
+
+    def backward(self, dy, *args):
+        tensors = args[:-2]
+        grads = tuple(torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in tensors)
+        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
+        launches((dy, *tensors, *grads), self._launch_bwd, dy, tensors, grads)
+        return grads
+
+    def _launch_bwd(self, dy, tensors, grads):
+        dy = dy.reshape(self.rows, self.n_cols)
+        if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
+            dy = dy.contiguous()
+        self.module.backward(dy, *self._halves(tensors), *self._halves(grads), self.alpha, self.limit)
+
+
+class _GateUpPlan(_Plan):
+    """``_Plan`` of ``clamped_swiglu_gate_up``: gate and up are the even and odd columns of one gate_up with unit
+    column stride, whose gradient is one interleaved tensor."""
+
+    __slots__ = ()
+    BACKWARD = clamped_swiglu_gate_up_bwd
+    GRAD_INPUTS = (0,)
+
+    def _halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = tensors[0].view(self.rows, 2 * self.n_cols)
+        return packed[:, ::2], packed[:, 1::2]
+
+    def backward(self, dy, *args):
+        return super().backward(dy, *args)[0]
+
+
+def _key(gate, up, alpha, limit):
+    return plans.meta(gate), plans.meta(up), plans.number(alpha), plans.number(limit)
+
+
+def _prepare(gate, up, alpha, limit) -> _Plan | None:
+    alpha, limit, kernel = _checked(gate, up, alpha, limit)
+    if not kernel or not gate.numel():
+        return None  # the full path (the plain-PyTorch path, or nothing to launch)
+    g, u = _shared_column_stride(gate, up)
+    if not (_is_view(gate, g) and _is_view(up, u)):
+        return None  # the full path (copies first)
+    return _Plan(g, alpha, limit, gate.shape, gate.shape)
+
+
+def _full(gate, up, alpha, limit):
+    alpha, limit, kernel = _checked(gate, up, alpha, limit)
+    if not kernel:
+        return clamped_swiglu_torch(gate, up, alpha, limit).contiguous()
+    g, u = _shared_column_stride(gate, up)
+    return clamped_swiglu_2d(g, u, alpha, limit).view(gate.shape)
+
+
+def _gate_up_key(gate_up, alpha, limit):
+    return plans.meta(gate_up), plans.number(alpha), plans.number(limit)
+
+
+def _gate_up_prepare(gate_up, alpha, limit) -> _GateUpPlan | None:
+    alpha, limit, kernel = _gate_up_checked(gate_up, alpha, limit)
+    if not kernel or not gate_up.numel():
+        return None  # the full path (the plain-PyTorch path, or nothing to launch)
+    width = gate_up.shape[-1]
+    packed = as_rows(gate_up, width)
+    if not _is_view(gate_up, packed) or packed.stride(-1) != 1:
+        return None  # the full path (copies first)
+    return _GateUpPlan(packed[:, ::2], alpha, limit, gate_up.shape, (*gate_up.shape[:-1], width // 2))
+
+
+def _gate_up_full(gate_up, alpha, limit):
+    alpha, limit, kernel = _gate_up_checked(gate_up, alpha, limit)
+    if not kernel:
+        return clamped_swiglu_gate_up_torch(gate_up, alpha, limit).contiguous()
+    width = gate_up.shape[-1]
+    return clamped_swiglu_gate_up_2d(as_rows(gate_up, width), alpha, limit).view(*gate_up.shape[:-1], width // 2)
+
+
+clamped_swiglu_planned = PlannedOp(clamped_swiglu_2d, key=_key, prepare=_prepare, full=_full)
+"""``clamped_swiglu`` (gate, up, alpha, limit) through per-call-shape plans (``binding.PlannedOp``)."""
+clamped_swiglu_gate_up_planned = PlannedOp(clamped_swiglu_gate_up_2d, key=_gate_up_key, prepare=_gate_up_prepare,
+                                           full=_gate_up_full)
+"""``clamped_swiglu_gate_up`` (gate_up, alpha, limit) through per-call-shape plans (``binding.PlannedOp``)."""
+
+
+# ------------------------------------------------------------------------------------------------ public ops
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = GPT_OSS_ALPHA,
@@ -315,13 +455,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = GPT_OSS_
         ValueError: gate is 0-dim, the shapes differ, the tensors are on different devices, alpha or limit not
             finite, > 0 and within float32's range.
     """
-    op = "clamped_swiglu"
-    kernel = check_glu_inputs(op, gate, up)
-    alpha, limit = _check_float(op, "alpha", alpha, True), _check_float(op, "limit", limit, True)
-    if not kernel:
-        return clamped_swiglu_torch(gate, up, alpha, limit).contiguous()
-    g, u = _shared_column_stride(gate, up)
-    return clamped_swiglu_2d(g, u, alpha, limit).view(gate.shape)
+    return clamped_swiglu_planned(gate, up, alpha, limit)
 
 
 def clamped_swiglu_gate_up(gate_up: torch.Tensor, alpha: float = GPT_OSS_ALPHA,
@@ -342,10 +476,4 @@ def clamped_swiglu_gate_up(gate_up: torch.Tensor, alpha: float = GPT_OSS_ALPHA,
         TypeError: gate_up not a floating tensor, float64 on the kernel path, alpha or limit not a real number.
         ValueError: gate_up is 0-dim or its last dim is odd; alpha or limit not finite and > 0.
     """
-    op = "clamped_swiglu_gate_up"
-    kernel = check_gate_up_input(op, gate_up)
-    alpha, limit = _check_float(op, "alpha", alpha, True), _check_float(op, "limit", limit, True)
-    if not kernel:
-        return clamped_swiglu_gate_up_torch(gate_up, alpha, limit).contiguous()
-    width = gate_up.shape[-1]
-    return clamped_swiglu_gate_up_2d(as_rows(gate_up, width), alpha, limit).view(*gate_up.shape[:-1], width // 2)
+    return clamped_swiglu_gate_up_planned(gate_up, alpha, limit)
