@@ -34,7 +34,7 @@ def test_clock_summary_counts_only_busy_well_formed_samples(tmp_path):
     assert row[0] == "clocks_run" and int(row[1]) == len(busy)
     assert float(row[2]) == round(statistics.median(c for c, _, _ in busy))
     assert float(row[3]) == min(c for c, _, _ in busy)
-    assert abs(float(row[4]) - statistics.median(p for _, p, _ in busy)) <= 0.05
+    assert abs(float(row[4]) - statistics.median(p for _, p, _ in busy)) <= 0.05 + 1e-9  # printed to 0.1 W
     assert float(row[5]) == max(t for _, _, t in busy)
     empty = tmp_path / "none.csv"
     empty.write_text("garbage\n")
