@@ -368,7 +368,8 @@ def show(gpu, show_trials, ops, detail, as_json) -> None:
     if gpu is None:
         visible = current_gpu()
         if visible is None:
-            raise click.ClickException("no CUDA GPU is visible: name one with --gpu (e.g. --gpu h200)")
+            raise NeedsGPU("no CUDA GPU is visible: name the GPU whose tables to show, e.g. "
+                           "`liger-gen show --gpu h200`")
         gpu = visible[0]
     from liger_gen.verify import compiled_kernels_per_op
 

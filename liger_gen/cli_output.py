@@ -66,7 +66,12 @@ def error_document(command: str, exc: click.ClickException) -> dict[str, Any]:
     kind = "usage" if usage else "no-gpu" if isinstance(exc, NeedsGPU) else "error"
     return document(command, exit_code=exc.exit_code,
                     error={"kind": kind, "message": message, "param": param.strip("'\"") if param else None,
-                           "hints": HINT.findall(" ".join(message.split()))})
+                           "hints": hints(command, message)})
+
+
+def hints(command: str, message: str) -> list[str]:
+    """The commands a message suggests (in backticks), less a bare mention of the command that failed."""
+    return [h for h in HINT.findall(" ".join(message.split())) if h.strip() != f"liger-gen {command}"]
 
 
 def emit(doc: dict[str, Any]) -> None:

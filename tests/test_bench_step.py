@@ -502,3 +502,13 @@ def test_tiny_cpu_run_plain_vs_liger_gen(tmp_path):
     assert data["models"]["tiny"]["config"]["hidden_size"] == 64
     assert data["models"]["tiny"]["providers"]["liger-gen"]["losses"] == lg["losses"]
     assert "pass" in console.export_text()
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_the_recorded_command_carries_the_interpreter_variable(interpret, monkeypatch):
+    """A run of the kernels in the interpreter records ``TRITON_INTERPRET=1`` in its command: the same line
+    without it times the plain-PyTorch path, another run."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(sys, "argv", ["liger-gen", "bench-step", "--device", "cpu", "--model", "tiny"])
+    command = step.run_metadata(torch.device("cpu"), None)["command"]
+    assert command == ("TRITON_INTERPRET=1 " if interpret == "1" else "") + "liger-gen bench-step --device cpu --model tiny"

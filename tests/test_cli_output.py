@@ -178,6 +178,20 @@ def test_gpu_commands_refuse_with_a_json_error_document(command):
     assert f"liger-gen {command} --gpu h200 --model tiny" in doc["error"]["hints"]
 
 
+def test_show_without_a_gpu_names_the_option_as_a_no_gpu_hint(monkeypatch):
+    """``show`` on a machine without a GPU: kind no-gpu, and the hint is the command to run (not the bare command
+    that failed, which no hint list repeats)."""
+    import liger_gen.runtime.devices as devices
+
+    monkeypatch.setattr(devices, "current_gpu", lambda *a, **k: None)
+    result = CliRunner().invoke(main, ["show", "--json"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 1 and doc["error"]["kind"] == "no-gpu"
+    assert doc["error"]["hints"] == ["liger-gen show --gpu h200"]
+    bench = json.loads(CliRunner().invoke(main, ["bench-step", "--json"]).stdout)["error"]["hints"]
+    assert bench and "liger-gen bench-step" not in bench
+
+
 def test_a_usage_error_under_json_is_a_json_document():
     result = CliRunner().invoke(main, ["bench", "--device", "cpu", "--model", "tiny", "--ops", "softmax9", "--json"])
     assert result.exit_code == 2

@@ -285,7 +285,7 @@ def test_fp8_linear_propagates_nan_and_inf(cpu_path):
     ((torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16),
       torch.zeros(8, dtype=torch.bfloat16)), ValueError, ["bias must be (16,)", "bias of shape (8,)"]),
     ((torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16), None, "e4m3"),
-     TypeError, ["recipe_", "Float8Recipe", "str"]),
+     TypeError, ["recipe must be", "Float8Recipe", "str"]),
     ((torch.zeros(4, 32, dtype=torch.bfloat16, device="meta"), torch.zeros(16, 32, dtype=torch.bfloat16,
                                                                            device="meta")),
      RuntimeError, ["not on meta", "x of shape (4, 32), dtype torch.bfloat16, device meta"]),

@@ -626,7 +626,10 @@ def run_metadata(device: torch.device, command: str | None) -> dict[str, Any]:
 
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        # the interpreter's variable is part of the command: without it the same line times the plain path
+        "command": command if command is not None else " ".join(
+            (["TRITON_INTERPRET=1"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+            + [Path(sys.argv[0]).name, *sys.argv[1:]]),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cpu": platform.processor() or platform.machine(),

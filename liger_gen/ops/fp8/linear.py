@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from liger_gen.ops.fp8.quantize import FORMAT_NAMES, FORMATS, quantize_2d
-from liger_gen.runtime import fp8 as recipe
+from liger_gen.runtime import fp8 as fp8r
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import check_same_device, check_tensor, describe, transforms_active, use_custom_op
 
@@ -32,25 +32,25 @@ WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 def fp8_linear_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The forward as the recipe defines it, in float64: the dequantized operands' product (x's rows and W's rows
     quantized to e4m3 by ``quantize_reference``), plus the bias. x (..., K), weight (N, K) → (..., N) float64."""
-    xq, xd = recipe.quantize_reference(x.reshape(-1, x.shape[-1]), -1)
-    wq, wd = recipe.quantize_reference(weight, -1)
-    y = recipe.dequantize(xq, xd) @ recipe.dequantize(wq, wd).t()
+    xq, xd = fp8r.quantize_reference(x.reshape(-1, x.shape[-1]), -1)
+    wq, wd = fp8r.quantize_reference(weight, -1)
+    y = fp8r.dequantize(xq, xd) @ fp8r.dequantize(wq, wd).t()
     if bias is not None:
         y = y + bias.double()
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear_grads_float64(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor,
-                             grad_dtype: torch.dtype = recipe.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+                             grad_dtype: torch.dtype = fp8r.E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW) as the recipe defines them, in float64: dx from dy's rows and W's columns, dW from dy's and x's
     columns (over the tokens), each operand quantized by ``quantize_reference``."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dyq, dyd = recipe.quantize_reference(dy2, -1, grad_dtype)
-    wq, wd = recipe.quantize_reference(weight, 0)
-    dx = recipe.dequantize(dyq, dyd) @ recipe.dequantize(wq, wd)
-    dytq, dytd = recipe.quantize_reference(dy2, 0, grad_dtype)
-    xq, xd = recipe.quantize_reference(x2, 0)
-    dw = recipe.dequantize(dytq, dytd).t() @ recipe.dequantize(xq, xd)
+    dyq, dyd = fp8r.quantize_reference(dy2, -1, grad_dtype)
+    wq, wd = fp8r.quantize_reference(weight, 0)
+    dx = fp8r.dequantize(dyq, dyd) @ fp8r.dequantize(wq, wd)
+    dytq, dytd = fp8r.quantize_reference(dy2, 0, grad_dtype)
+    xq, xd = fp8r.quantize_reference(x2, 0)
+    dw = fp8r.dequantize(dytq, dytd).t() @ fp8r.dequantize(xq, xd)
     return dx.reshape(x.shape), dw
 
 
@@ -67,13 +67,13 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if xq is None or xd is None:
         xq, xd = quantize_2d(x, "rows", "e4m3")
     wq, wd = quantize_2d(weight if weight.stride(-1) == 1 else weight.contiguous(), "rows", "e4m3")
-    y = recipe.scaled_mm(xq, xd, wq.t(), wd.t(), OUT_DTYPE)
+    y = fp8r.scaled_mm(xq, xd, wq.t(), wd.t(), OUT_DTYPE)
     if bias is not None:
         y += bias.to(OUT_DTYPE)
     if keep_fp8 and xtq is None:
         xtq, xtd = quantize_2d(x, "cols", "e4m3")
     else:
-        xtq, xtd = x.new_empty((0,), dtype=recipe.E4M3), x.new_empty((0,), dtype=torch.float32)
+        xtq, xtd = x.new_empty((0,), dtype=fp8r.E4M3), x.new_empty((0,), dtype=torch.float32)
     return y, xtq, xtd
 
 
@@ -88,14 +88,14 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, xtq: torch.Tensor, xtd: 
     if need_dx:
         dyq, dyd = quantize_2d(dy, "rows", grad_fp8)
         wtq, wtd = quantize_2d(weight if weight.stride(-1) == 1 else weight.contiguous(), "cols", "e4m3")
-        dx = recipe.scaled_mm(dyq, dyd, wtq.t(), wtd.t(), OUT_DTYPE)  # (K, N) W: N is a multiple of 16, no padding
+        dx = fp8r.scaled_mm(dyq, dyd, wtq.t(), wtd.t(), OUT_DTYPE)  # (K, N) W: N is a multiple of 16, no padding
     else:
         dx = dy.new_empty((0,), dtype=OUT_DTYPE)
     if need_dw and m and weight.shape[1]:  # (no features: xtq is empty, which is not "not kept"; dW is (N, 0))
         dytq, dytd = quantize_2d(dy, "cols", grad_fp8)
         if xtq.numel() == 0:
             xtq, xtd = quantize_2d(x, "cols", "e4m3")
-        dw = recipe.scaled_mm(dytq, dytd, xtq.t(), xtd.t(), OUT_DTYPE).to(weight.dtype)
+        dw = fp8r.scaled_mm(dytq, dytd, xtq.t(), xtd.t(), OUT_DTYPE).to(weight.dtype)
     else:
         dw = torch.zeros_like(weight) if need_dw else weight.new_empty((0,))
     db = dy.sum(0, dtype=torch.float32) if need_bias else dy.new_empty((0,), dtype=torch.float32)
@@ -106,8 +106,8 @@ def _fwd_fake(x, weight, bias, keep_fp8, grad_fp8, xq=None, xd=None, xtq=None, x
     m, k = x.shape
     if keep_fp8 and xtq is None:
         return (x.new_empty((m, weight.shape[0]), dtype=OUT_DTYPE),
-                x.new_empty((k, recipe.padded(m)), dtype=recipe.E4M3), x.new_empty((k, 1), dtype=torch.float32))
-    return (x.new_empty((m, weight.shape[0]), dtype=OUT_DTYPE), x.new_empty((0,), dtype=recipe.E4M3),
+                x.new_empty((k, fp8r.padded(m)), dtype=fp8r.E4M3), x.new_empty((k, 1), dtype=torch.float32))
+    return (x.new_empty((m, weight.shape[0]), dtype=OUT_DTYPE), x.new_empty((0,), dtype=fp8r.E4M3),
             x.new_empty((0,), dtype=torch.float32))
 
 
@@ -161,51 +161,51 @@ def check_fp8_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch
         check_tensor(op, "bias", bias, dtypes=WEIGHT_DTYPES)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"{op}: bias must be ({weight.shape[0]},); got {describe('bias', bias)}")
-    reason = recipe.gemm_dims_reason(weight.shape[1], weight.shape[0])
+    reason = fp8r.gemm_dims_reason(weight.shape[1], weight.shape[0])
     if reason:
         raise ValueError(f"{op}: the FP8 GEMM cannot take {describe('weight', weight)}: {reason}")
     check_same_device(op, x=x, weight=weight, bias=bias)
     # the device's capability is a host fact: checked in eager calls (torch.compile's trace would record a probe)
-    reason = None if torch.compiler.is_compiling() else recipe.fp8_unsupported_reason(x.device)
+    reason = None if torch.compiler.is_compiling() else fp8r.fp8_unsupported_reason(x.device)
     if reason:
         raise RuntimeError(f"{op}: {reason} ({describe('x', x)}); use torch.nn.functional.linear")
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               recipe_: recipe.Float8Recipe | None = None) -> torch.Tensor:
+               recipe: fp8r.Float8Recipe | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with its forward and backward GEMMs in FP8 (``torch._scaled_mm``).
 
     ``y = x · Wᵀ + b``, with x quantized per token, W per out-feature (forward), dy per token and W per
     in-feature (input gradient), dy and x per feature over the tokens (weight gradient): e4m3 operands (the
-    gradients' format is ``recipe_.grad_dtype``) with dynamic power-of-two scales; the recipe is
+    gradients' format is ``recipe.grad_dtype``) with dynamic power-of-two scales; the recipe is
     ``liger_gen.runtime.fp8``'s, as torchao's "rowwise" float8 training recipe.
 
     Args:
         x: (..., K) bfloat16, any strides.
         weight: (N, K) bfloat16 or float32 (quantized from its own dtype); K and N multiples of 16.
         bias: (N,) or None.
-        recipe_: a ``Float8Recipe`` (None: the defaults).
+        recipe: a ``Float8Recipe`` (None: the defaults).
 
     Returns:
         y (..., N) bfloat16; differentiable in x, weight and bias (dW in weight's dtype).
 
     Raises:
-        TypeError: x not bfloat16, weight or bias not bfloat16/float32, recipe_ not a Float8Recipe.
+        TypeError: x not bfloat16, weight or bias not bfloat16/float32, recipe not a Float8Recipe.
         ValueError: weight not (N, K) for x's K, K or N not a multiple of 16, bias not (N,), tensors on
             different devices.
         RuntimeError: the device has no FP8 GEMM (a GPU before compute capability 8.9).
     """
     op = "fp8_linear"
-    if recipe_ is None:
-        recipe_ = DEFAULT_RECIPE
-    elif not isinstance(recipe_, recipe.Float8Recipe):
-        raise TypeError(f"{op}: recipe_ must be a liger_gen.Float8Recipe, got {type(recipe_).__name__}")
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    elif not isinstance(recipe, fp8r.Float8Recipe):
+        raise TypeError(f"{op}: recipe must be a liger_gen.Float8Recipe, got {type(recipe).__name__}")
     check_fp8_linear(op, x, weight, bias)
-    return linear_2d_call(x, weight, bias, recipe_)
+    return linear_2d_call(x, weight, bias, recipe)
 
 
 def linear_2d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   recipe_: recipe.Float8Recipe, source: torch.Tensor | None = None) -> torch.Tensor:
+                   recipe: fp8r.Float8Recipe, source: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_linear`` after its checks: flatten the leading dims, quantize x once for the projections that share
     it (``shared_operands``; ``source``: the tensor x was cast from, which the projections share under
     autocast), run the op, restore the leading dims."""
@@ -214,9 +214,9 @@ def linear_2d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     # the token-axis copy serves the weight gradient only: not kept for a frozen weight or without autograd
-    keep = recipe_.keep_fp8_for_backward and weight.requires_grad and torch.is_grad_enabled()
+    keep = recipe.keep_fp8_for_backward and weight.requires_grad and torch.is_grad_enabled()
     shared = shared_operands(x if source is None else source, x2, keep)
-    y = fp8_linear_2d(x2, weight, bias, keep, FORMAT_NAMES[recipe_.grad_dtype], *shared)[0]
+    y = fp8_linear_2d(x2, weight, bias, keep, FORMAT_NAMES[recipe.grad_dtype], *shared)[0]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -277,5 +277,5 @@ LAST_INPUT = _LastInput()
 shared_operands = LAST_INPUT.lookup
 
 
-DEFAULT_RECIPE = recipe.Float8Recipe()
+DEFAULT_RECIPE = fp8r.Float8Recipe()
 __all__ = ["fp8_linear", "fp8_linear_float64", "fp8_linear_grads_float64", "FORMATS"]
