@@ -225,6 +225,18 @@ def test_cpu_tables_say_functional_run(runs):
     assert first.startswith("functional run on the CPU (") and "not performance" in first
 
 
+def test_cpu_tables_show_no_rate_or_share_of_a_gpu_ceiling(runs):
+    """A functional run's times are the host's: the table leaves out the rate and the % SOL, which a GPU run of
+    the same results shows."""
+    from liger_gen.bench import report
+
+    data = runs["bench --json"].document()["result"]
+    rows = report.table_rows(data)
+    assert rows and all(r["rate"] == "-" and r["% SOL"] == "-" for r in rows)
+    gpu = {**data, "functional_run": False, "functional_run_reason": None, "meta": {**data["meta"], "device": "cuda"}}
+    assert any(r["% SOL"] != "-" for r in report.table_rows(gpu))
+
+
 def test_cpu_json_and_plot_caption_say_functional_run(runs):
     from liger_gen.bench import report
 

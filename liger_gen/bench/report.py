@@ -273,7 +273,10 @@ def table_rows(data: dict) -> list[dict[str, str]]:
     ``rate`` is GB/s for memory-bound ops and TFLOP/s for ops with flops; ``% SOL`` is the matching share of
     the copy or matmul ceiling. ``vs compile`` / ``vs liger`` are kernel-time speed-ups. A result above its
     tolerance gets "WRONG" after its error; a provider that did not run shows its status in place of numbers.
+    A functional run (``functional_note``: the CPU) shows no rate and no % SOL: its times are the interpreter's or
+    plain PyTorch's on the host, which no GPU ceiling measures.
     """
+    functional = functional_note(data) is not None
     rows = []
     for res in data.get("results", []):
         timing = res.get("kernel") or {}
@@ -291,9 +294,9 @@ def table_rows(data: dict) -> list[dict[str, str]]:
             "wall ms": _fmt(res.get("wall_ms"), ".4f"),
             "host ms": _fmt(res.get("host_overhead_ms"), ".4f"),
             "peak MiB": _fmt(peak / 2**20 if peak is not None else None, ",.1f"),
-            "rate": (_rate(res.get("tflops")) + " TFLOP/s") if flops else
+            "rate": "-" if functional else (_rate(res.get("tflops")) + " TFLOP/s") if flops else
                     (_rate(res.get("gbps")) + " GB/s" if res.get("gbps") is not None else "-"),
-            "% SOL": _fmt(res.get("pct_matmul") if flops else res.get("pct_copy"), ".1f"),
+            "% SOL": "-" if functional else _fmt(res.get("pct_matmul") if flops else res.get("pct_copy"), ".1f"),
             "vs compile": _fmt((speed.get("torch-compile") or {}).get("kernel"), ".2f", "-"),
             "vs liger": _fmt((speed.get("liger-kernel") or {}).get("kernel"), ".2f", "-"),
             "max rel err": err,
