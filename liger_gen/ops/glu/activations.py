@@ -1,6 +1,7 @@
 """The activations of the GLU family and their references: ``act(gate) · up`` in plain PyTorch (each as
 transformers writes it) and in float64, shared by the GLU ops (``glu``), the experts (``moe``) and
-``liger_gen.reference``; imports none of the family's ops.
+``liger_gen.reference``; and ``GLUPlan``, the per-call-shape plan of the elementwise GLU kernels (``glu``,
+``clamped_swiglu``). Imports none of the family's ops.
 
     act = silu (SwiGLU) | gelu, gelu_tanh (GeGLU)
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from liger_gen.runtime import plans
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # the template's spellings
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -74,3 +77,55 @@ def geglu_torch(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh")
 def geglu_float64(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """Exact ``gelu(gate) · up`` in float64 (the tanh approximation when ``approximate="tanh"``)."""
     return glu_float64(gate, up, gelu_activation("geglu", approximate))
+
+
+class GLUPlan(plans.Plan):
+    """One validated call shape of an elementwise GLU op on the Triton path (``glu``'s SwiGLU/GeGLU,
+    ``clamped_swiglu``), whose gate and up (or packed gate_up) reshape to row views: the kernel module, the output
+    layout and the launches of its ``forward(gate, up, y, *extra)`` / ``backward(dy, gate, up, dgate, dup,
+    *extra)``, recorded (``liger_gen.runtime.plans``). The plan takes the tensors in their own shape (the
+    launches view them as rows): no view nodes around the op.
+
+    An op's subclass sets ``BACKWARD`` and ``GRAD_INPUTS``; a packed form sets ``PACKED`` (one gate_up in, its
+    gradient one tensor out) and ``halves`` (how gate and up sit in the packed rows). ``tail`` is the op's
+    trailing scalar arguments, ``extra`` what its kernels take after the tensors.
+    """
+
+    __slots__ = ("shape", "out_shape", "rows", "n_cols", "dtype", "device", "module", "extra")
+    PACKED = False
+
+    def __init__(self, gate2d: torch.Tensor, module, tail: tuple, extra: tuple, shape: torch.Size,
+                 out_shape: tuple):
+        super().__init__(gate2d.device, tail)
+        self.rows, self.n_cols = gate2d.shape  # gate (or gate_up's first half) as (rows, n_cols)
+        self.shape, self.out_shape = shape, out_shape
+        self.dtype, self.device = gate2d.dtype, gate2d.device
+        self.module, self.extra = module, extra
+
+    def inputs(self, *args):
+        return args[:len(args) - len(self.tail)]
+
+    def halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up (or their gradients) as (rows, n_cols) views."""
+        return tensors[0].view(self.rows, self.n_cols), tensors[1].view(self.rows, self.n_cols)
+
+    def forward(self, *tensors):
+        y = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        self.fwd((*tensors, y), self._launch_fwd, tensors, y)
+        return y
+
+    def _launch_fwd(self, tensors, y):
+        self.module.forward(*self.halves(tensors), y.view(self.rows, self.n_cols), *self.extra)
+
+    def backward(self, dy, *args):
+        tensors = self.inputs(*args)
+        grads = tuple(torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in tensors)
+        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
+        launches((dy, *tensors, *grads), self._launch_bwd, dy, tensors, grads)
+        return grads[0] if self.PACKED else grads
+
+    def _launch_bwd(self, dy, tensors, grads):
+        dy = dy.reshape(self.rows, self.n_cols)
+        if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
+            dy = dy.contiguous()
+        self.module.backward(dy, *self.halves(tensors), *self.halves(grads), *self.extra)

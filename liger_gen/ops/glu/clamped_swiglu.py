@@ -24,6 +24,7 @@ import torch
 
 from liger_gen.codegen.problems import Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.glu.activations import GLUPlan
 from liger_gen.ops.glu.glu import GLUProblem, as_rows, check_gate_up_input, check_glu_inputs
 from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace
 from liger_gen.runtime import plans
@@ -310,50 +311,17 @@ def _is_view(t: torch.Tensor, rows: torch.Tensor) -> bool:
     return rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
-class _Plan(plans.Plan):
-    """One validated call shape of ``clamped_swiglu`` on the Triton path whose (rows, n) views of gate and up
-    share one column stride (as ``_shared_column_stride`` leaves them without a copy): the kernel module, the
-    output layout and the impls' launches, recorded (``liger_gen.runtime.plans``). The plan takes the tensors in
-    their own shape (the launches view them as rows, as the full path's reshape does)."""
+class _Plan(GLUPlan):
+    """``GLUPlan`` of ``clamped_swiglu`` whose (rows, n) views of gate and up share one column stride (as
+    ``_shared_column_stride`` leaves them without a copy); alpha and limit are its tail and its kernels' extra
+    arguments."""
 
-    __slots__ = ("shape", "out_shape", "rows", "n_cols", "dtype", "device", "alpha", "limit", "module")
+    __slots__ = ()
     BACKWARD = clamped_swiglu_bwd
     GRAD_INPUTS = (0, 1)
 
     def __init__(self, gate2d: torch.Tensor, alpha: float, limit: float, shape: torch.Size, out_shape: tuple):
-        super().__init__(gate2d.device, (alpha, limit))
-        self.rows, self.n_cols = gate2d.shape
-        self.shape, self.out_shape = shape, out_shape
-        self.dtype, self.device, self.alpha, self.limit = gate2d.dtype, gate2d.device, alpha, limit
-        self.module = _module(gate2d)
-
-    def inputs(self, *args):
-        return args[:-2]
-
-    def _halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate and up (or their gradients) as (rows, n_cols) views."""
-        return tensors[0].view(self.rows, self.n_cols), tensors[1].view(self.rows, self.n_cols)
-
-    def forward(self, *tensors):
-        y = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        self.fwd((*tensors, y), self._launch_fwd, tensors, y)
-        return y
-
-    def _launch_fwd(self, tensors, y):
-        self.module.forward(*self._halves(tensors), y.view(self.rows, self.n_cols), self.alpha, self.limit)
-
-    def backward(self, dy, *args):
-        tensors = args[:-2]
-        grads = tuple(torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in tensors)
-        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
-        launches((dy, *tensors, *grads), self._launch_bwd, dy, tensors, grads)
-        return grads
-
-    def _launch_bwd(self, dy, tensors, grads):
-        dy = dy.reshape(self.rows, self.n_cols)
-        if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
-            dy = dy.contiguous()
-        self.module.backward(dy, *self._halves(tensors), *self._halves(grads), self.alpha, self.limit)
+        super().__init__(gate2d, _module(gate2d), (alpha, limit), (alpha, limit), shape, out_shape)
 
 
 class _GateUpPlan(_Plan):
@@ -363,13 +331,11 @@ class _GateUpPlan(_Plan):
     __slots__ = ()
     BACKWARD = clamped_swiglu_gate_up_bwd
     GRAD_INPUTS = (0,)
+    PACKED = True
 
-    def _halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    def halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
         packed = tensors[0].view(self.rows, 2 * self.n_cols)
         return packed[:, ::2], packed[:, 1::2]
-
-    def backward(self, dy, *args):
-        return super().backward(dy, *args)[0]
 
 
 def _key(gate, up, alpha, limit):

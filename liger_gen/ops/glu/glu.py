@@ -26,7 +26,7 @@ from torch.nn.modules import module as nn_module  # the global hook registries
 
 from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, act_torch, gelu_activation, glu_float64,
+from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, GLUPlan, act_torch, gelu_activation, glu_float64,
                                            glu_gate_up_torch, glu_torch)
 from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace
 from liger_gen.runtime import plans
@@ -321,52 +321,17 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ eager plans
 
 
-class _Plan(plans.Plan):
-    """One validated call shape of ``swiglu``/``geglu`` on the Triton path whose rows of gate and up are views:
-    the kernel module, the output layout and the impls' launches, recorded (``liger_gen.runtime.plans``). The
-    plan takes the tensors in their own shape (the launches view them as rows): no view nodes around the op."""
+class _Plan(GLUPlan):
+    """``GLUPlan`` of ``swiglu``/``geglu``: the activation is the plan's tail (rendered into its kernels)."""
 
-    __slots__ = ("shape", "out_shape", "rows", "n_cols", "dtype", "device", "activation", "module")
+    __slots__ = ()
     BACKWARD = glu_bwd
     GRAD_INPUTS = (0, 1)
-    PACKED = False
 
     def __init__(self, gate: torch.Tensor, activation: str, shape: torch.Size, out_shape: tuple):
-        super().__init__(gate.device, (activation,))
-        self.rows, self.n_cols = gate.shape  # gate (or gate_up's first half) as (rows, n_cols)
-        self.shape, self.out_shape = shape, out_shape
-        self.dtype, self.device, self.activation = gate.dtype, gate.device, activation
-        self.module = kernel_module(_SPACE_OF[activation], gate, self.n_cols, self.rows, activation=activation)[0]
-
-    def inputs(self, *args):
-        return args[:-1]
-
-    def _halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate and up (or their gradients) as (rows, n_cols) views."""
-        if self.PACKED:
-            return _split(tensors[0].view(self.rows, 2 * self.n_cols))
-        return tensors[0].view(self.rows, self.n_cols), tensors[1].view(self.rows, self.n_cols)
-
-    def forward(self, *tensors):
-        y = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        self.fwd((*tensors, y), self._launch_fwd, tensors, y)
-        return y
-
-    def _launch_fwd(self, tensors, y):
-        self.module.forward(*self._halves(tensors), y.view(self.rows, self.n_cols))
-
-    def backward(self, dy, *args):
-        tensors = args[:-1]
-        grads = tuple(torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in tensors)
-        launches = self.launches_for((dy.shape, dy.stride(), dy.dtype))
-        launches((dy, *tensors, *grads), self._launch_bwd, dy, tensors, grads)
-        return grads[0] if self.PACKED else grads
-
-    def _launch_bwd(self, dy, tensors, grads):
-        dy = dy.reshape(self.rows, self.n_cols)
-        if dy.stride(-1) != 1:  # e.g. the expanded gradient of y.sum()
-            dy = dy.contiguous()
-        self.module.backward(dy, *self._halves(tensors), *self._halves(grads))
+        rows, n_cols = gate.shape
+        module = kernel_module(_SPACE_OF[activation], gate, n_cols, rows, activation=activation)[0]
+        super().__init__(gate, module, (activation,), (), shape, out_shape)
 
 
 class _GateUpPlan(_Plan):
@@ -377,6 +342,9 @@ class _GateUpPlan(_Plan):
     BACKWARD = glu_gate_up_bwd
     GRAD_INPUTS = (0,)
     PACKED = True
+
+    def halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        return _split(tensors[0].view(self.rows, 2 * self.n_cols))
 
 
 def _op_name(activation: str, packed: bool) -> str:
