@@ -26,8 +26,8 @@ import liger_gen
 from liger_gen.training import byte_tokens, make_batches, make_optimizer, sync
 
 PROVIDERS = ("bf16", "liger-gen-fp8", "torchao-fp8")
-# ≈150 M parameters with a byte vocabulary (12 layers of 768 / 2048): big enough that the projections dominate
-MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+# 136 M parameters with a byte vocabulary (12 layers of 1024 / 2816): big enough that the projections dominate
+MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=256, max_position_embeddings=4096)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
@@ -59,9 +59,18 @@ def prepare(provider: str, model):
     raise ValueError(f"unknown provider {provider!r}; known: {', '.join(PROVIDERS)}")
 
 
-def train(provider: str, fields: dict, batches: torch.Tensor, lr: float, device: torch.device, seed: int):
+def schedule(step: int, steps: int, warmup: int) -> float:
+    """The learning-rate factor: linear warm-up over ``warmup`` steps, then a cosine decay to 10% at the end."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def train(provider: str, fields: dict, batches: torch.Tensor, lr: float, warmup: int, device: torch.device,
+          seed: int):
     model = prepare(provider, build(fields, device, seed))
     optimizer = make_optimizer(model, lr, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step, len(batches), warmup))
     losses = []
     start = time.perf_counter()
     for ids in batches:
@@ -69,6 +78,7 @@ def train(provider: str, fields: dict, batches: torch.Tensor, lr: float, device:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     sync(device)
@@ -99,7 +109,8 @@ def main() -> int:
     parser.add_argument("--tail", type=int, default=50, help="steps whose mean loss is compared")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=50, help="warm-up steps (then a cosine decay to 10%%)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer 64-wide model (a CPU smoke run)")
@@ -112,12 +123,13 @@ def main() -> int:
     batches = make_batches(byte_tokens(), args.steps, args.batch_size, seq_len, seed=args.seed)
     curves, seconds = {}, {}
     for provider in providers:
-        curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, device, args.seed)
+        curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, args.warmup, device,
+                                                            args.seed)
     tail = min(args.tail, args.steps)
     means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     title = (f"Llama {fields['num_hidden_layers']}x{fields['hidden_size']}, {args.steps} steps of "
-             f"{args.batch_size}x{seq_len} bytes, AdamW lr {args.lr}")
+             f"{args.batch_size}x{seq_len} bytes, AdamW lr {args.lr} (warm-up {args.warmup}, cosine)")
     result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
               else "cpu", "torch": torch.__version__, "model": fields, "steps": args.steps, "tail": tail,
               "losses": curves, "tail_mean": means, "seconds": seconds}

@@ -37,6 +37,10 @@ from liger_gen.training import byte_tokens, make_batches
 from conftest import CPU_PATHS, seeded
 from mini_models import mini_model
 
+# the linear layers' tests run their FP8 GEMMs on the CPU: torch builds before 2.13 take only per-tensor scales there
+needs_cpu_fp8_gemm = pytest.mark.skipif(recipe.fp8_unsupported_reason(torch.device("cpu")) is not None,
+                                        reason="this torch build has no CPU torch._scaled_mm with axiswise scales")
+
 # the interpreter computes inf·0 (a scale of 0 for an infinite slice) with NumPy, which warns; the NaN is intended
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 
@@ -206,6 +210,7 @@ def _x(shape, layout, gen) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
 
 
+@needs_cpu_fp8_gemm
 @pytest.mark.parametrize("case", list(LINEAR_CASES))
 def test_fp8_linear_matches_float64(case, cpu_path):
     """y, dx, dW and db against the recipe's float64 references, within the derived per-element bounds."""
@@ -242,6 +247,7 @@ def test_fp8_linear_matches_float64(case, cpu_path):
         _assert_within(b.grad, db_ref, db_bound, "db")
 
 
+@needs_cpu_fp8_gemm
 def test_fp8_linear_propagates_nan_and_inf(cpu_path):
     """A NaN or inf in a token of x makes that token's outputs NaN and, through the token-axis scales of the
     weight gradient, the dW columns of its features; an inf in a row of W makes that output column NaN; a NaN in
@@ -301,6 +307,7 @@ def test_fp8_linear_errors_name_the_tensor(args, exc, words):
 # ------------------------------------------------------------------------------------------------ custom ops
 
 
+@needs_cpu_fp8_gemm
 def test_custom_ops_pass_opcheck():
     """The three custom ops under ``torch.library.opcheck`` on the kernel path of this process. The backward op
     skips opcheck's schema test: it compares inputs before and after with ``allclose``, which CPU float8 tensors
@@ -314,15 +321,16 @@ def test_custom_ops_pass_opcheck():
             torch.library.opcheck(fp8_quantize_op.op, (x, axis, fmt))
     fwd, bwd = fp8_linear_module.fp8_linear_fwd.op, fp8_linear_module.fp8_linear_bwd.op
     no_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
-    for keep, bias, fmt in ((True, b, "e4m3"), (False, None, "e5m2")):
-        torch.library.opcheck(fwd, (x, w, bias, keep, fmt))
-        _, xtq, xtd = fwd(x, w, bias, keep, fmt)
+    for keep, bias, fmt, fast in ((True, b, "e4m3", True), (False, None, "e5m2", False)):
+        torch.library.opcheck(fwd, (x, w, bias, keep, fmt, fast))
+        _, xtq, xtd = fwd(x, w, bias, keep, fmt, fast)
         dy = torch.randn(21, 16, generator=gen).to(torch.bfloat16)
         for need_dx, need_dw in ((True, True), (False, True), (True, False)):
             torch.library.opcheck(bwd, (dy, None if keep else x, xtq, xtd, w, fmt, need_dx, need_dw,
                                         bias is not None), test_utils=no_schema)
 
 
+@needs_cpu_fp8_gemm
 def test_fp8_linear_and_float8_linear_compile_without_graph_breaks(cpu_path):
     """Forward and backward of ``fp8_linear`` and of a ``Float8Linear`` under ``torch.compile(fullgraph=True)``:
     the custom ops, with the eager result and gradients, bit for bit."""
@@ -350,6 +358,7 @@ def test_fp8_linear_and_float8_linear_compile_without_graph_breaks(cpu_path):
 # ------------------------------------------------------------------------------------------------ Float8Linear
 
 
+@needs_cpu_fp8_gemm
 def test_from_linear_converts_in_place():
     """The same object, Parameters, state_dict keys, forward hooks and optimizer state; the forward is
     ``fp8_linear``'s; the recipe shows in the repr and survives pickling; layers the FP8 GEMM cannot take and
@@ -384,6 +393,7 @@ def test_from_linear_converts_in_place():
         Float8Linear(32, 16, recipe="e4m3")
 
 
+@needs_cpu_fp8_gemm
 def test_float8_linear_under_autocast_and_fallbacks():
     """Under a bf16 autocast an fp32 input runs the FP8 GEMMs on its bf16 cast (bf16 output, an fp32 input
     gradient, fp32 weight gradients); an fp32 input outside autocast, an fp16 autocast and meta tensors compute
@@ -416,6 +426,7 @@ def _fp8_names(model) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
 
 
+@needs_cpu_fp8_gemm
 def test_apply_to_converts_every_decoder_projection():
     model = mini_model("llama", dtype=torch.bfloat16)
     projections = _decoder_linears(model)
@@ -432,6 +443,7 @@ def test_apply_to_converts_every_decoder_projection():
     assert all(model.get_submodule(n).recipe == liger_gen.Float8Recipe() for n in projections)
 
 
+@needs_cpu_fp8_gemm
 def test_apply_to_reports_what_stays_and_strict_refuses_it(monkeypatch):
     """Dims not multiples of 16, fp16 weights and a device without FP8 GEMMs leave layers as they are, listed
     with the reason; ``strict`` raises and changes nothing; ``Float8Recipe.modules`` restricts the conversion;
@@ -468,6 +480,7 @@ def test_apply_to_reports_what_stays_and_strict_refuses_it(monkeypatch):
         liger_gen.apply_to(model, fp8="e4m3")
 
 
+@needs_cpu_fp8_gemm
 def test_apply_to_leaves_moe_routers_and_fused_experts():
     """Qwen3-MoE: the attention projections become FP8; each layer's router (transformers' TopKRouter) and fused
     experts stay bf16 and are listed; strict refuses the experts, not the routers. A router that is an
@@ -521,6 +534,7 @@ def test_a_patched_model_runs_the_same_bits_through_the_kernels(monkeypatch):
 STEPS, BATCH, SEQ, LR = 8, 2, 48, 3e-3
 
 
+@needs_cpu_fp8_gemm
 def test_fp8_training_follows_the_bf16_run(monkeypatch):
     """A tiny bf16 Llama patched by ``apply_to`` trains on Shakespeare with and without ``fp8=True`` from the
     same weights on the same batches (plain CPU path, whose FP8 pieces the test above ties to the kernels).
@@ -571,6 +585,7 @@ def _count_quantize_and_gemm(monkeypatch):
     return calls
 
 
+@needs_cpu_fp8_gemm
 @pytest.mark.parametrize("autocast", [False, True])
 def test_projections_of_one_input_quantize_it_once(autocast, monkeypatch):
     """q, k and v (or gate and up) read one tensor: it is quantized once per axis and its token-axis copy is saved
@@ -602,6 +617,7 @@ def test_projections_of_one_input_quantize_it_once(autocast, monkeypatch):
     assert ((x.grad.double() - want).norm() / want.norm()).item() < 2 * 2.0 ** -8
 
 
+@needs_cpu_fp8_gemm
 def test_a_frozen_weight_makes_no_weight_gradient_work(monkeypatch):
     """With the weight frozen, the forward keeps no token-axis copy of x and the backward runs the input
     gradient's GEMM only; the input gradient is unchanged."""
@@ -628,6 +644,7 @@ def _forward_bound(x, w, y, what):
     _assert_within(y.reshape(ref.shape), ref, _gemm_bound(ref, products, x.shape[-1]), what)
 
 
+@needs_cpu_fp8_gemm
 def test_float8_linear_runs_under_inference_mode(cpu_path):
     """Inference tensors have no version counter, which the shared quantization's entry reads: under
     ``torch.inference_mode`` (and for an inference tensor passed outside it) the projections of one input give
@@ -646,6 +663,7 @@ def test_float8_linear_runs_under_inference_mode(cpu_path):
         _forward_bound(x0, layer.weight.detach(), b, "y")
 
 
+@needs_cpu_fp8_gemm
 def test_shared_quantization_follows_its_input(cpu_path):
     """The entry of the shared quantization: a ``.data`` swap (same shape, new storage) or an in-place write is a
     miss (the result is a fresh call's); the FP8 copies are freed with their input (no large tensor outlives the
@@ -682,6 +700,7 @@ def test_shared_quantization_follows_its_input(cpu_path):
     assert torch.equal(other[0][0].view(torch.uint8), recipe.quantize_reference(xb, -1)[0].view(torch.uint8))
 
 
+@needs_cpu_fp8_gemm
 def test_a_layer_that_keeps_no_copy_saves_none_from_the_shared_entry():
     """A frozen weight, or ``keep_fp8_for_backward=False``, after a projection that made x's token-axis copy:
     the layer's backward does not hold that copy (the frozen one saves nothing of x, the other the bf16 x)."""
@@ -716,6 +735,7 @@ def test_float8_linear_with_weights_it_cannot_quantize_computes_f_linear():
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+@needs_cpu_fp8_gemm
 def test_routers_inside_a_gate_or_router_module_stay():
     """Routers held as a linear layer inside a module named gate/router (Hunyuan-MoE's ``mlp.gate.wg``, Gemma 4's
     ``router.proj``) are MoE routers, kept as they are even when their expert count is a multiple of 16; a
@@ -756,6 +776,7 @@ def test_routers_inside_a_gate_or_router_module_stay():
         liger_gen.Float8Recipe(modules=(p for p in ["*.mlp.*"]))
 
 
+@needs_cpu_fp8_gemm
 @pytest.mark.parametrize("m, k, n", [(4, 0, 16), (4, 16, 0)], ids=["no-in-features", "no-out-features"])
 def test_fp8_linear_of_empty_feature_dims(m, k, n, cpu_path):
     """``nn.Linear(0, N)`` and ``nn.Linear(K, 0)`` (K and N multiples of 16): the bias, and zero or empty

@@ -57,11 +57,13 @@ def test_the_gate_catches_a_kernel_of_the_other_format(phase, device):
     assert "differ" in problem.check(wrong, phase)
 
 
-def test_tuning_problems_cover_both_widths():
-    model = ModelShape("m", hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=32, vocab_size=100, rms_norm_eps=1e-6)
+def test_tuning_problems_cover_every_operand_width():
+    model = ModelShape("m", hidden_size=64, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1,
+                       head_dim=16, vocab_size=100, rms_norm_eps=1e-6)
     problems = tuning_problems(model, [16, 40], torch.bfloat16, "cpu")
-    assert {(p.rows, p.dims["n_cols"]) for p in problems} == {(r, k) for r in (16, 40) for k in (64, 96)}
+    # hidden, intermediate, q (3 x 16 = 48) and k/v (16) widths, each once
+    assert sorted((p.rows, p.dims["n_cols"]) for p in problems) == sorted(
+        (r, k) for r in (16, 40) for k in (64, 96, 48, 16))
     for p in problems:
         m, k = p.rows, p.dims["n_cols"]
         assert p.phase_bytes(p.problem_dims, 2) == {"fwd": 3 * m * k + 4 * m,

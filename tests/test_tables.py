@@ -241,9 +241,6 @@ def test_template_hashes_of_the_wrong_form_make_the_table_unused(user_dir, hashe
     assert _lookup_warns("template_hashes") == "heuristic"
 
 
-AWAITING_H200_TABLE = {"fp8_quantize"}
-
-
 def test_packaged_tables_parse_and_belong_to_their_gpu():
     from liger_gen.ops import available_ops, get_spec
 
@@ -263,9 +260,7 @@ def test_packaged_tables_parse_and_belong_to_their_gpu():
         for e in table["entries"]:
             space = space_cls(e["dims"], getattr(torch, e["dtype"]))
             assert not space.violations(space.config_cls.from_dict(e["config"])), (path, e["dims"], e["rows"])
-    # every op has a packaged (H200) table, but the FP8 quantization's, which is tuned on the H200 with the fused
-    # norm and GLU variants (its heuristic serves until then)
-    assert ops == set(available_ops()) - AWAITING_H200_TABLE
+    assert ops == set(available_ops())  # every op has a packaged (H200) table
 
 
 # ------------------------------------------------------------------------------------------------ hostile files

@@ -61,18 +61,23 @@ class Float8Recipe:
         keep_fp8_for_backward: the forward saves the input's token-axis FP8 copy (one byte per element) for the
             weight gradient instead of the bf16 input (two bytes): less activation memory, one more quantize
             in the forward. False re-quantizes the saved bf16 input in the backward.
+        fast_accum: the forward GEMM uses the tensor cores' fast FP8 accumulation (default True, as torchao's
+            rowwise recipe does); the two backward GEMMs always accumulate at full precision.
         modules: name patterns (``fnmatch``, matched against the qualified module name) of the linear layers
             ``apply_to`` converts; the default is every linear layer of the decoder layers except MoE routers.
     """
 
     grad_dtype: torch.dtype = E4M3
     keep_fp8_for_backward: bool = True
+    fast_accum: bool = True
     modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.grad_dtype not in (E4M3, E5M2):
             raise ValueError(f"Float8Recipe: grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
                              f"{self.grad_dtype!r}")
+        if not isinstance(self.fast_accum, bool):
+            raise TypeError(f"Float8Recipe: fast_accum must be a bool, got {type(self.fast_accum).__name__}")
         if not isinstance(self.keep_fp8_for_backward, bool):
             raise TypeError(f"Float8Recipe: keep_fp8_for_backward must be a bool, got "
                             f"{type(self.keep_fp8_for_backward).__name__}")
@@ -188,10 +193,13 @@ def padded(n: int) -> int:
 
 
 def scaled_mm(a: torch.Tensor, a_dequant: torch.Tensor, b: torch.Tensor, b_dequant: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``(a · a_dequant) @ (b · b_dequant)`` through ``torch._scaled_mm`` (cuBLASLt on CUDA).
 
     a: (M, K) FP8, row-major; a_dequant: (M, 1) fp32. b: (K, N) FP8, column-major (``bt.t()`` of a contiguous
     (N, K)); b_dequant: (1, N) fp32. Returns (M, N) in ``out_dtype`` (bf16 on CUDA for axiswise scales).
+    ``fast_accum``: cuBLASLt/CUTLASS's fast FP8 accumulation (partial sums kept in the tensor cores' reduced
+    precision between promotions; the CPU ignores it).
     """
-    return torch._scaled_mm(a, b, scale_a=a_dequant, scale_b=b_dequant, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=a_dequant, scale_b=b_dequant, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)

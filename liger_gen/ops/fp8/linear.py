@@ -58,16 +58,18 @@ def fp8_linear_grads_float64(x: torch.Tensor, weight: torch.Tensor, dy: torch.Te
 
 
 def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_fp8: bool, grad_fp8: str,
+              fast_accum: bool,
               xq: torch.Tensor | None = None, xd: torch.Tensor | None = None, xtq: torch.Tensor | None = None,
               xtd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y (M, N) bf16 of x (M, K) bf16 with unit column stride, weight (N, K), bias (N,) or None; and, when
     ``keep_fp8`` and ``xtq`` is not given, x's token-axis operand for the weight gradient ((K, Mp) FP8 and
     (K, 1) fp32), else two empty tensors. ``xq, xd`` (x's rows) and ``xtq, xtd`` (its columns), when given, are
-    x's quantization made once for the projections that share x (``shared_operands``)."""
+    x's quantization made once for the projections that share x (``shared_operands``). ``fast_accum``: the GEMM
+    accumulates in the tensor cores' faster, less precise mode (``Float8Recipe.fast_accum``)."""
     if xq is None or xd is None:
         xq, xd = quantize_2d(x, "rows", "e4m3")
     wq, wd = quantize_2d(weight if weight.stride(-1) == 1 else weight.contiguous(), "rows", "e4m3")
-    y = fp8r.scaled_mm(xq, xd, wq.t(), wd.t(), OUT_DTYPE)
+    y = fp8r.scaled_mm(xq, xd, wq.t(), wd.t(), OUT_DTYPE, fast_accum)
     if bias is not None:
         y += bias.to(OUT_DTYPE)
     if keep_fp8 and xtq is None:
@@ -102,7 +104,7 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, xtq: torch.Tensor, xtd: 
     return dx, dw, db
 
 
-def _fwd_fake(x, weight, bias, keep_fp8, grad_fp8, xq=None, xd=None, xtq=None, xtd=None):
+def _fwd_fake(x, weight, bias, keep_fp8, grad_fp8, fast_accum, xq=None, xd=None, xtq=None, xtd=None):
     m, k = x.shape
     if keep_fp8 and xtq is None:
         return (x.new_empty((m, weight.shape[0]), dtype=OUT_DTYPE),
@@ -123,7 +125,7 @@ fp8_linear_bwd = Kernel("fp8_linear_bwd", _bwd_impl, _bwd_fake)
 
 
 def _save(ctx, inputs, output):
-    x, weight, bias, keep_fp8, grad_fp8, _xq, _xd, given_xtq, given_xtd = (*inputs, None, None, None, None)[:9]
+    x, weight, bias, keep_fp8, grad_fp8, _fast, _xq, _xd, given_xtq, given_xtd = (*inputs, None, None, None, None)[:10]
     _, xtq, xtd = output
     if given_xtq is not None:  # the shared copy: saved once for every projection of x
         xtq, xtd = given_xtq, given_xtd
@@ -134,13 +136,13 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, dy, _dxtq, _dxtd):
     if dy is None:
-        return (None,) * 9
+        return (None,) * 10
     x, xtq, xtd, weight = ctx.saved_tensors
     need_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
     dx, dw, db = fp8_linear_bwd.run(ctx, dy, x, xtq, xtd, weight, ctx.grad_fp8, ctx.needs_input_grad[0],
                                     ctx.needs_input_grad[1], need_bias)
     return ((dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None),
-            (db.to(ctx.bias_dtype) if need_bias else None), None, None, None, None, None, None)
+            (db.to(ctx.bias_dtype) if need_bias else None), None, None, None, None, None, None, None)
 
 
 fp8_linear_2d = Differentiable(fp8_linear_fwd, _save, _backward, reference="torch.nn.functional.linear", outputs=1)
@@ -216,7 +218,7 @@ def linear_2d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     # the token-axis copy serves the weight gradient only: not kept for a frozen weight or without autograd
     keep = recipe.keep_fp8_for_backward and weight.requires_grad and torch.is_grad_enabled()
     shared = shared_operands(x if source is None else source, x2, keep)
-    y = fp8_linear_2d(x2, weight, bias, keep, FORMAT_NAMES[recipe.grad_dtype], *shared)[0]
+    y = fp8_linear_2d(x2, weight, bias, keep, FORMAT_NAMES[recipe.grad_dtype], recipe.fast_accum, *shared)[0]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 

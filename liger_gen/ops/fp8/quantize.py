@@ -186,9 +186,11 @@ class QuantizeProblem(Problem):
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The activations a decoder's linear layers quantize: one problem per token count at ``hidden_size`` (the
-    attention and MLP inputs) and ``intermediate_size`` (the down projection's)."""
-    widths = dict.fromkeys((model.hidden_size, model.intermediate_size))
+    """The operands a decoder's linear layers quantize, one problem per token count and width: ``hidden_size``
+    (the attention and MLP inputs; the gradients of o and down), ``intermediate_size`` (the down projection's
+    input; the gradients of gate and up) and the attention widths (the gradients of q, and of k and v)."""
+    widths = dict.fromkeys((model.hidden_size, model.intermediate_size,
+                            model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim))
     return [QuantizeProblem(dtype, {"n_cols": k}, r, device, seed=seed) for r in rows for k in widths]
 
 
