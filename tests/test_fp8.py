@@ -39,7 +39,7 @@ from mini_models import mini_model
 
 # the linear layers' tests run their FP8 GEMMs on the CPU: torch builds before 2.13 take only per-tensor scales there
 needs_cpu_fp8_gemm = pytest.mark.skipif(recipe.fp8_unsupported_reason(torch.device("cpu")) is not None,
-                                        reason="this torch build has no CPU torch._scaled_mm with axiswise scales")
+                                        reason="this torch build has no CPU torch._scaled_mm with per-row scales")
 
 # the interpreter computes inf·0 (a scale of 0 for an infinite slice) with NumPy, which warns; the NaN is intended
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")

@@ -16,7 +16,7 @@ from liger_gen.runtime.fp8 import fp8_unsupported_reason
 
 # every test trains on the CPU with its FP8 GEMMs there: torch builds before 2.13 take only per-tensor scales there
 pytestmark = pytest.mark.skipif(fp8_unsupported_reason(torch.device("cpu")) is not None,
-                                reason="this torch build has no CPU torch._scaled_mm with axiswise scales")
+                                reason="this torch build has no CPU torch._scaled_mm with per-row scales")
 
 transformers = pytest.importorskip("transformers")
 

@@ -159,7 +159,8 @@ def _cpu_scaled_mm() -> bool:
 @torch.compiler.assume_constant_result  # torch.compile takes the answer as a constant, not a traced probe GEMM
 def fp8_unsupported_reason(device: torch.device) -> str | None:
     """Why FP8 GEMMs cannot run on ``device``, or None when they can: CUDA GPUs of compute capability 8.9 or
-    newer (FP8 tensor cores), and CPUs whose torch build has ``torch._scaled_mm``. Cached per device."""
+    newer (FP8 tensor cores), and CPUs whose torch build has ``torch._scaled_mm`` with per-row scales (2.13 has;
+    2.11 takes only per-tensor scales on the CPU). Cached per device."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -175,7 +176,8 @@ def _unsupported_reason(device: torch.device) -> str | None:
                     f"tensor cores; they start at {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}")
         return None
     if device.type == "cpu":
-        return None if _cpu_scaled_mm() else f"this torch build ({torch.__version__}) has no CPU torch._scaled_mm"
+        return None if _cpu_scaled_mm() else (f"this torch build ({torch.__version__}) has no CPU torch._scaled_mm "
+                                              f"with per-row scales")
     return f"FP8 GEMMs run on CUDA GPUs and CPUs, not on {device.type}"
 
 
