@@ -50,6 +50,12 @@ class Architecture:
 
 _LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
 
+_LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
+                   max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
+                   attention_bias=False, mlp_bias=False)
+_LLAMA31_8B_ROPE = dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=8192)
+
 #: The models built whole (the training-step benchmark, the training example, CPU tests).
 ARCHITECTURES: dict[str, Architecture] = {
     m.name: m
@@ -72,16 +78,11 @@ ARCHITECTURES: dict[str, Architecture] = {
                  max_window_layers=24),
             dict(rope_type="default", rope_theta=1000000.0), description="Qwen2.5-0.5B"),
         # meta-llama/Llama-3.1-8B's config.json (hidden 4096, MLP 14336, GQA 32/8, head_dim 128, untied 128256
-        # vocab, llama3 RoPE scaling factor 8) with 4 of its 32 layers: an 8B-wide step that fits one GPU with
-        # plain transformers (1.92 B parameters).
-        Architecture(
-            "llama3-8b-4l", "llama",
-            dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
-                 max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
-                 attention_bias=False, mlp_bias=False),
-            dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=8192),
-            description="Llama-3.1-8B, 4 of its 32 layers"),
+        # vocab, llama3 RoPE scaling factor 8): 8.03 B parameters; and with 4 of its 32 layers, an 8B-wide step
+        # that fits one GPU with plain transformers (1.92 B parameters).
+        Architecture("llama3-8b", "llama", _LLAMA31_8B, _LLAMA31_8B_ROPE, description="Llama-3.1-8B"),
+        Architecture("llama3-8b-4l", "llama", dict(_LLAMA31_8B, num_hidden_layers=4), _LLAMA31_8B_ROPE,
+                     description="Llama-3.1-8B, 4 of its 32 layers"),
         # CPU-sized models: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's q/k/v bias)
         # at a few kB of weights; vocab 256 covers byte tokens exactly.
         Architecture(
@@ -104,7 +105,6 @@ ARCHITECTURES: dict[str, Architecture] = {
 PRESETS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelShape("llama3-8b", 4096, 14336, 32, 8, 128, 128256, 1e-5),
         ModelShape("llama3-70b", 8192, 28672, 64, 8, 128, 128256, 1e-5),
         ModelShape("llama3.2-3b", 3072, 8192, 24, 8, 128, 128256, 1e-5),
         ModelShape("qwen2.5-7b", 3584, 18944, 28, 4, 128, 152064, 1e-6),
@@ -121,7 +121,7 @@ PRESETS: dict[str, ModelShape] = {
 #: The Hugging Face config of each preset beyond its dims: (``model_type``, the fields that set its family's
 #: layout, e.g. its experts). ``preset_hf_config`` adds the dims. Presets built whole take their Architecture's.
 _PRESET_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama3-8b": ("llama", {}), "llama3-70b": ("llama", {}), "llama3.2-3b": ("llama", {}),
+    "llama3-70b": ("llama", {}), "llama3.2-3b": ("llama", {}),
     "qwen2.5-7b": ("qwen2", {}), "mistral-7b": ("mistral", {}),
     "gpt-oss-20b": ("gpt_oss", dict(num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24)),
     "qwen3-30b-a3b": ("qwen3_moe", dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

@@ -304,7 +304,10 @@ def test_llama3_8b_width_model_is_llama_3_1_8b_with_fewer_layers():
     rope = config.rope_parameters
     assert (rope["rope_type"], rope["rope_theta"], rope["factor"], rope["original_max_position_embeddings"]) == (
         "llama3", 500000.0, 8.0, 8192)
+    whole = training.build_config("llama3-8b")  # the whole model, for the full-size FP8 step
+    assert whole.num_hidden_layers == 32 and whole.rope_parameters == rope
     config.num_hidden_layers = 32
+    assert whole.to_dict() == config.to_dict()
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248

@@ -80,7 +80,7 @@ _VOCAB_FROM_TOKENIZER = {"tiny"}
 
 #: Default AdamW peak learning rate per preset: the tiny model learns visibly within a few dozen steps at 3e-3;
 #: the larger models use a usual pre-training peak rate, reached after a linear warm-up (--lr-warmup-steps).
-DEFAULT_LR = {"tiny": 3e-3, "llama3.2-1b": 3e-4, "llama3-8b-4l": 3e-4}
+DEFAULT_LR = {"tiny": 3e-3, "llama3.2-1b": 3e-4, "llama3-8b": 3e-4, "llama3-8b-4l": 3e-4}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
