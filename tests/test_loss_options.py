@@ -1,6 +1,7 @@
-"""The loss options TRL users set: DPO's loss types, their combinations, RPO's NLL term and LD-DPO's weighting;
-ORPO without its NLL term; KTO's APO-zero; GRPO's SAPO, LUSPO and VESPO, the vLLM importance-sampling correction,
-the off-policy mask and the bias-corrected KL; the distillation losses' biases, mixed precision and autocast.
+"""The loss options TRL users set: DPO's loss types, their combinations, RPO's NLL term, LD-DPO's weighting,
+WPO's weights (``use_weighting``) and f-DPO's divergences; ORPO without its NLL term; KTO's APO-zero; GRPO's SAPO,
+LUSPO and VESPO, the vLLM importance-sampling correction, the off-policy mask, the bias-corrected KL, the
+top-entropy token selection and the entropy bonus; the distillation losses' biases, mixed precision and autocast.
 Each against TRL's own code on float64 log-probabilities of the same hidden states where TRL has it, else
 against float64, with fresh random inputs; each option is also shown to change the result."""
 
@@ -30,6 +31,16 @@ def _logps64(x, w, target):
     return torch.where(target != -100, lp, 0.0)
 
 
+def _stats64(x, w, target):
+    """float64 (entropy, log Σ_v p_v²) of each token's distribution, 0 where the target is ignored (as TRL's
+    fused LM head returns them); differentiable."""
+    logp = (x.double() @ w.double().t()).log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    sq = torch.logsumexp(2 * logp, dim=-1)
+    valid = target != -100
+    return torch.where(valid, entropy, 0.0), torch.where(valid, sq, 0.0)
+
+
 class _Accelerator:
     device = torch.device("cpu")
     num_processes = 1
@@ -39,6 +50,9 @@ class _Accelerator:
         return value
 
     gather_for_metrics = reduce = gather
+
+    def pad_across_processes(self, value, **_):
+        return value
 
 
 @pytest.fixture(scope="module")
@@ -61,25 +75,29 @@ def pairs():
     return SimpleNamespace(ids=ids, completion=completion, target=target, x=x, w=w, ref_x=ref_x, ref_w=ref_w)
 
 
-def _trl_dpo(b, loss_types, weights=None, beta=0.3, eps=0.0, ld_alpha=None, tau=0.05):
-    """TRL's ``DPOTrainer._compute_loss`` on float64 log-probabilities of ``b``: (loss, d loss / d W)."""
+def _trl_dpo(b, loss_types, weights=None, beta=0.3, eps=0.0, ld_alpha=None, tau=0.05, use_weighting=False,
+             f_divergence_type="reverse_kl", f_alpha=0.5, dtype=torch.float64):
+    """TRL's ``DPOTrainer._compute_loss`` on ``dtype`` (float64 unless TRL needs another: its α-divergence caps
+    have no float64 entry) log-probabilities of ``b``: (loss, d loss / d W, the reference's sums)."""
     w64 = b.w.double().requires_grad_()
-    logps = _logps64(b.x, w64, b.target)
+    logps = _logps64(b.x, w64, b.target).to(dtype)
+    sq = _stats64(b.x, b.w, b.target)[1].to(dtype)
     ref_tokens = _logps64(b.ref_x, b.ref_w, b.target)
     mask = b.completion[:, 1:]
     ref = ref_tokens.sum(-1) if ld_alpha is None else (ref_tokens * P.ld_weights(mask.double(), ld_alpha)).sum(-1)
     model = lambda **kw: SimpleNamespace(log_probs=logps, entropy=torch.zeros_like(logps),  # noqa: E731
-                                         mean_logits=torch.zeros_like(logps),
+                                         mean_logits=torch.zeros_like(logps), log_sum_sq_probs=sq,
                                          is_top1=torch.zeros_like(logps, dtype=torch.bool))
     trainer = SimpleNamespace(model=SimpleNamespace(training=False), accelerator=_Accelerator(), beta=beta,
                               loss_types=list(loss_types), loss_weights=weights or [1.0] * len(loss_types),
-                              ld_alpha=ld_alpha, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-                              label_smoothing=eps, use_weighting=False, precompute_ref_logps=True,
+                              ld_alpha=ld_alpha, f_divergence_type=f_divergence_type,
+                              f_alpha_divergence_coef=f_alpha, label_smoothing=eps, use_weighting=use_weighting,
+                              precompute_ref_logps=True,
                               aux_loss_enabled=False, args=SimpleNamespace(discopop_tau=tau),
                               _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
     pairs = b.ids.shape[0] // 2
     inputs = {"input_ids": b.ids, "attention_mask": torch.ones_like(b.ids), "completion_mask": b.completion,
-              "ref_chosen_logps": ref[:pairs], "ref_rejected_logps": ref[pairs:]}
+              "ref_chosen_logps": ref[:pairs].to(dtype), "ref_rejected_logps": ref[pairs:].to(dtype)}
     loss = trl.DPOTrainer._compute_loss(trainer, model, inputs, False)
     return loss.detach(), torch.autograd.grad(loss, w64)[0], ref
 
@@ -138,6 +156,94 @@ def test_ld_alpha_weights_the_reference_from_its_hidden_states_too(pairs, monkey
     assert math.isclose(float(own.loss), float(given.loss), rel_tol=1e-6)
     assert torch.allclose(own.chosen_logps.double(), (_logps64(pairs.x, pairs.w, pairs.target) * weights).sum(-1)[:3],
                           rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ DPO: WPO weights, f-divergences
+
+# 1 << 30: every pair in one chunk
+ALL_SEQUENCE_BYTES = SEQUENCE_BYTES + [1 << 30]
+
+WPO_CASES = {  # name: (loss types, weights, rpo_alpha, other options)
+    "sigmoid": (["sigmoid"], None, None, {}),
+    "ipo": (["ipo"], None, None, {}),
+    "mpo-ld": (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.3], None, dict(ld_alpha=0.4)),
+    "rpo": (["sigmoid"], None, 0.7, {}),
+}
+
+
+def _weighted_nll64(b, weight):
+    """``weight``·NLL(chosen completions)·mean over pairs of w_c·w_r (WPO's weights, float64): the weighted "sft"
+    term, which TRL 1.16 cannot compute (it multiplies an expanded tensor in place and raises): (value, d/dW)."""
+    w64 = b.w.double().requires_grad_()
+    lp = _logps64(b.x, w64, b.target)
+    m = (b.target != -100).double()
+    pairs = lp.shape[0] // 2
+    nll = -(lp[:pairs] * m[:pairs]).sum() / m[:pairs].sum()
+    ww = P.wpo_weights(lp, _stats64(b.x, b.w, b.target)[1], m)
+    value = weight * nll * (ww[:pairs] * ww[pairs:]).mean()
+    return value.detach(), torch.autograd.grad(value, w64)[0]
+
+
+@pytest.mark.parametrize("name", list(WPO_CASES))
+def test_use_weighting_is_trls(pairs, name, monkeypatch):
+    """WPO's weights (``use_weighting``, with log Σp² from the statistics launch): TRL's loss and gradient on
+    every way of running (one pair per chunk, the formula, one chunk of all pairs; the weighted NLL of "sft" and
+    ``rpo_alpha`` takes the whole batch at once, against float64 since TRL raises there); the weights change the
+    loss."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    types, weights, rpo_alpha, extra = WPO_CASES[name]
+    sft = (weights[types.index("sft")] if "sft" in types else 0.0) + (rpo_alpha or 0.0)
+    trl_types = [t for t in types if t != "sft"]
+    trl_weights = None if weights is None else [w for t, w in zip(types, weights) if t != "sft"]
+    want, want_grad, ref = _trl_dpo(pairs, trl_types, trl_weights, use_weighting=True, **extra)
+    if sft:
+        nll, nll_grad = _weighted_nll64(pairs, sft)
+        want, want_grad = want + nll, want_grad + nll_grad
+    for sequence_bytes in ALL_SEQUENCE_BYTES:
+        out, grad = _ours_dpo(pairs, ref, monkeypatch, sequence_bytes, loss_type=types, loss_weights=weights,
+                              rpo_alpha=rpo_alpha, use_weighting=True, beta=0.3, **extra)
+        assert math.isclose(float(out.loss), float(want), rel_tol=1e-5, abs_tol=1e-8), (sequence_bytes, float(want))
+        assert rel_l2(grad.double(), want_grad) < 1e-5, sequence_bytes
+    unweighted = _trl_dpo(pairs, trl_types, trl_weights, **extra)[0]
+    assert abs(float(unweighted) - float(want)) > 0.1 * abs(float(want))
+
+
+F_DIVERGENCE_CASES = [  # (f_divergence_type, loss_type, label_smoothing, α)
+    ("forward_kl", "sigmoid", 0.0, 0.5), ("forward_kl", "exo_pair", 1e-3, 0.5), ("js_divergence", "ipo", 0.0, 0.5),
+    ("js_divergence", "robust", 0.1, 0.5), ("alpha_divergence", "hinge", 0.0, 1.6),
+    ("alpha_divergence", "discopop", 0.0, 0.8), ("alpha_divergence", "sigmoid_norm", 0.0, 0.5)]
+
+
+@pytest.mark.parametrize("divergence, loss_type, eps, alpha", F_DIVERGENCE_CASES,
+                         ids=[f"{d}-{t}" for d, t, _, _ in F_DIVERGENCE_CASES])
+def test_f_divergence_types_are_trls(pairs, divergence, loss_type, eps, alpha, monkeypatch):
+    """f-DPO's scores (``f_divergence_type``, ``f_alpha_divergence_coef``) with the loss types built on their
+    difference: TRL's loss and gradient on both ways of running (TRL's α-divergence runs in float32: its
+    exponent caps have no float64 entry, so fp32 rounding is in the truth there); each differs from plain DPO."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dtype = torch.float32 if divergence == "alpha_divergence" else torch.float64
+    want, want_grad, ref = _trl_dpo(pairs, [loss_type], eps=eps, f_divergence_type=divergence, f_alpha=alpha,
+                                    tau=0.2, dtype=dtype)
+    for sequence_bytes in SEQUENCE_BYTES:
+        out, grad = _ours_dpo(pairs, ref, monkeypatch, sequence_bytes, loss_type=loss_type, beta=0.3,
+                              label_smoothing=eps, discopop_tau=0.2, f_divergence_type=divergence,
+                              f_alpha_divergence_coef=alpha)
+        assert math.isclose(float(out.loss), float(want), rel_tol=1e-5, abs_tol=1e-7), (sequence_bytes, float(want))
+        assert rel_l2(grad.double(), want_grad) < REL_TOL[torch.float32], sequence_bytes
+    plain = _trl_dpo(pairs, [loss_type], eps=eps, tau=0.2)[0]
+    assert abs(float(plain) - float(want)) > 1e-3
+
+
+def test_alpha_divergence_limit_and_cap():
+    """α → 1 is the reverse KL (TRL's switch at |α − 1| < 1e-6); the exponent is capped (80, float16 11), so
+    large log-ratios give finite scores."""
+    rho = torch.tensor([-30.0, -2.0, 0.0, 3.0, 200.0], dtype=torch.float64)
+    assert torch.equal(P.f_divergence_scores(rho, "alpha_divergence", 1.0 + 1e-7), rho)
+    near = P.f_divergence_scores(rho[1:4], "alpha_divergence", 1.0 + 1e-4)
+    assert torch.allclose(near, rho[1:4], rtol=1e-3, atol=1e-3)
+    big = P.f_divergence_scores(rho, "alpha_divergence", 2.0)
+    assert torch.isfinite(big).all() and float(big[-1]) == math.expm1(80.0)
+    assert torch.isfinite(P.f_divergence_scores(rho.half(), "alpha_divergence", 2.0)).all()
 
 
 def test_orpo_without_its_nll_term_is_minus_trls_odds_ratio_mean(pairs, monkeypatch):
@@ -319,6 +425,132 @@ def test_grpo_options_in_bf16(interpret, monkeypatch):
         assert rel_l2(got.double(), ref) < REL_TOL[torch.bfloat16]
 
 
+ENTROPY_CASES = {  # name: (loss_type, beta, top_entropy_quantile, entropy_coef)
+    "dapo-top40": ("dapo", 0.0, 0.4, 0.0),
+    "grpo-top25-bonus-kl": ("grpo", 0.04, 0.25, 0.05),
+    "bnpo-bonus": ("bnpo", 0.0, 1.0, 0.1),
+    "sapo-top60-bonus": ("sapo", 0.0, 0.6, 0.02),
+}
+
+
+# the kernels in the interpreter where the entropy gradient reaches them: per chunk (the bonus alone) and in one
+# chunk of the batch (the selection with the bonus)
+ENTROPY_RUNS = [pytest.param(name, "0", id=f"{name}-plain") for name in ENTROPY_CASES] + [
+    pytest.param(name, *p.values, marks=p.marks, id=f"{name}-interpreter")
+    for name in ("grpo-top25-bonus-kl", "bnpo-bonus") for p in CPU_PATHS[:1]]
+
+
+@pytest.mark.parametrize("name, interpret", ENTROPY_RUNS)
+def test_grpo_entropy_options_are_grpo_trainers_compute_loss(name, interpret, monkeypatch):
+    """TRL's ``top_entropy_quantile`` (its ``get_high_entropy_mask`` on one process) and ``entropy_coef`` bonus:
+    TRL's own ``GRPOTrainer._compute_loss`` on float64 log-probabilities and entropies gives our fused loss and
+    gradient, the entropies (and their gradient, for the bonus) coming from our statistics and gradient
+    kernels; every way of running: one chunk of the batch, one sequence per chunk (the quantile then takes the
+    formula), the formula. The returned entropies are the float64 ones to fp32 rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    loss_type, beta, quantile, coef = ENTROPY_CASES[name]
+    n, t, h, v = 4, 6, 16, 40
+    gen = seeded("grpo-entropy", name)
+    x = torch.randn(n, t, h, generator=gen)
+    w = torch.randn(v, h, generator=gen) * 0.5
+    target = torch.randint(0, v, (n, t), generator=gen)
+    target[1, -2:] = -100  # 22 tokens: the quantiles fall between two tokens' entropies
+    mask = (target != -100).long()
+    adv = torch.randn(n, generator=gen)
+    true = _logps64(x, w, target)
+    old = true + torch.randn(n, t, generator=gen, dtype=torch.float64) * 0.3
+    refp = true + torch.randn(n, t, generator=gen, dtype=torch.float64) * 0.2
+    w64 = w.double().requires_grad_()
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_Accelerator(), beta=beta, epsilon_low=0.2,
+        epsilon_high=0.28, loss_type=loss_type, importance_sampling_level="token", top_entropy_quantile=quantile,
+        off_policy_mask_threshold=None, use_vllm=False, vllm_importance_sampling_correction=True,
+        current_gradient_accumulation_steps=1, max_completion_length=t, aux_loss_enabled=False,
+        _entropy_bonus_enabled=coef != 0.0, entropy_coef=coef, use_adaptive_entropy=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (_logps64(x, w64, target), _stats64(x, w64, target)[0],
+                                                              None))
+    trainer.get_high_entropy_mask = lambda *a: trl.GRPOTrainer.get_high_entropy_mask(trainer, *a)
+    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+              "completion_ids": target.clamp(min=0), "completion_mask": mask, "advantages": adv.double(),
+              "ref_per_token_logps": refp, "num_items_in_batch": mask.sum().double(), "old_per_token_logps": old}
+    want = trl.GRPOTrainer._compute_loss(trainer, None, inputs)
+    (want_grad,) = torch.autograd.grad(want, w64)
+    kw = dict(beta=beta, epsilon_high=0.28, loss_type=loss_type, max_completion_length=t,
+              top_entropy_quantile=quantile, entropy_coef=coef)
+    for sequence_bytes in (1 << 30, v * 4 * t, 0):
+        monkeypatch.setattr(P, "SEQUENCE_CHUNK_BYTES", sequence_bytes)
+        ws = w.clone().requires_grad_()
+        out = F.fused_linear_grpo(x, ws, target, adv, mask, old.float(), refp.float() if beta else None, **kw)
+        (grad,) = torch.autograd.grad(out.loss, ws)
+        assert math.isclose(float(out.loss), float(want), rel_tol=1e-5, abs_tol=1e-7), sequence_bytes
+        assert rel_l2(grad.double(), want_grad) < 1e-5, sequence_bytes
+        assert torch.allclose(out.entropy.double(), _stats64(x, w, target)[0], rtol=1e-5, atol=1e-6)
+    plain = F.fused_linear_grpo(x, w, target, adv, mask, old.float(), refp.float() if beta else None,
+                                **{**kw, "top_entropy_quantile": 1.0, "entropy_coef": 0.0})
+    assert abs(float(plain.loss) - float(want)) > 1e-3 and plain.entropy is None
+
+
+def test_high_entropy_mask_is_trls():
+    """``high_entropy_mask`` (NaN-masked quantile, no host sync) against TRL's ``get_high_entropy_mask`` on one
+    process: quantiles 0 (the highest entropy only), 1 (every token), between, ties, and no token at all."""
+    gen = seeded("entropy-mask")
+    entropies = torch.rand(5, 7, generator=gen) * 3  # fp32, as TRL's fused LM head gives them
+    entropies[2, :3] = 1.5  # ties
+    mask = (torch.rand(5, 7, generator=gen) < 0.7).long()
+    trainer = SimpleNamespace(accelerator=_Accelerator())
+    for q in (0.0, 0.2, 0.5, 0.73, 1.0):
+        want = trl.GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, 1 - q)
+        assert torch.equal(P.high_entropy_mask(entropies, mask, q), want), q
+    assert int(P.high_entropy_mask(entropies, mask, 0.0).sum()) == 1
+    assert torch.equal(P.high_entropy_mask(entropies, mask, 1.0), mask.bool())
+    nothing = torch.zeros_like(mask)
+    assert not P.high_entropy_mask(entropies, nothing, 0.5).any()
+    assert torch.equal(P.high_entropy_mask(entropies, nothing, 0.5),
+                       trl.GRPOTrainer.get_high_entropy_mask(trainer, entropies, nothing, 0.5))
+
+
+@pytest.mark.parametrize("interpret", CPU_PATHS)
+def test_entropy_options_and_wpo_weights_in_bf16(interpret, pairs, monkeypatch):
+    """GRPO's top-entropy selection with the entropy bonus, and DPO's WPO weights with an f-divergence, in bf16
+    on both CPU paths, against float64 of the same (rounded) inputs; bf16's rounded logits move each entropy by
+    far less than the gap between the two tokens the quantile falls between (checked), so the same tokens are
+    kept."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    n, t, h, v = 4, 6, 16, 40
+    gen = seeded("entropy-bf16")
+    x = torch.randn(n, t, h, generator=gen).bfloat16()
+    w = (torch.randn(v, h, generator=gen) * 0.5).bfloat16()
+    target = torch.randint(0, v, (n, t), generator=gen)
+    adv = torch.randn(n, generator=gen)
+    old = -torch.rand(n, t, generator=gen) * 4
+    mask = torch.ones(n, t)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    entropy64 = _stats64(x64, w64, target)[0]
+    kept = torch.sort(entropy64.detach().flatten())[0]
+    position = (kept.numel() - 1) * (1 - 0.5)  # 11.5: between the 12th and 13th entropies
+    assert float(kept[math.ceil(position)] - kept[math.floor(position)]) > 0.05
+    kw = dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.05)
+    want = P.grpo_loss(_logps64(x64, w64, target), old.double(), None, adv.double(), mask, entropies=entropy64, **kw)
+    want_grads = torch.autograd.grad(want, (x64, w64))
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = F.fused_linear_grpo(xs, ws, target, adv, None, old, **kw)
+    grads = torch.autograd.grad(out.loss, (xs, ws))
+    tol = lm_head_tol(torch.bfloat16)
+    assert abs(float(out.loss) - float(want)) <= tol * max(1.0, abs(float(want)))
+    for got, ref in zip(grads, want_grads):
+        assert rel_l2(got.double(), ref) < REL_TOL[torch.bfloat16]
+    # DPO: WPO weights (log Σp² of the bf16 logits) with the JS divergence, TRL's own loss as the truth
+    types = ["sigmoid", "ipo"]  # (TRL's weighting multiplies in place: hinge's relu output cannot take it)
+    want, want_grad, ref = _trl_dpo(pairs, types, use_weighting=True, f_divergence_type="js_divergence")
+    out, grad = _ours_dpo(pairs, ref, monkeypatch, 1 << 30, torch.bfloat16, loss_type=types, use_weighting=True,
+                          f_divergence_type="js_divergence", beta=0.3)
+    assert abs(float(out.loss) - float(want)) <= tol * max(1e-2, abs(float(want)))
+    assert rel_l2(grad.double(), want_grad) < REL_TOL[torch.bfloat16]
+
+
 # ------------------------------------------------------------------------------ distillation
 
 
@@ -404,6 +636,14 @@ def test_bad_options_name_the_argument(pairs):
         (ValueError, "rpo_alpha must be finite", dict(rpo_alpha=math.inf)),
         (ValueError, "exo_pair' needs 0 < label_smoothing < 1", dict(loss_type="exo_pair")),
         (ValueError, "discopop_tau must be > 0", dict(loss_type="discopop", discopop_tau=0.0)),
+        (TypeError, "use_weighting must be a bool", dict(use_weighting=1)),
+        (ValueError, "use_weighting does not go with loss_type 'aot'", dict(loss_type=["sigmoid", "aot"],
+                                                                            use_weighting=True)),
+        (ValueError, "f_divergence_type must be one of", dict(f_divergence_type="kl")),
+        (ValueError, "f_divergence_type='forward_kl' needs a loss type built on",
+         dict(loss_type="bco_pair", f_divergence_type="forward_kl")),
+        (ValueError, "f_alpha_divergence_coef must be finite",
+         dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=math.inf)),
     ]
     for error, match, kw in cases:
         with pytest.raises(error, match=match):
@@ -423,10 +663,18 @@ def test_bad_options_name_the_argument(pairs):
         (TypeError, "use_bias_correction_kl must be a bool", dict(use_bias_correction_kl=1)),
         (TypeError, "unknown options", dict(vllm_importance_sampling_cap=2.0)),
         (ValueError, "off_policy_mask_threshold must be finite", dict(off_policy_mask_threshold=math.nan)),
+        (ValueError, r"top_entropy_quantile must be >= 0.0 and <= 1.0", dict(top_entropy_quantile=1.5)),
+        (ValueError, "entropy_coef must be finite", dict(entropy_coef=math.nan)),
     ]
     for error, match, kw in grpo:
         with pytest.raises(error, match=match):
             F.fused_linear_grpo(x, w, target, adv, **kw)
+    lp, mask = torch.zeros(6, 9), torch.ones(6, 9)
+    for kw in (dict(top_entropy_quantile=0.5), dict(entropy_coef=0.1)):
+        with pytest.raises(ValueError, match="needs entropies"):
+            P.grpo_loss(lp, lp, None, adv, mask, **kw)
+    with pytest.raises(ValueError, match="top_entropy_quantile must be >= 0.0"):
+        P.high_entropy_mask(lp, mask, -0.1)
     xs, ws, xt, wt, bs, bt, t = _distill_inputs(8, 16, 16, 40, ("bad",))
     with pytest.raises(ValueError, match=r"student_bias must be \(40,\)"):
         F.fused_linear_jsd(xs, ws, xt, wt, student_bias=bs[:3])

@@ -239,6 +239,25 @@ def test_under_torch_compile_the_loss_and_gradients_are_eagers():
     assert torch.allclose(compiled, eager, rtol=1e-6) and rel_l2(g_compiled, g_eager) < 1e-6
 
 
+def test_per_token_statistics_under_torch_compile_are_eagers():
+    """The losses that read per-token statistics (DPO's WPO weights: log Σp²; GRPO's entropy selection and
+    bonus: the entropy with its gradient) trace without a graph break and give eager's loss and gradient."""
+    x, w, target, _, _, gen = _batch(4, 6, 16, 40, torch.float32, ("compile-stats",))
+    w.requires_grad_()
+    ref, adv = -torch.rand(4, generator=gen) * 10, torch.randn(4, generator=gen)
+
+    def step(w):
+        dpo = F.fused_linear_dpo(x, w, target, ref_log_probs=ref, use_weighting=True,
+                                 f_divergence_type="js_divergence").loss
+        return dpo + F.fused_linear_grpo(x, w, target, adv, top_entropy_quantile=0.4, entropy_coef=0.05).loss
+
+    eager = step(w)
+    (g_eager,) = torch.autograd.grad(eager, w)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(w)
+    (g_compiled,) = torch.autograd.grad(compiled, w)
+    assert torch.allclose(compiled, eager, rtol=1e-6) and rel_l2(g_compiled, g_eager) < 1e-6
+
+
 @pytest.mark.parametrize("loss_type,level,beta,old", [("grpo", "token", 0.04, True), ("bnpo", "sequence", 0.0, True),
                                                       ("dr_grpo", "token", 0.04, False), ("dapo", "token", 0.0, True),
                                                       ("cispo", "token", 0.0, True)])

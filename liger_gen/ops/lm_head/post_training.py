@@ -4,9 +4,10 @@ plan), never materialising the full logits.
 
 Two layers:
 
-* **Formulas** (``dpo_loss``, ``orpo_loss``, ``cpo_loss``, ``kto_loss``, ``grpo_loss``, ...): plain PyTorch on
-  sequence or per-token log-probabilities, differentiable, equal to the formulas of TRL's trainers (each
-  docstring names the paper and the TRL code it follows).
+* **Formulas** (``dpo_loss``, ``orpo_loss``, ``cpo_loss``, ``kto_loss``, ``grpo_loss``, ``wpo_weights``,
+  ``high_entropy_mask``, ...): plain PyTorch on sequence or per-token log-probabilities (and, for WPO's weights
+  and GRPO's entropy options, per-token statistics), differentiable, equal to the formulas of TRL's trainers
+  (each docstring names the paper and the TRL code it follows).
 * **Fused losses** (``fused_linear_dpo``, ``fused_linear_orpo``, ``fused_linear_cpo``, ``fused_linear_simpo``,
   ``fused_linear_kto``, ``fused_linear_grpo``): the same losses from the policy's last hidden states ``x`` of
   shape (sequences, tokens, hidden) and the LM head.
@@ -34,20 +35,22 @@ import types
 from liger_gen.ops.lm_head import post_training_base as _base
 from liger_gen.ops.lm_head.post_training_base import GRPOOutput, KTOOutput, PreferenceOutput
 from liger_gen.ops.lm_head.post_training_preference import (CPO_LOSS_TYPES, DPO_LOSS_TYPES,
-                                                            KTO_LOSS_TYPES, cpo_loss, dpo_loss, fused_linear_cpo,
-                                                            fused_linear_dpo, fused_linear_kto, fused_linear_orpo,
-                                                            fused_linear_simpo, kto_loss, ld_weights, log1mexp,
-                                                            orpo_loss)
-from liger_gen.ops.lm_head.post_training_rl import (GRPO_LOSS_TYPES, IS_MODES, GRPOOptions,
+                                                            F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES,
+                                                            KTO_LOSS_TYPES, cpo_loss, dpo_loss, f_divergence_scores,
+                                                            fused_linear_cpo, fused_linear_dpo, fused_linear_kto,
+                                                            fused_linear_orpo, fused_linear_simpo, kto_loss,
+                                                            ld_weights, log1mexp, orpo_loss, wpo_weights)
+from liger_gen.ops.lm_head.post_training_rl import (GRPO_LOSS_TYPES, IS_MODES, GRPOOptions, entropy_bonus,
                                                     fused_linear_grpo, grpo_loss, grpo_normalise,
-                                                    grpo_per_token_loss, vespo_weights,
+                                                    grpo_per_token_loss, high_entropy_mask, vespo_weights,
                                                     vllm_importance_sampling_ratio)
 
-__all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "GRPO_LOSS_TYPES", "IS_MODES", "KTO_LOSS_TYPES", "GRPOOptions",
-           "GRPOOutput", "KTOOutput", "PreferenceOutput", "cpo_loss", "dpo_loss",
-           "fused_linear_cpo", "fused_linear_dpo", "fused_linear_grpo", "fused_linear_kto", "fused_linear_orpo",
-           "fused_linear_simpo", "grpo_loss", "grpo_normalise", "grpo_per_token_loss", "kto_loss", "ld_weights",
-           "log1mexp", "orpo_loss", "vespo_weights", "vllm_importance_sampling_ratio"]
+__all__ = ["CPO_LOSS_TYPES", "DPO_LOSS_TYPES", "F_DIVERGENCE_LOSS_TYPES", "F_DIVERGENCE_TYPES", "GRPO_LOSS_TYPES",
+           "IS_MODES", "KTO_LOSS_TYPES", "GRPOOptions", "GRPOOutput", "KTOOutput", "PreferenceOutput", "cpo_loss",
+           "dpo_loss", "entropy_bonus", "f_divergence_scores", "fused_linear_cpo", "fused_linear_dpo",
+           "fused_linear_grpo", "fused_linear_kto", "fused_linear_orpo", "fused_linear_simpo", "grpo_loss",
+           "grpo_normalise", "grpo_per_token_loss", "high_entropy_mask", "kto_loss", "ld_weights", "log1mexp",
+           "orpo_loss", "vespo_weights", "vllm_importance_sampling_ratio", "wpo_weights"]
 
 class _Front(types.ModuleType):
     """This module's type: ``SEQUENCE_CHUNK_BYTES`` read or set here is the chunk loop's (``post_training_base``),

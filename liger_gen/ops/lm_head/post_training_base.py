@@ -4,14 +4,17 @@ sequences that computes a loss and its gradients from hidden states and the LM h
 per-token log-probabilities (its tuned kernels and chunk plan), never materialising the full logits.
 
 ``sequence_loss`` runs a loss given as ``chunk_loss(logp, ranges)``, the loss's share of one chunk of whole
-sequences (a chosen/rejected pair in one chunk). Eagerly with gradients wanted, each chunk goes through one GEMM
-for its logits, one statistics launch for its per-token log-probabilities, ``chunk_loss`` on those
-(differentiated by autograd), one launch that turns the logits into their gradient in place, and the dx and dW
-GEMMs — three GEMMs per token, the gradients computed in the forward and scaled by the upstream gradient in the
-backward. The logits of a chunk take at most ``SEQUENCE_CHUNK_BYTES``. Where one group does not fit, a loss
-needs the whole batch at once (``whole_batch``), under torch.compile or tracing, without gradients, or in
-float16 or float64, the loss is ``chunk_loss`` of every sequence on ``selective_log_softmax``'s
-log-probabilities (its backward recomputes the logits). Both ways give the same loss and gradients up to rounding.
+sequences (a chosen/rejected pair in one chunk), or ``chunk_loss(logp, ranges, stats)`` for a loss that also reads
+per-token statistics of the same distributions (``STATS``: the entropy, with its gradient; log Σ_v p_v²), which the
+statistics launch writes in the same pass over each row. Eagerly with gradients wanted, each chunk goes through one
+GEMM for its logits, one statistics launch for its per-token log-probabilities (and statistics), ``chunk_loss`` on
+those (differentiated by autograd), one launch that turns the logits into their gradient in place (of the
+log-probabilities and, where the loss uses it, of the entropy), and the dx and dW GEMMs — three GEMMs per token, the
+gradients computed in the forward and scaled by the upstream gradient in the backward. The logits of a chunk take at
+most ``SEQUENCE_CHUNK_BYTES``. Where one group does not fit, a loss needs the whole batch at once (``whole_batch``),
+under torch.compile or tracing, without gradients, or in float16 or float64, the loss is ``chunk_loss`` of every
+sequence on ``selective_log_softmax``'s log-probabilities (its backward recomputes the logits). Both ways give the
+same loss and gradients up to rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from liger_gen.ops.lm_head.cross_entropy_rows import scale_in_place
-from liger_gen.ops.lm_head.selective_log_softmax import Chunks, LogProbOptions, check_inputs, selective_log_softmax
+from liger_gen.ops.lm_head.selective_log_softmax import (Chunks, LogProbOptions, check_inputs,
+                                                         selective_log_softmax, token_log_probs_2d)
 from liger_gen.runtime import plans
 from liger_gen.runtime.ops import check_float_arg, check_targets, describe, no_double_backward
 
@@ -55,10 +59,14 @@ class KTOOutput(NamedTuple):
 
 
 class GRPOOutput(NamedTuple):
-    """GRPO's loss and the policy's per-token log-probabilities (sequences, tokens), detached."""
+    """GRPO's loss, the policy's per-token log-probabilities (sequences, tokens) and, where the loss used them
+    (``top_entropy_quantile`` < 1 or ``entropy_coef`` ≠ 0; else None), the per-token entropies (sequences,
+    tokens) float32 (float64 for float64 inputs; 0 where the target is ignored; what TRL logs and its adaptive
+    entropy control reads), both detached."""
 
     loss: torch.Tensor
     per_token_logps: torch.Tensor
+    entropy: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -126,54 +134,78 @@ class _Layout(NamedTuple):
         return torch.tensor([s for chunk in self.chunks for lo, hi in chunk for s in range(lo, hi)])
 
 
-#: chunk_loss(logp (n, tokens) for the chunk's sequences in range order, ranges) -> 0-d loss contribution
-ChunkLoss = Callable[[torch.Tensor, tuple[tuple[int, int], ...]], torch.Tensor]
+#: chunk_loss(logp (n, tokens) for the chunk's sequences in range order, ranges) -> 0-d loss contribution; a loss
+#: that asks ``sequence_loss`` for per-token statistics is called ``chunk_loss(logp, ranges, stats)`` instead
+ChunkLoss = Callable[..., torch.Tensor]
+
+#: the per-token statistics besides the log-probabilities a chunk loss may ask for (``sequence_loss``'s
+#: ``stats``): the entropy of each token's distribution (differentiable: GRPO's entropy bonus, its top-entropy
+#: token mask) and log Σ_v p_v² (data, no gradient: DPO's WPO weights); 0 where the target is ignored
+STATS = ("entropy", "log_sum_sq_probs")
 
 
 class _FusedSequenceLoss(torch.autograd.Function):
     """Loss and the gradients of x, W and bias in one pass over chunks of whole sequences (see the module)."""
 
     @staticmethod
-    def forward(ctx, x2d, w, bias, run: Chunks, layout: _Layout, chunk_loss: ChunkLoss):
+    def forward(ctx, x2d, w, bias, run: Chunks, layout: _Layout, chunk_loss: ChunkLoss, stats: tuple[str, ...]):
         need = ctx.needs_input_grad
         dx, dw, db = run.grad_outputs(need[0], need[1], bias is not None and need[2])
         t = layout.tokens
-        lse = torch.empty(layout.sequences * t, dtype=torch.float32, device=x2d.device)
-        logp_out = torch.empty((layout.sequences, t), dtype=torch.float32, device=x2d.device)
+        f32 = dict(dtype=torch.float32, device=x2d.device)
+        lse = torch.empty(layout.sequences * t, **f32)
+        logp_out = torch.empty((layout.sequences, t), **f32)
+        # the statistics kernel writes them beside the log-probabilities, in the same pass over each row
+        stat_out = {name: torch.empty((layout.sequences, t), **f32) for name in stats}
         logp = logp_out.view(-1)
+        entropy = stat_out["entropy"].view(-1) if "entropy" in stats else None
+        sq = stat_out["log_sum_sq_probs"].view(-1) if "log_sum_sq_probs" in stats else None
         most = max(sum(hi - lo for lo, hi in chunk) for chunk in layout.chunks) * t
         buf, gbuf = run.buffers(most)
-        total = torch.zeros((), dtype=torch.float32, device=x2d.device)
+        total = torch.zeros((), **f32)
         first = True
         for chunk in layout.chunks:
             parts, off = [], 0
             for lo, hi in chunk:
                 rows = slice(lo * t, hi * t)
                 z = run.logits(x2d[rows], buf[off:off + (hi - lo) * t])
-                run.stats(z, run.target[rows], logp[rows], lse[rows])
+                run.stats(z, run.target[rows], logp[rows], lse[rows],
+                          (None if entropy is None else entropy[rows], None if sq is None else sq[rows], None, None))
                 parts.append((rows, z, off))
                 off += (hi - lo) * t
-            leaf = torch.cat([logp[rows] for rows, _, _ in parts]).view(-1, t).requires_grad_()
+
+            def gather(flat):
+                return torch.cat([flat[rows] for rows, _, _ in parts]).view(-1, t)
+
+            leaves = [gather(logp).requires_grad_()]
+            extra = {}
+            if entropy is not None:
+                leaves.append(gather(entropy).requires_grad_())
+                extra["entropy"] = leaves[-1]
+            if sq is not None:
+                extra["log_sum_sq_probs"] = gather(sq)
             with torch.enable_grad():
-                value = chunk_loss(leaf, chunk)
-                g = torch.autograd.grad(value, leaf, allow_unused=True)[0] if value.requires_grad else None
+                value = chunk_loss(leaves[0], chunk, extra) if stats else chunk_loss(leaves[0], chunk)
+                grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else \
+                    (None,) * len(leaves)
             total += value.detach().float()
-            if g is None:
-                g = torch.zeros_like(leaf)
+            g = torch.zeros_like(leaves[0]) if grads[0] is None else grads[0]
             g = g.reshape(-1).float().contiguous()
+            g_ent = grads[1].reshape(-1).float().contiguous() if len(grads) > 1 and grads[1] is not None else None
             for rows, z, off in parts:
                 n = z.shape[0]
                 grad = z if gbuf is None else gbuf[off:off + n]
-                run.logits_grad(z, grad, run.target[rows], lse[rows], lse[rows], g[off:off + n], None)
+                run.logits_grad(z, grad, run.target[rows], lse[rows], lse[rows] if entropy is None else entropy[rows],
+                                g[off:off + n], None if g_ent is None else g_ent[off:off + n])
                 run.add_grads(grad, x2d[rows], first, None if dx is None else dx[rows], dw, db)
                 first = False
         ctx.grads = (dx, dw, db)
         ctx.dtypes = (w.dtype, None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(logp_out)
-        return total, logp_out
+        ctx.mark_non_differentiable(logp_out, *stat_out.values())
+        return (total, logp_out, *stat_out.values())
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp):
+    def backward(ctx, grad_loss, *_grad_per_token):
         no_double_backward("fused post-training loss", "the formulas of liger_gen.ops.lm_head.post_training on "
                            "liger_gen.reference.selective_log_softmax_torch's log-probabilities")
         if ctx.grads is None:
@@ -185,7 +217,7 @@ class _FusedSequenceLoss(torch.autograd.Function):
         w_dtype, b_dtype = ctx.dtypes
         return (None if dx is None else scale_in_place(dx, g),
                 None if dw is None else scale_in_place(dw, g).to(w_dtype),
-                None if db is None else scale_in_place(db, g).to(b_dtype), None, None, None)
+                None if db is None else scale_in_place(db, g).to(b_dtype), None, None, None, None)
 
 
 def _sequences_per_chunk(run: Chunks, tokens: int, group: int) -> int:
@@ -195,12 +227,26 @@ def _sequences_per_chunk(run: Chunks, tokens: int, group: int) -> int:
     return SEQUENCE_CHUNK_BYTES // max(1, per_row * tokens * group)
 
 
+class SequenceLoss(NamedTuple):
+    """``sequence_loss``'s result: the loss, the per-token log-probabilities (sequences, tokens) and the asked-for
+    per-token statistics by name (each (sequences, tokens)), all but the loss detached."""
+
+    loss: torch.Tensor
+    logp: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
 def sequence_loss(x, w, bias, target, options: LogProbOptions, paired: bool, chunk_loss: ChunkLoss,
-                  whole_batch: bool = False):
-    """(loss, per-token log-probabilities (sequences, tokens) detached) of ``chunk_loss`` summed over chunks of x
-    (sequences, tokens, hidden): the fused chunk loop where it applies, else the formula on the log-probabilities
-    of all sequences at once (one chunk holding every range). ``whole_batch``: the loss is not a sum over
-    chunks (it sorts the batch, as DPO's AOT): one chunk of every sequence, or the formula."""
+                  whole_batch: bool = False, stats: Sequence[str] = ()) -> SequenceLoss:
+    """``chunk_loss`` summed over chunks of x (sequences, tokens, hidden): the fused chunk loop where it applies,
+    else the formula on the log-probabilities of all sequences at once (one chunk holding every range).
+    ``whole_batch``: the loss is not a sum over chunks (it sorts the batch, as DPO's AOT, or takes a quantile
+    over it): one chunk of every sequence, or the formula. ``stats``: names from ``STATS`` that ``chunk_loss``
+    is handed as its third argument, a dict of (n, tokens) tensors of the chunk's sequences (the entropy
+    differentiable, log Σp² not); the fused loop's statistics launch computes them in its pass over each row."""
+    unknown = set(stats) - set(STATS)
+    assert not unknown, f"sequence_loss: unknown statistics {sorted(unknown)}"
+    stats = tuple(name for name in STATS if name in stats)
     n, t, h = x.shape
     x2d = x.reshape(-1, h)
     if x2d.stride(0) != 1 and x2d.stride(1) != 1:
@@ -215,12 +261,41 @@ def sequence_loss(x, w, bias, target, options: LogProbOptions, paired: bool, chu
         if whole_batch and per_chunk < groups:
             per_chunk = 0
         if per_chunk:
-            return _FusedSequenceLoss.apply(x2d, w, bias, run, _Layout.make(n, t, paired, per_chunk), chunk_loss)
-    logp = selective_log_softmax(x, w, target, bias, options.temperature, options.ignore_index, options.softcap,
-                                 options.logit_scale)
+            loss, logp, *values = _FusedSequenceLoss.apply(x2d, w, bias, run,
+                                                           _Layout.make(n, t, paired, per_chunk), chunk_loss, stats)
+            return SequenceLoss(loss, logp, dict(zip(stats, values)))
+    logp, values = _formula_stats(x, w, bias, target, options, stats)
     everything = ((0, n // 2), (n // 2, n)) if paired else ((0, n),)
-    value = chunk_loss(logp, everything)
-    return value.to(torch.promote_types(value.dtype, torch.float32)), logp.detach()
+    value = chunk_loss(logp, everything, values) if stats else chunk_loss(logp, everything)
+    return SequenceLoss(value.to(torch.promote_types(value.dtype, torch.float32)), logp.detach(),
+                        {name: v.detach() for name, v in values.items()})
+
+
+def _formula_stats(x, w, bias, target, options: LogProbOptions, stats: tuple[str, ...]):
+    """The formula path's per-token log-probabilities (differentiable) and ``stats`` by name, from
+    ``selective_log_softmax`` (the entropy differentiable; log Σp² from its 2-D op, in fp32, without gradient)."""
+    o = options
+    if "log_sum_sq_probs" in stats and x.dtype != torch.float64:  # one pass for all of them
+        h = x.shape[-1]
+        x2d = x.reshape(-1, h)
+        if x2d.stride(0) != 1 and x2d.stride(1) != 1:
+            x2d = x2d.contiguous()
+        logp, entropy, sq, *_ = token_log_probs_2d(x2d, w, target.reshape(-1).contiguous(), bias, o,
+                                                   ("log_probs", *stats))
+        values = {"log_sum_sq_probs": sq.detach().view(target.shape)}
+        if entropy is not None:
+            values["entropy"] = entropy.view(target.shape)
+        return logp.view(target.shape), {name: values[name] for name in stats}
+    out = selective_log_softmax(x, w, target, bias, o.temperature, o.ignore_index, o.softcap, o.logit_scale,
+                                return_entropy="entropy" in stats)
+    logp, values = (out[0], {"entropy": out[1]}) if "entropy" in stats else (out, {})
+    if "log_sum_sq_probs" in stats:  # float64 (the plain CPU path): the statistic in fp32, it is data
+        with torch.no_grad():
+            values["log_sum_sq_probs"] = token_log_probs_2d(
+                x.reshape(-1, x.shape[-1]).float(), w.float(), target.reshape(-1).contiguous(),
+                None if bias is None else bias.float(), o, ("log_probs", "log_sum_sq_probs"))[2].view(
+                    target.shape).to(x.dtype)
+    return logp, {name: values[name] for name in stats}
 
 
 def ref_logps(op, ref_x, ref_w, ref_bias, target, options: LogProbOptions, ref_log_probs, sequences: int,

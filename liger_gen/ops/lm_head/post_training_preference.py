@@ -1,7 +1,8 @@
 """Preference losses from hidden states and the LM head, with TRL's semantics: DPO (every TRL loss type, their
-combinations, RPO's NLL term, LD-DPO's length weighting), ORPO, CPO, SimPO and KTO — the formulas on sequence
-log-probabilities (``dpo_loss``, ``orpo_loss``, ``cpo_loss``, ``kto_loss``) and the fused losses
-(``fused_linear_*``) that run them on ``post_training_base.sequence_loss``'s chunks of whole sequences."""
+combinations, RPO's NLL term, LD-DPO's length weighting, WPO's weights, f-DPO's divergences), ORPO, CPO, SimPO
+and KTO — the formulas on sequence log-probabilities (``dpo_loss``, ``orpo_loss``, ``cpo_loss``, ``kto_loss``)
+and the fused losses (``fused_linear_*``) that run them on ``post_training_base.sequence_loss``'s chunks of whole
+sequences."""
 
 from __future__ import annotations
 
@@ -20,13 +21,41 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+#: DPO's f-divergence regularisers (f-DPO, Wang et al. 2023), TRL's ``DPOConfig.f_divergence_type``
+F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+#: the DPO loss types built on the chosen − rejected score difference: the only ones with an f-divergence other
+#: than the reverse KL (as TRL restricts them)
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+
+
+def f_divergence_scores(log_ratio: torch.Tensor, f_divergence_type: str = "reverse_kl",
+                        f_alpha_divergence_coef: float = 0.5) -> torch.Tensor:
+    """The score f′(t) at t = π/ref of a sequence log-ratio ρ = log t (f-DPO, Wang et al. 2023, "Beyond Reverse
+    KL: Generalizing Direct Preference Optimization with Diverse Divergence Constraints", Table 1 up to constants
+    that cancel in the chosen − rejected difference), as TRL's ``DPOTrainer``: ``reverse_kl`` ρ; ``forward_kl``
+    1 − e^(−ρ); ``js_divergence`` log 2 + log σ(ρ); ``alpha_divergence`` (e^((α−1)ρ) − 1)/(α−1) with α =
+    ``f_alpha_divergence_coef`` (ρ where |α − 1| < 1e-6, the limit), the exponent computed in fp32 at least and
+    capped at 80 (11 for float16) so that e^(·) stays finite in the result's dtype, as TRL caps it."""
+    if f_divergence_type == "reverse_kl":
+        return log_ratio
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-log_ratio)
+    if f_divergence_type == "js_divergence":
+        return math.log(2.0) + F.logsigmoid(log_ratio)
+    if abs(f_alpha_divergence_coef - 1.0) < 1e-6:
+        return log_ratio
+    a = f_alpha_divergence_coef - 1.0
+    cap = 11.0 if log_ratio.dtype == torch.float16 else 80.0
+    work = torch.promote_types(log_ratio.dtype, torch.float32)
+    return (torch.exp(torch.clamp((a * log_ratio).to(work), max=cap)) - 1.0).to(log_ratio.dtype) / a
 
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
              label_smoothing: float = 0.0, chosen_lengths: torch.Tensor | None = None,
              rejected_lengths: torch.Tensor | None = None, *, discopop_tau: float = 0.05,
-             nll: torch.Tensor | None = None) -> torch.Tensor:
+             nll: torch.Tensor | None = None, f_divergence_type: str = "reverse_kl",
+             f_alpha_divergence_coef: float = 0.5) -> torch.Tensor:
     """Per-pair DPO loss (Rafailov et al. 2023, "Direct Preference Optimization"), as TRL's ``DPOTrainer``
     (``loss_type`` as TRL 1.16 names them).
 
@@ -52,26 +81,41 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     * ``sft``: ``nll`` (0-d: the mean negative log-likelihood of the chosen completions' tokens) for every pair;
     * ``sigmoid_norm``: −log σ(βΔ̄), Δ̄ as for ``ipo``.
 
+    ``f_divergence_type`` (TRL's ``DPOConfig`` option, f-DPO): the log-ratios ρ_c, ρ_r of the loss types built on
+    their difference (``F_DIVERGENCE_LOSS_TYPES``: sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop,
+    sft) are replaced by the scores ``f_divergence_scores(ρ, f_divergence_type, f_alpha_divergence_coef)``
+    before Δ (and Δ̄) is formed; the default ``reverse_kl`` is plain DPO.
+
     Returns the (pairs,) losses in the promoted floating dtype; the loss is their mean. ValueError for an unknown
-    ``loss_type``, β ≤ 0, ε outside [0, 1] (robust: [0, 1/2); exo_pair: (0, 1)), τ ≤ 0, ipo or sigmoid_norm
-    without the lengths, sft without ``nll``.
+    ``loss_type`` or ``f_divergence_type``, an f-divergence other than the reverse KL with a loss type outside
+    ``F_DIVERGENCE_LOSS_TYPES`` (as TRL refuses it), β ≤ 0, ε outside [0, 1] (robust: [0, 1/2); exo_pair:
+    (0, 1)), τ ≤ 0, a non-finite ``f_alpha_divergence_coef``, ipo or sigmoid_norm without the lengths, sft
+    without ``nll``.
     """
     op = "dpo_loss"
     check_choice(op, "loss_type", loss_type, DPO_LOSS_TYPES)
     beta = check_finite(op, "beta", beta, 0.0, low_open=True)
     eps = check_finite(op, "label_smoothing", label_smoothing, 0.0, 1.0)
     tau = check_finite(op, "discopop_tau", discopop_tau, 0.0, low_open=True)
+    check_choice(op, "f_divergence_type", f_divergence_type, F_DIVERGENCE_TYPES)
+    alpha = check_finite(op, "f_alpha_divergence_coef", f_alpha_divergence_coef)
+    if f_divergence_type != "reverse_kl" and loss_type not in F_DIVERGENCE_LOSS_TYPES:
+        raise ValueError(f"{op}: f_divergence_type={f_divergence_type!r} needs a loss type built on the chosen − "
+                         f"rejected score difference ({list(F_DIVERGENCE_LOSS_TYPES)}), got {loss_type!r}; use "
+                         f"'reverse_kl' with it")
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
+    chosen_score = f_divergence_scores(chosen_ratio, f_divergence_type, alpha)
+    rejected_score = f_divergence_scores(rejected_ratio, f_divergence_type, alpha)
     if loss_type in ("ipo", "sigmoid_norm"):
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(f"{op}: loss_type={loss_type!r} needs chosen_lengths and rejected_lengths (completion "
                              f"tokens)")
-        delta = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+        delta = chosen_score / chosen_lengths.clamp(min=1) - rejected_score / rejected_lengths.clamp(min=1)
         if loss_type == "ipo":
             return (delta - 1.0 / (2.0 * beta)) ** 2
         return -F.logsigmoid(beta * delta)
-    delta = chosen_ratio - rejected_ratio
+    delta = chosen_score - rejected_score
     if loss_type == "hinge":
         return torch.relu(1.0 - beta * delta)
     if loss_type == "robust":
@@ -197,8 +241,9 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                      ref_bias: torch.Tensor | None = None, beta: float = 0.1,
                      loss_type: str | Sequence[str] = "sigmoid", label_smoothing: float = 0.0,
                      loss_weights: Sequence[float] | None = None, rpo_alpha: float | None = None,
-                     ld_alpha: float | None = None, discopop_tau: float = 0.05, ignore_index: int = -100,
-                     temperature: float = 1.0) -> PreferenceOutput:
+                     ld_alpha: float | None = None, discopop_tau: float = 0.05, use_weighting: bool = False,
+                     f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
+                     ignore_index: int = -100, temperature: float = 1.0) -> PreferenceOutput:
     """DPO from the policy's hidden states (Rafailov et al. 2023), as TRL's ``DPOTrainer``: the mean over pairs
     of ``liger_gen.ops.lm_head.post_training.dpo_loss`` on summed completion log-probabilities.
 
@@ -224,12 +269,26 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
         ld_alpha: LD-DPO's α in [0, 1] (Liu et al. 2024, "Length Desensitization in DPO"), as TRL's ``ld_alpha``:
             each pair's completion tokens past the shorter completion's length (the "verbose" tail) count α times
             in both sequences' summed log-probabilities, the policy's and the reference's. None: plain sums.
+        use_weighting: WPO's weights (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference
+            Optimization", Eq. 2), as TRL's ``DPOConfig.use_weighting``: each sequence gets w = exp(mean over its
+            completion tokens of log p_y − log Σ_v p_v²) (the token's probability relative to Σ_v p_v·p_v, the
+            probability the policy gives a token drawn from itself; no gradient; 1 for an empty completion), and each
+            loss type's per-pair loss (the "sft" term and ``rpo_alpha``'s NLL included, as TRL weights them) is
+            multiplied by w_chosen·w_rejected before its mean. log Σ_v p_v² comes from the same statistics launch
+            as the log-probabilities. With "sft" or ``rpo_alpha`` the NLL term is the NLL times the batch mean of
+            the pair weights, not a sum over chunks: the loss then runs as one chunk of every pair (or the
+            formula). Not with aot or aot_unpaired (they sort the batch: ValueError, as TRL refuses it).
+        f_divergence_type, f_alpha_divergence_coef: f-DPO's divergence (TRL's options of these names;
+            ``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence`` with α =
+            ``f_alpha_divergence_coef``), see ``dpo_loss`` and ``f_divergence_scores``.
 
     Returns ``PreferenceOutput`` (loss 0-d float32, differentiable in x, lm_head_weight and bias; logps the
     (weighted) sums; rewards β·(π − ref)). Raises ValueError / TypeError naming the tensor or option for bad
     shapes, dtypes or options (an odd number of sequences: the chosen and rejected batch sizes differ; a
     reference head of another vocabulary; an empty or unknown ``loss_type``, ``loss_weights`` of another length
-    or not finite, ``rpo_alpha`` not finite, ``ld_alpha`` outside [0, 1]). A pair whose completions are all
+    or not finite, ``rpo_alpha`` not finite, ``ld_alpha`` outside [0, 1], ``use_weighting`` not a bool or with
+    aot / aot_unpaired, an unknown ``f_divergence_type`` or one other than ``reverse_kl`` with a loss type
+    outside ``F_DIVERGENCE_LOSS_TYPES``). A pair whose completions are all
     ``ignore_index`` has Δ = 0 (IPO, sigmoid_norm: lengths clamped to 1); a batch with no chosen completion token
     makes the NLL (sft, rpo_alpha) 0/0 = NaN, as TRL's."""
     op = "fused_linear_dpo"
@@ -244,9 +303,15 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
     if len(weights) != len(types):
         raise ValueError(f"{op}: loss_weights must have one weight per loss type ({len(types)}), got {weights!r}")
     weights = tuple(check_finite(op, "loss_weights", w) for w in weights)
+    divergence = dict(f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
     for t in types:  # validates the options before any work
         dpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta, t, label_smoothing,
-                 torch.ones(1), torch.ones(1), discopop_tau=discopop_tau, nll=torch.zeros(()))
+                 torch.ones(1), torch.ones(1), discopop_tau=discopop_tau, nll=torch.zeros(()), **divergence)
+    weighting = check_flag(op, "use_weighting", use_weighting)
+    sorts = any(t in ("aot", "aot_unpaired") for t in types)
+    if weighting and sorts:
+        raise ValueError(f"{op}: use_weighting does not go with loss_type 'aot' or 'aot_unpaired' (they sort the "
+                         f"batch, which would misalign the per-pair weights; TRL refuses it too), got {types}")
     rpo_alpha = None if rpo_alpha is None else check_finite(op, "rpo_alpha", rpo_alpha)
     ld_alpha = None if ld_alpha is None else check_finite(op, "ld_alpha", ld_alpha, 0.0, 1.0)
     n = x.shape[0]
@@ -257,26 +322,49 @@ def fused_linear_dpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
     ref = ref_logps(op, ref_x, ref_lm_head_weight, ref_bias, target, options, ref_log_probs, n, tokens)
     n_nll = lengths[:pairs].sum()  # no chosen token: NaN, as TRL's mean over an empty selection
 
-    def chunk_loss(logp, ranges):
+    def chunk_loss(logp, ranges, stats=None):
         (c0, c1), (r0, r1) = ranges
         k = c1 - c0
         sums = (logp if tokens is None else logp * torch.cat([tokens[c0:c1], tokens[r0:r1]])).sum(-1)
         nll = -(logp[:k] * completion[c0:c1]).sum() / n_nll
+        pair_weights = None
+        if weighting:
+            pair_weights = wpo_weights(logp, stats["log_sum_sq_probs"],
+                                       torch.cat([completion[c0:c1], completion[r0:r1]]))
+            pair_weights = pair_weights[:k] * pair_weights[k:]
+            # the NLL (a batch mean) times the pairs' mean weight: with it, this chunk is the whole batch
+            nll = nll * pair_weights.sum() / max(pairs, 1)
         total = 0.0
         for t, w in zip(types, weights):
             if t == "sft":  # a batch mean, not a mean over pairs
                 total = total + w * nll
                 continue
             losses = dpo_loss(sums[:k], sums[k:], ref[c0:c1], ref[r0:r1], beta, t, label_smoothing,
-                              lengths[c0:c1], lengths[r0:r1], discopop_tau=discopop_tau)
+                              lengths[c0:c1], lengths[r0:r1], discopop_tau=discopop_tau, **divergence)
+            if pair_weights is not None:
+                losses = losses * pair_weights
             total = total + w * losses.sum() / max(pairs, 1)
         return total if rpo_alpha is None else total + rpo_alpha * nll
 
-    whole = any(t in ("aot", "aot_unpaired") for t in types)
-    loss, logp = sequence_loss(x, lm_head_weight, bias, target, options, True, chunk_loss, whole)
+    # the weighted NLL (sft, rpo_alpha) is a product of two batch sums: one chunk of every pair, as AOT's sort
+    whole = sorts or (weighting and ("sft" in types or rpo_alpha is not None))
+    loss, logp, _ = sequence_loss(x, lm_head_weight, bias, target, options, True, chunk_loss, whole,
+                                  ("log_sum_sq_probs",) if weighting else ())
     sums = (logp if tokens is None else logp * tokens).sum(-1)
     return PreferenceOutput(loss, sums[:pairs], sums[pairs:], beta * (sums[:pairs] - ref[:pairs]),
                             beta * (sums[pairs:] - ref[pairs:]))
+
+
+def wpo_weights(per_token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor,
+                completion_mask: torch.Tensor) -> torch.Tensor:
+    """WPO's sequence weights (Zhou et al. 2024, Eq. 2, the length-normalised form TRL's ``use_weighting``
+    computes): exp(Σ_t (log p_t − log Σ_v p_{t,v}²)·m_t / max(Σ_t m_t, 1)) of (sequences, tokens) inputs, the
+    log-probabilities of the chosen tokens, log Σ_v p_v² of each token's distribution and the completion mask;
+    (sequences,), no gradient (data)."""
+    with torch.no_grad():
+        m = completion_mask.to(per_token_logps.dtype)
+        aligned = (per_token_logps - log_sum_sq_probs.to(per_token_logps.dtype)) * m
+        return torch.exp(aligned.sum(-1) / m.sum(-1).clamp(min=1.0))
 
 
 def ld_weights(completion: torch.Tensor, ld_alpha: float) -> torch.Tensor:
@@ -363,7 +451,7 @@ def fused_linear_orpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
         odds = orpo_loss(c, r, beta).sum() / max(pairs, 1)
         return nll_sum / n_nll - odds if with_nll else -odds
 
-    loss, logp = sequence_loss(x, lm_head_weight, bias, loop_target, options, True, chunk_loss)
+    loss, logp, _ = sequence_loss(x, lm_head_weight, bias, loop_target, options, True, chunk_loss)
     means = (logp * completion).sum(-1) / completion.sum(-1)
     return PreferenceOutput(loss, means[:pairs], means[pairs:], beta * means[:pairs], beta * means[pairs:])
 
@@ -404,7 +492,7 @@ def fused_linear_cpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
         value = cpo_loss(c, r, beta, loss_type, label_smoothing, simpo_gamma, alpha).sum() / max(pairs, 1)
         return value + cpo_alpha * nll_sum / n_nll if cpo_alpha else value
 
-    loss, logp = sequence_loss(x, lm_head_weight, bias, loop_target, options, True, chunk_loss)
+    loss, logp, _ = sequence_loss(x, lm_head_weight, bias, loop_target, options, True, chunk_loss)
     seq = (logp * completion).sum(-1)
     if average:
         seq = seq / completion.sum(-1)
@@ -472,7 +560,7 @@ def fused_linear_kto(x: torch.Tensor, lm_head_weight: torch.Tensor, target: torc
                           loss_type)
         return losses.sum() / max(n, 1)
 
-    loss, logp = sequence_loss(x, lm_head_weight, bias, target, options, False, chunk_loss)
+    loss, logp, _ = sequence_loss(x, lm_head_weight, bias, target, options, False, chunk_loss)
     sums = logp.sum(-1)
     return KTOOutput(loss, sums, beta * (sums - ref))
 

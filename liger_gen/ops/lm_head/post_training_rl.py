@@ -1,7 +1,8 @@
 """GRPO from hidden states and the LM head, with TRL's ``GRPOTrainer`` semantics: the per-token loss of every TRL
 loss type (clipped, CISPO, SAPO, LUSPO, VESPO), the KL term (with TRL's bias correction), the importance-sampling
-correction of completions sampled by another engine (vLLM), the off-policy sequence mask, TRL's normalisations,
-and ``fused_linear_grpo``, which runs them on ``post_training_base.sequence_loss``'s chunks of whole sequences."""
+correction of completions sampled by another engine (vLLM), the off-policy sequence mask, the top-entropy token
+selection and the entropy bonus, TRL's normalisations, and ``fused_linear_grpo``, which runs them on
+``post_training_base.sequence_loss``'s chunks of whole sequences."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class GRPOOptions:
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
     off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
 
     def checked(self, op: str, ref, sampling) -> "GRPOOptions":
         """The options validated (ValueError / TypeError naming the option); ``ref``, ``sampling``: whether the
@@ -52,7 +55,8 @@ class GRPOOptions:
         check_flag(op, "use_bias_correction_kl", self.use_bias_correction_kl)
         check_flag(op, "vllm_importance_sampling_correction", self.vllm_importance_sampling_correction)
         values = {name: check_finite(op, name, getattr(self, name)) for name in (
-            "beta", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+            "beta", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef")}
+        values["top_entropy_quantile"] = check_finite(op, "top_entropy_quantile", self.top_entropy_quantile, 0.0, 1.0)
         values["epsilon_low"] = low = check_finite(op, "epsilon_low", self.epsilon_low, 0.0)
         if not low < 1.0:
             raise ValueError(f"{op}: epsilon_low must be in [0, 1) (the ratio is clipped at 1 − epsilon_low), got "
@@ -124,12 +128,42 @@ def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float) -> torch.Tensor:
+    """The tokens in the top ``top_entropy_quantile`` ρ of the batch by entropy (Wang et al. 2025, "Beyond the
+    80/20 Rule: High-Entropy Minority Tokens Drive Effective Reinforcement Learning for LLM Reasoning"), as TRL's
+    ``GRPOTrainer.get_high_entropy_mask`` on one process: with τ the (1 − ρ)-quantile (linear interpolation, as
+    ``torch.quantile``) of the fp32 entropies of the tokens where ``mask`` is set, the mask ``entropy ≥ τ`` and
+    ``mask``; all False when no token is set. ρ = 1 keeps every token, ρ = 0 only the highest-entropy ones. The
+    comparison is in fp32 (TRL compares float64 entropies with the fp32 τ, which can drop the token at τ; its
+    fused LM head gives fp32 entropies, where the two agree). (sequences, tokens) bool, no gradient, no host
+    synchronisation (the quantile skips the masked-out tokens as NaN; ``torch.nanquantile`` takes at most 2²⁴
+    tokens). ValueError for ρ outside [0, 1]."""
+    q = check_finite("high_entropy_mask", "top_entropy_quantile", top_entropy_quantile, 0.0, 1.0)
+    with torch.no_grad():
+        keep = mask.bool()
+        values = torch.where(keep, entropies.float(), torch.nan)
+        threshold = torch.nanquantile(values.reshape(-1), 1.0 - q)  # NaN without tokens: nothing passes
+        return (entropies.float() >= threshold) & keep
+
+
+def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None = None,
+                  count: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO's entropy term, TRL's ``entropy_coef`` bonus (the loss is ``policy loss − entropy_coef·bonus``): the
+    mean entropy over the tokens of ``mask`` (and of ``entropy_mask``, the top-entropy tokens, when given),
+    whatever the loss type's normalisation; ``count`` (default: those tokens' count, clamped at 1) divides the
+    sum. Differentiable in ``entropies``."""
+    m = mask.to(entropies.dtype)
+    if entropy_mask is not None:
+        m = m * entropy_mask.to(m.dtype)
+    return (entropies * m).sum() / (m.sum().clamp(min=1.0) if count is None else count)
+
+
 def grpo_per_token_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
                         ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
                         beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                         loss_type: str = "dapo", importance_sampling_level: str = "token",
                         delta: float | None = None, *, sampling_per_token_logps: torch.Tensor | None = None,
-                        **options) -> torch.Tensor:
+                        entropies: torch.Tensor | None = None, **options) -> torch.Tensor:
     """GRPO's per-token loss (Shao et al. 2024, "DeepSeekMath", Eq. 3; the clipping of PPO, Schulman et al. 2017),
     as TRL's ``GRPOTrainer._compute_loss``: with the importance ratio r = exp(logp − old) per token
     (``importance_sampling_level="token"``) or exp of the masked mean of logp − old per sequence (``"sequence"``,
@@ -149,24 +183,40 @@ def grpo_per_token_loss(per_token_logps: torch.Tensor, old_per_token_logps: torc
     ``vllm_importance_sampling_ratio`` (old against ``sampling_per_token_logps``, when given and
     ``vllm_importance_sampling_correction``; vespo folds it into φ instead), plus β·k3 with k3 = exp(ref − logp)
     − (ref − logp) − 1 (times r when ``use_bias_correction_kl``: the unbiased reverse-KL gradient of
-    DeepSeek-V3.2) when β ≠ 0. ``old`` None: the policy's own detached log-probabilities.
+    DeepSeek-V3.2) when β ≠ 0. ``old`` None: the policy's own detached log-probabilities. With
+    ``top_entropy_quantile`` ρ < 1 the policy term (before the importance-sampling ratio; the KL term is kept)
+    is also multiplied by ``high_entropy_mask(entropies, mask, ρ)``: ``entropies`` (sequences, tokens), each
+    token's entropy at the same temperature, is then needed. (``entropy_coef`` acts in ``grpo_loss``.)
 
     ``options``: the other fields of ``GRPOOptions`` by name (TRL's ``GRPOConfig`` names). Returns (sequences,
     tokens). ValueError for an unknown ``loss_type``, ``importance_sampling_level`` or
     ``vllm_importance_sampling_mode``, ε outside [0, 1) (low) or < 0 (high), δ ≤ 0, SAPO temperatures ≤ 0, clip
-    bounds < 0 or min > max, non-finite values, vespo with a sequence IS mode, or β ≠ 0 without the reference's
-    log-probabilities; TypeError for an unknown option or a flag that is not a bool."""
+    bounds < 0 or min > max, non-finite values, vespo with a sequence IS mode, β ≠ 0 without the reference's
+    log-probabilities, ``top_entropy_quantile`` outside [0, 1] or < 1 without ``entropies``; TypeError for an
+    unknown option or a flag that is not a bool."""
     unknown = set(options) - set(GRPOOptions.__dataclass_fields__)
     if unknown:
         raise TypeError(f"grpo_per_token_loss: unknown options {sorted(unknown)}")
     o = GRPOOptions(beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, delta, **options)
     o = o.checked("grpo_per_token_loss", ref_per_token_logps is not None, sampling_per_token_logps is not None)
+    entropy_mask = _entropy_mask("grpo_per_token_loss", o, entropies, mask)
     return per_token_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask,
-                          sampling_per_token_logps, o)
+                          sampling_per_token_logps, o, entropy_mask)
 
 
-def per_token_loss(logp, old, ref, advantages, mask, sampling, o: GRPOOptions) -> torch.Tensor:
-    """``grpo_per_token_loss`` with checked options ``o``."""
+def _entropy_mask(op, o: GRPOOptions, entropies, mask):
+    """``high_entropy_mask`` of ``entropies`` when ``o.top_entropy_quantile`` < 1, else None."""
+    if o.top_entropy_quantile >= 1.0:
+        return None
+    if entropies is None:
+        raise ValueError(f"{op}: top_entropy_quantile={o.top_entropy_quantile} needs entropies (each token's "
+                         f"entropy, (sequences, tokens))")
+    return high_entropy_mask(entropies, mask, o.top_entropy_quantile)
+
+
+def per_token_loss(logp, old, ref, advantages, mask, sampling, o: GRPOOptions,
+                   entropy_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``grpo_per_token_loss`` with checked options ``o`` and the top-entropy token mask (None: every token)."""
     old = logp.detach() if old is None else old
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     m = mask.to(logp.dtype)
@@ -197,6 +247,8 @@ def per_token_loss(logp, old, ref, advantages, mask, sampling, o: GRPOOptions) -
         drift = torch.nan_to_num((old if sampling is None else sampling) - logp.detach(), nan=0.0)
         mean_drift = (drift * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
         loss = loss * ((adv >= 0) | (mean_drift <= o.off_policy_mask_threshold)).to(loss.dtype)
+    if entropy_mask is not None:
+        loss = loss * entropy_mask.to(loss.dtype)
     if is_ratio is not None and o.loss_type != "vespo":
         loss = loss * is_ratio
     if o.beta != 0.0:
@@ -245,12 +297,26 @@ def grpo_normalise(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
 def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask, beta: float = 0.0,
               epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
               importance_sampling_level: str = "token", delta: float | None = None,
-              max_completion_length: int | None = None, num_items_in_batch=None, **options) -> torch.Tensor:
-    """GRPO's loss: ``grpo_per_token_loss`` (``options``: its keyword options) reduced by ``grpo_normalise``."""
+              max_completion_length: int | None = None, num_items_in_batch=None, *,
+              entropies: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """GRPO's loss: ``grpo_per_token_loss`` (``options``: its keyword options, ``entropies``: each token's
+    entropy, needed with ``top_entropy_quantile`` < 1 or ``entropy_coef`` ≠ 0) reduced by ``grpo_normalise``,
+    minus ``entropy_coef``·``entropy_bonus`` (TRL's entropy regularisation: the mean entropy over the completion
+    tokens, or over the top-entropy ones with ``top_entropy_quantile`` < 1, differentiable in ``entropies``)."""
     per_token = grpo_per_token_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask,
                                     beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, delta,
-                                    **options)
-    return grpo_normalise(per_token, mask, loss_type, max_completion_length, num_items_in_batch)
+                                    entropies=entropies, **options)
+    loss = grpo_normalise(per_token, mask, loss_type, max_completion_length, num_items_in_batch)
+    coef = check_finite("grpo_loss", "entropy_coef", options.get("entropy_coef", 0.0))
+    if coef == 0.0:
+        return loss
+    if entropies is None:
+        raise ValueError(f"grpo_loss: entropy_coef={coef} needs entropies (each token's entropy, (sequences, "
+                         f"tokens))")
+    entropy_mask = None
+    if options.get("top_entropy_quantile", 1.0) < 1.0:
+        entropy_mask = high_entropy_mask(entropies, mask, options["top_entropy_quantile"])
+    return loss - coef * entropy_bonus(entropies, mask, entropy_mask)
 
 
 # ------------------------------------------------------------------------------------------------ fused loss
@@ -290,9 +356,22 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
             (default False here, True in TRL), ``sapo_temperature_pos``/``_neg``, ``vespo_k_pos``,
             ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``, ``vllm_importance_sampling_correction``
             (True), ``vllm_importance_sampling_mode`` ("sequence_mask"), ``vllm_importance_sampling_clip_min``
-            (None), ``vllm_importance_sampling_clip_max`` (3.0), ``off_policy_mask_threshold`` (None).
+            (None), ``vllm_importance_sampling_clip_max`` (3.0), ``off_policy_mask_threshold`` (None),
+            ``top_entropy_quantile`` (1.0), ``entropy_coef`` (0.0); see below.
 
-    Returns ``GRPOOutput`` (loss 0-d float32; per-token log-probabilities, 0 where target is ignore_index).
+    Entropy (TRL's ``top_entropy_quantile`` and ``entropy_coef``): each token's entropy at ``temperature`` comes
+    from the statistics launch that computes its log-probability, in the same pass over the chunk's logits (no
+    extra GEMM). ``top_entropy_quantile`` ρ < 1 keeps the policy term only on the tokens whose entropy is in the
+    top ρ of the completion tokens (``high_entropy_mask``): the quantile is over the whole batch, so the loss then
+    runs as one chunk of every sequence when the batch's logits fit ``SEQUENCE_CHUNK_BYTES``, else as the formula
+    (its backward recomputes the logits: four GEMMs per token, extra memory within the 256 MiB plan). The
+    quantile is over this call's tokens; TRL gathers them over all processes first. ``entropy_coef`` c subtracts
+    c·(mean entropy over the completion tokens, or over the kept ones with ρ < 1) from the loss, with its
+    gradient (TRL's entropy bonus, whatever the loss type; with ``use_adaptive_entropy`` the trainer picks c each
+    step from the logged entropy: pass the c it applies, 0 for none).
+
+    Returns ``GRPOOutput`` (loss 0-d float32; per-token log-probabilities, 0 where target is ignore_index; the
+    per-token entropies where the entropy options use them, else None).
     Raises ValueError naming the tensor or option for bad shapes or options (see ``grpo_per_token_loss``),
     TypeError for an unknown option."""
     op = "fused_linear_grpo"
@@ -342,14 +421,26 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
         items = mask.sum() if num_items_in_batch is None else num_items_in_batch
         scale = 1.0 / torch.as_tensor(items, dtype=torch.float32, device=x.device).detach().clamp(min=1.0)
 
-    def chunk_loss(logp, ranges):
+    select = o.top_entropy_quantile < 1.0
+    with_entropy = select or o.entropy_coef != 0.0
+    n_tokens = mask.sum().clamp(min=1.0)  # the bonus's mean over every completion token (without the selection)
+
+    def chunk_loss(logp, ranges, stats=None):
         (lo, hi), = ranges
         sl = slice(lo, hi)
+        entropy = None if stats is None else stats["entropy"]
+        # with the selection, this chunk is the whole batch: the quantile is the batch's
+        entropy_mask = high_entropy_mask(entropy, mask[sl], o.top_entropy_quantile) if select else None
         per_token = per_token_loss(logp, None if old is None else old[sl], None if ref is None else ref[sl], adv[sl],
-                                   mask[sl], None if sampling is None else sampling[sl], o)
+                                   mask[sl], None if sampling is None else sampling[sl], o, entropy_mask)
         weighted = (per_token * mask[sl]).sum(-1)
         s = scale[sl] if isinstance(scale, torch.Tensor) and scale.dim() else scale
-        return (weighted * s).sum()
+        value = (weighted * s).sum()
+        if o.entropy_coef != 0.0:
+            value = value - o.entropy_coef * entropy_bonus(entropy, mask[sl], entropy_mask,
+                                                           None if select else n_tokens)
+        return value
 
-    loss, logp = sequence_loss(x, lm_head_weight, bias, target, policy, False, chunk_loss)
-    return GRPOOutput(loss, logp)
+    loss, logp, stats = sequence_loss(x, lm_head_weight, bias, target, policy, False, chunk_loss, select,
+                                      ("entropy",) if with_entropy else ())
+    return GRPOOutput(loss, logp, stats.get("entropy"))
