@@ -50,6 +50,12 @@
   decoder layers become ``liger_gen.nn.Float8Linear`` in place (their GEMMs in FP8 through ``torch._scaled_mm``);
   routers, fused experts, layers whose dims are not multiples of 16 and devices without FP8 GEMMs stay as they
   are and are listed in the report (``fp8.py`` says what and why).
+- **Vision-language models**: the text stack as above; the vision tower's norms (LayerNorm, RMSNorm) and gated
+  MLPs where it has them, its other MLPs listed in the report; the loss of the ``*ForConditionalGeneration``. Llava,
+  PaliGemma, InternVL and SmolVLM wrap a language model of another family: their table entry names their own
+  parts (the attribute of the language model and of the vision tower, the vision tower's norms, the projector they
+  leave as it is) and ``family_of`` combines it with the family of ``config.text_config.model_type``
+  (``families.compose``), whose norms, RoPE, MLPs and fused adds the language model gets.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,

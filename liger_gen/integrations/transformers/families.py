@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -40,6 +40,18 @@ class ModelFamily:
     transformers' shared hook: "clamped_swiglu" (GPT-OSS's own ``_apply_gate``, from the experts' ``alpha`` and
     ``limit``) or "batched" (Llama 4: ``bmm`` over experts of pre-grouped tokens, gate and up as the two halves
     of ``gate_up_proj``'s output, computed inline). note: what stays transformers' own.
+
+    A vision-language *wrapper* (Llava, PaliGemma, InternVL, SmolVLM) holds the language model of another family:
+    its entry describes only its own parts, and ``family_of`` combines it with the text family of
+    ``config.text_config.model_type`` (``compose``). language_model: the attribute of the wrapper's base model that
+    holds that language model (set only on wrappers). vision_tower: the attribute of the vision tower, whose
+    modeling module's gated MLPs are swapped and whose other MLPs are listed in the report; the wrapper's
+    ``norm`` and ``norm_classes`` are the vision tower's norms (a torch ``LayerNorm`` is a LayerNorm whatever
+    ``norm`` says). kept: (attribute, why) of the parts left as they are, by design (the projector), listed in
+    the report. In a composed family: text_family, the text family's model_type; norm_kinds, (class name,
+    formula) of the norm classes whose formula is not ``norm`` (the vision tower's); module, the text family's
+    modeling module (its RoPE, decoder layers and MLPs); logits, the wrapper's (its forward applies the
+    transform, or not).
     """
 
     model_type: str
@@ -60,6 +72,11 @@ class ModelFamily:
     experts_gate: str | None = None
     module: str | None = None
     note: str = ""
+    language_model: str | None = None
+    vision_tower: str | None = None
+    kept: tuple[tuple[str, str], ...] = ()
+    text_family: str | None = None
+    norm_kinds: tuple[tuple[str, str], ...] = ()
 
     @property
     def modeling_module(self) -> str:
@@ -72,6 +89,15 @@ class ModelFamily:
     @property
     def causal_lm_classes(self) -> tuple[str, ...]:
         return self.causal_lm if self.causal_lm is not None else (f"{self.prefix}ForCausalLM",)
+
+    @property
+    def is_wrapper(self) -> bool:
+        """Whether the family's language model is another family's (resolved from ``config.text_config``)."""
+        return self.language_model is not None and self.text_family is None
+
+    def norm_kind(self, class_name: str) -> str | None:
+        """The formula of the norm class ``class_name`` (``norm`` unless ``norm_kinds`` names it)."""
+        return dict(self.norm_kinds).get(class_name, self.norm)
 
 
 _F = ModelFamily
@@ -147,10 +173,57 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
        note=_VISION_LEFT + ", as do the deepstack mergers (but for their LayerNorms); the vision blocks' LayerNorms "
        "are patched, their GELU MLPs (linear_fc1/linear_fc2, not gated) stay and are listed in the report"),
     _F("gemma3", "Gemma3", norm="gemma", norm_classes=("Gemma3RMSNorm", "LayerNorm"),
-       causal_lm=("Gemma3ForConditionalGeneration",),
+       causal_lm=("Gemma3ForConditionalGeneration",), vision_tower="vision_tower",
        note="the SigLIP vision tower's patch embedding, attention and GELU MLPs (fc1/fc2, not gated) and the "
        "projector's pooling stay transformers' own; its LayerNorms and the projector's RMSNorm are patched; the "
        "multimodal model's logits are not soft-capped (transformers caps only Gemma3ForCausalLM's)"),
+    _F("glm4v", "Glm4v", norm_classes=("Glm4vRMSNorm",), causal_lm=("Glm4vForConditionalGeneration",),
+       rope_pairs=True, rope_tables="interleaved", vision_tower="visual",
+       kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
+              "once per image token"),),
+       note="the vision tower's patch embedding, position embeddings, attention and 2-D RoPE "
+       "(apply_rotary_pos_emb_vision) and its downsampling convolution stay transformers' own; its RMSNorms and "
+       "SwiGLU MLPs are patched; the text stack's M-RoPE tables (sections, each angle twice in a row) rotate "
+       "interleaved pairs of the partial rotary dims, routed to liger-gen like GLM-4's"),
+    _F("mllama", "Mllama", norm_classes=("MllamaTextRMSNorm", "LayerNorm"),
+       causal_lm=("MllamaForConditionalGeneration", "MllamaForCausalLM"), vision_tower="vision_model",
+       kept=(("multi_modal_projector", "the projector: one linear layer, no liger-gen op"),),
+       note="the vision tower's patch and tile embeddings, attention, gated (tanh) global layers and fc1/fc2 MLPs "
+       "(not gated, listed in the report) stay transformers' own, its LayerNorms are patched; the text stack's "
+       "cross-attention layers (their tanh gates, the masking of text rows without an image) stay, their q/k "
+       "RMSNorms, MLPs and the add of their gated attention output into the next norm are patched"),
+    # vision-language wrappers around a language model of another family (``compose``): the text stack is patched
+    # as the family of config.text_config.model_type; the entries name the wrapper's own parts
+    _F("llava", "Llava", norm="llama", norm_classes=("LayerNorm", "PixtralRMSNorm"),
+       causal_lm=("LlavaForConditionalGeneration",), module="transformers.models.llava.modeling_llava",
+       language_model="language_model", vision_tower="vision_tower",
+       kept=(("multi_modal_projector", "the projector: linear layers and an activation, no liger-gen op"),),
+       note="the text model is patched as its own family (config.text_config.model_type: llama, mistral, qwen2, "
+       "...); the vision tower's LayerNorms (CLIP, SigLIP) or RMSNorms and SwiGLU MLPs (Pixtral) are patched; its "
+       "patch embedding, attention and fc1/fc2 MLPs (not gated) stay transformers' own and are listed in the report"),
+    _F("paligemma", "PaliGemma", norm="layer", norm_classes=("LayerNorm",), logits="softcap",
+       causal_lm=("PaliGemmaForConditionalGeneration",), module="transformers.models.paligemma.modeling_paligemma",
+       language_model="language_model", vision_tower="vision_tower",
+       kept=(("multi_modal_projector", "the projector: one linear layer, no liger-gen op"),),
+       note="the text model is patched as its own family (gemma, gemma2); the SigLIP vision tower's LayerNorms "
+       "are patched, its patch embedding, attention and fc1/fc2 MLPs (not gated) stay transformers' own and are "
+       "listed in the report; the logits are soft-capped where the text config says so, as PaliGemma's forward "
+       "does"),
+    _F("internvl", "InternVL", norm="llama", norm_classes=("InternVLVisionRMSNorm", "LayerNorm"),
+       causal_lm=("InternVLForConditionalGeneration",), module="transformers.models.internvl.modeling_internvl",
+       language_model="language_model", vision_tower="vision_tower",
+       kept=(("multi_modal_projector", "the projector after the pixel shuffle (LayerNorm, linear layers, GELU): "
+              "left as it is, once per image token"),),
+       note="the text model is patched as its own family (qwen2, llama, ...); the InternViT vision tower's norms "
+       "(LayerNorm or RMSNorm, per norm_type; the q/k RMSNorms too) are patched, its patch embedding, attention, "
+       "layer scales and fc1/fc2 MLPs (not gated) stay transformers' own and are listed in the report"),
+    _F("smolvlm", "SmolVLM", norm="layer", norm_classes=("LayerNorm",),
+       causal_lm=("SmolVLMForConditionalGeneration",), module="transformers.models.smolvlm.modeling_smolvlm",
+       language_model="text_model", vision_tower="vision_model",
+       kept=(("connector", "the connector: a pixel shuffle and one linear layer, no liger-gen op"),),
+       note="the text model is patched as its own family (llama); the SigLIP-style vision tower's LayerNorms are "
+       "patched, its patch embedding, attention and fc1/fc2 MLPs (not gated) stay transformers' own and are "
+       "listed in the report"),
     _F("deepseek_v4", "DeepseekV4", norm="fp32", rope=False,
        note="the RoPE of the trailing slice of each head, the hyper-connections, the compressed attention and the "
        "clamped SwiGLU of the MLPs and experts (swiglu_limit) stay transformers' own"),
@@ -158,14 +231,61 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
 # model types that are these families under another name in some transformers releases
 # (a multimodal family's text model alone: its base text model, patched as the family's text stack)
 ALIASES = {"llama4": "llama4_text", "qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl",
-           "qwen3_vl_text": "qwen3_vl"}
+           "qwen3_vl_text": "qwen3_vl", "glm4v_text": "glm4v", "mllama_text_model": "mllama"}
 
 
-def family_of(model: nn.Module) -> ModelFamily:
-    """The family entry of ``model``'s ``config.model_type``; ValueError naming the supported ones."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+def _is_text_family(family: ModelFamily) -> bool:
+    """Whether ``family`` can be a wrapper's language model: neither a wrapper nor a vision-language family."""
+    return family.language_model is None and not any(c.endswith("ForConditionalGeneration")
+                                                      for c in family.causal_lm_classes)
+
+
+_COMPOSED: dict[tuple[str, str], ModelFamily] = {}
+
+
+def compose(wrapper: ModelFamily, text: ModelFamily) -> ModelFamily:
+    """The family of a vision-language wrapper (Llava, PaliGemma, ...) whose language model is of ``text``'s family:
+    the text family's norms, RoPE, MLPs, fused adds and modeling module; the wrapper's vision-tower norms (with
+    their own formula), its ``*ForConditionalGeneration`` loss and logit transform, its vision tower and kept parts;
+    both notes. One object per pair."""
+    key = (wrapper.model_type, text.model_type)
+    if key not in _COMPOSED:
+        vision = tuple(c for c in wrapper.norm_class_names if c not in text.norm_class_names)
+        _COMPOSED[key] = replace(
+            text, model_type=wrapper.model_type, prefix=wrapper.prefix,
+            norm_classes=text.norm_class_names + vision,
+            norm_kinds=text.norm_kinds + tuple((c, wrapper.norm) for c in vision),
+            causal_lm=wrapper.causal_lm_classes, logits=wrapper.logits, module=text.modeling_module,
+            language_model=wrapper.language_model, vision_tower=wrapper.vision_tower, kept=wrapper.kept,
+            text_family=text.model_type,
+            note="; ".join(filter(None, (wrapper.note, f"text model ({text.model_type}): {text.note}" if text.note
+                                         else ""))))
+    return _COMPOSED[key]
+
+
+def family_named(model_type: str, text_model_type: str | None = None) -> ModelFamily:
+    """The family of ``model_type`` (aliases resolved); a wrapper's composed with the text family of
+    ``text_model_type`` (its ``config.text_config.model_type``). ValueError naming what is supported."""
     model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ValueError(f"liger_gen.apply_to: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(MODEL_FAMILIES))}")
-    return MODEL_FAMILIES[model_type]
+    family = MODEL_FAMILIES[model_type]
+    if not family.is_wrapper:
+        return family
+    text_type = ALIASES.get(text_model_type, text_model_type) if isinstance(text_model_type, str) \
+        else text_model_type
+    text = MODEL_FAMILIES.get(text_type) if isinstance(text_type, str) else None
+    if text is None or not _is_text_family(text):
+        texts = sorted(name for name, f in MODEL_FAMILIES.items() if _is_text_family(f))
+        raise ValueError(f"liger_gen.apply_to: {model_type}'s language model has config.text_config.model_type "
+                         f"{text_model_type!r}, which is not a supported text family; supported: {', '.join(texts)}")
+    return compose(family, text)
+
+
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family entry of ``model``'s ``config.model_type`` (a vision-language wrapper's composed with the text
+    family of its ``config.text_config.model_type``); ValueError naming the supported ones."""
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "text_config", None)
+    return family_named(getattr(config, "model_type", None), getattr(text_config, "model_type", None))

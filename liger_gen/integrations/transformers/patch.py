@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from liger_gen.integrations.transformers import fp8 as fp8_swaps, layers, rope as routing
-from liger_gen.integrations.transformers.families import MODEL_FAMILIES, TESTED_TRANSFORMERS, family_of
+from liger_gen.integrations.transformers.families import (TESTED_TRANSFORMERS, ModelFamily, family_named,
+                                                          family_of)
 from liger_gen.integrations.transformers.loss import FusedLossForward
 from liger_gen.integrations.transformers.modules import (BatchedExpertsForward, ExpertsGate, FusedExpertsForward,
                                                          experts_gate, install_forward, is_patched_experts,
@@ -39,6 +40,7 @@ class PatchReport:
     fp8: int = 0
     left: list[str] | None = None
     note: str = ""
+    text_family: str | None = None  # a vision-language wrapper's (Llava, ...): the family of its language model
 
     def __setstate__(self, state: dict) -> None:
         # a model loaded in another process (torch.load) carries its modules but not the process-wide RoPE
@@ -54,7 +56,7 @@ class PatchReport:
                 cls = None
             if isinstance(cls, type):
                 layers.fuse_layer_code(cls)
-        family = MODEL_FAMILIES.get(self.family)
+        family = _report_family(self)
         if self.rope and family is not None and not routing.rope_is_patched(family):
             self.rope = False
             self.note = "; ".join(filter(None, [self.note, "RoPE is not routed in this process: call "
@@ -67,7 +69,29 @@ class PatchReport:
         done += [f"{self.fp8} linear layers in FP8"] if self.fp8 else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
-        return f"liger_gen.apply_to({self.family}): {', '.join(done)}{left}"
+        text = f", text model {self.text_family}" if self.text_family else ""
+        return f"liger_gen.apply_to({self.family}{text}): {', '.join(done)}{left}"
+
+
+def _report_family(report: PatchReport) -> ModelFamily | None:
+    """The family a report was made for (a vision-language wrapper's composed with its text family), or None."""
+    try:
+        return family_named(report.family, getattr(report, "text_family", None))
+    except ValueError:
+        return None
+
+
+def _submodule(model: nn.Module, path: str | None) -> nn.Module | None:
+    """``model.<path>``, or ``model.model.<path>`` (a ``*ForConditionalGeneration`` holds its base model there);
+    ``path`` may be dotted ("visual.merger")."""
+    if path is None:
+        return None
+    for found in (model, getattr(model, "model", None)):
+        for name in path.split("."):
+            found = getattr(found, name, None) if isinstance(found, nn.Module) else None
+        if isinstance(found, nn.Module):
+            return found
+    return None
 
 
 def _group(left: list[tuple[str, str]]) -> list[str]:
@@ -108,10 +132,12 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     granite, granitemoe, hunyuan_v1_dense, hunyuan_v1_moe, lfm2, lfm2_moe, llama, llama4_text, minimax, ministral,
     mistral, mixtral, nemotron, olmo2, olmo3, olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text,
     qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3; vision-language, their ``*ForConditionalGeneration``
-    and base models: gemma3, qwen2_5_vl, qwen2_vl, qwen3_vl, whose vision towers' norms and gated MLPs are patched
-    too and whose loss is fused alike); the module docstring says what each replacement does. The state_dict, the
-    Parameter objects (so an optimizer built before still updates them) and the devices
-    are unchanged; meta-device and half-precision models are patched alike.
+    and base models: gemma3, glm4v, mllama, qwen2_5_vl, qwen2_vl, qwen3_vl, whose vision towers' norms and gated
+    MLPs are patched too and whose loss is fused alike; and the wrappers internvl, llava, paligemma, smolvlm, whose
+    language model is patched as the family of its ``config.text_config.model_type`` and their vision towers and
+    loss as the others'; a projector that a family leaves as it is is listed in the report); the module docstring
+    says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before still
+    updates them) and the devices are unchanged; meta-device and half-precision models are patched alike.
     Logs one line (logger "liger_gen", INFO) with what was patched and what was left; the same is kept as
     ``model.liger_gen_report`` (a ``PatchReport``). Calling it again on a patched model changes nothing already
     replaced (the log line says so).
@@ -142,10 +168,12 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             parameters, and MoE routers (never converted; ``strict`` does not count them). A meta-device model is
             converted without the device check: each ``Float8Linear`` computes ``F.linear`` per call on a device
             without FP8 GEMMs, and for inputs that are not bf16 outside a bf16 ``torch.autocast``.
-        strict: raise instead of leaving a module of a requested kind unpatched; the model is then unchanged.
+        strict: raise instead of leaving a module of a requested kind unpatched; the model is then unchanged. The
+            parts a family leaves as they are by design (a vision-language projector) are listed, not refused.
 
     Raises:
-        ValueError: the model's ``config.model_type`` is not a supported family; with ``strict``, a requested
+        ValueError: the model's ``config.model_type`` is not a supported family (or a wrapper's
+            ``config.text_config.model_type`` is not a supported text family); with ``strict``, a requested
             replacement could not be made (the message lists the modules and why).
         RuntimeError: the family's modeling module lacks a function or class the table names (a transformers
             release whose modeling code changed); the message names it and the releases tested.
@@ -162,7 +190,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     except ImportError as e:
         raise RuntimeError(f"liger_gen.apply_to: {family.modeling_module} cannot be imported ({e}); transformers "
                            f"releases tested: {', '.join(TESTED_TRANSFORMERS)}") from e
-    report = PatchReport(family.model_type, note=family.note)
+    report = PatchReport(family.model_type, text_family=family.text_family, note=family.note)
     already = isinstance(getattr(model, "liger_gen_report", None), PatchReport)
     # first the plan (what replaces what, what stays and why), then, unless strict refuses it, the changes:
     # a refused call leaves the model and the process as they were
@@ -171,19 +199,37 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     gates: list[tuple[nn.Module, ExpertsGate | BatchedExpertsForward | FusedExpertsForward]] = []
     norm_swaps = 0
     swapped_norms: set[int] = set()
+    # a vision-language family's vision tower may live in its own modeling module (CLIP, SigLIP): its MLPs are
+    # swapped, or listed, like the text stack's
+    own_modules = {modeling.__name__}
+    vision = _submodule(model, family.vision_tower)
+    if vision is not None:
+        own_modules.add(type(vision).__module__)
+    # the parts the family leaves as they are by design (a projector): not entered, listed in the report
+    kept: list[tuple[str, str]] = []
+    kept_ids: set[int] = set()
+    for part_name, why in family.kept:
+        part = _submodule(model, part_name)
+        if part is not None:  # named by its class, or by its path where that is torch's (a bare nn.Linear)
+            kept.append((part_name if type(part).__module__.startswith("torch.") else type(part).__name__, why))
+            kept_ids.update(id(m) for m in part.modules())
     for parent in list(model.modules()):
+        if id(parent) in kept_ids:
+            continue
         for name, child in list(parent.named_children()):
             cls = type(child).__name__
+            if id(child) in kept_ids:
+                continue
             if rms_norm and family.norm is not None and cls in family.norm_class_names \
                     and not isinstance(child, (RMSNorm, LayerNorm)):
-                new = replace_norm(child, family.norm)
+                new = replace_norm(child, family.norm_kind(cls))
                 if new is None:
                     left.append((cls, "weight is not one vector"))
                 else:
                     swaps.append((parent, name, new))
                     norm_swaps += 1
                     swapped_norms.add(id(child))
-            elif type(child).__module__ != modeling.__name__:
+            elif type(child).__module__ not in own_modules:
                 continue
             elif rms_norm and cls.endswith("NormGated"):
                 left.append((cls, "a gated norm (no liger-gen op)"))
@@ -196,15 +242,17 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
                     left.append((cls, why))
                 else:
                     gates.append((child, gate))
-            elif swiglu and cls.endswith("MLP") and "down_proj" in dict(child.named_children()):
+            elif swiglu and cls.endswith(("MLP", "Mlp")) and "down_proj" in dict(child.named_children()):
                 new, why = replace_mlp(child)
                 if new is None:
                     left.append((cls, why))
                 else:
                     swaps.append((parent, name, new))
-            elif swiglu and cls.endswith("MLP") and not any(n.endswith("experts") or n == "router"
+            elif swiglu and cls.endswith(("MLP", "Mlp")) and not any(n.endswith("experts") or n == "router"
                                                              for n in dict(child.named_children())):
-                left.append((cls, "MLP layout not recognised"))  # e.g. per-expert w1/w2/w3 of older releases
+                children = {n.rpartition("_")[2] for n in dict(child.named_children())}
+                left.append((cls, "not gated (fc1, activation, fc2): no liger-gen op" if {"fc1", "fc2"} <= children
+                             else "MLP layout not recognised"))  # e.g. per-expert w1/w2/w3 of older releases
     if rms_norm and family.norm is not None and not norm_swaps and not any(
             type(m).__name__ in family.norm_class_names or isinstance(m, (RMSNorm, LayerNorm))
             for m in model.modules()):
@@ -217,6 +265,13 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         refused = {cls: layers.layer_code_refusal(cls) for cls in {type(m) for m in model.modules()}
                    if cls.__module__ == modeling.__name__ and cls.__name__.endswith("DecoderLayer")}
         left += [(type(m).__name__, refused[type(m)]) for m in model.modules() if refused.get(type(m))]
+    fuse_loss = fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes
+    if fuse_loss and family.language_model is not None \
+            and _submodule(getattr(model, "model", None), family.language_model) is None:
+        # releases before 4.52 hold a *ForCausalLM (the LM head inside) where 5.x hold the base model
+        fuse_loss = False
+        left.append((type(model).__name__, f"loss: the fused loss needs the base model at .model and its language "
+                     f"model at .model.{family.language_model} (transformers 4.52 and later)"))
     fp8_plan = fp8_swaps.plan_fp8(model, recipe) if recipe is not None else None
     left += fp8_plan.left if fp8_plan else []
     if strict and left:
@@ -238,7 +293,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         fp8_swaps.convert(fp8_plan)
     if rope and routing.rope_functions(family):
         routing.patch_rope(model, modeling, family)
-    if fused_linear_cross_entropy and type(model).__name__ in family.causal_lm_classes:
+    if fuse_loss:
         install_forward(model, FusedLossForward(model, family))  # a base *Model has no LM head: nothing to fuse
     # the report counts what the model holds now, so a second call reports the same model
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
@@ -250,7 +305,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.rope = routing.rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.fp8 = fp8_swaps.count_fp8(model)
-    report.left = _group(left + (fp8_plan.kept if fp8_plan else []))
+    report.left = _group(left + kept + (fp8_plan.kept if fp8_plan else []))
     model.liger_gen_report = report
     logger.info(report.summary() + ("; it was already patched" if already else ""))
     return model
@@ -298,7 +353,7 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
         ops.add("fused_add_rms_norm")
     if report.fp8:
         ops.add("fp8_quantize")
-    family = MODEL_FAMILIES.get(report.family)
+    family = _report_family(report)
     if rope if rope is not None else (family is not None and routing.rope_is_patched(family)):
         ops.add("rope")
     if report.loss:
