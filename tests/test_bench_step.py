@@ -253,6 +253,9 @@ def test_fp8_providers_say_why_they_cannot_run():
     why = step.provider_unavailable("torchao-fp8", torch.device("cpu"))
     assert why is not None and ("CUDA" in why or "not installed" in why)
     assert step.provider_unavailable("liger-gen-fp8", torch.device("cpu")) is None  # CPU torch._scaled_mm
+    for dtype in (torch.float32, torch.float16):  # without autocast, FP8 layers of such weights run F.linear
+        why = step.provider_unavailable("liger-gen-fp8", torch.device("cpu"), dtype)
+        assert why is not None and "bf16" in why and str(dtype).removeprefix("torch.") in why
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -791,3 +791,19 @@ def test_fp8_linear_of_empty_feature_dims(m, k, n, cpu_path):
     y.backward(dy)
     assert x.grad.shape == (m, k) and w.grad.shape == (n, k) and not x.grad.any() and not w.grad.any()
     torch.testing.assert_close(b.grad, dy.double().sum(0).float(), rtol=m * U_FP32, atol=0)
+
+
+@needs_cpu_fp8_gemm
+def test_report_says_when_fp8_layers_need_autocast():
+    """Float32 weights make FP8 GEMMs only under a bf16 autocast: the summary counts and says so; bf16 ones not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)
+    for dtype, expected in ((torch.float32, 7), (torch.bfloat16, 0)):
+        model = LlamaForCausalLM(config).to(dtype)
+        liger_gen.apply_to(model, fp8=True)
+        report = model.liger_gen_report
+        assert (report.fp8, report.fp8_float32) == (7, expected)
+        assert ("7 of float32 weights" in report.summary()) == bool(expected)
+        assert pickle.loads(pickle.dumps(report)).fp8_float32 == expected

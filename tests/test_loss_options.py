@@ -662,6 +662,7 @@ def test_bad_options_name_the_argument(pairs):
         (ValueError, r"sampling_per_token_logps must be \(6, 9\)", dict(sampling_per_token_logps=torch.zeros(6))),
         (TypeError, "use_bias_correction_kl must be a bool", dict(use_bias_correction_kl=1)),
         (TypeError, "unknown options", dict(vllm_importance_sampling_cap=2.0)),
+        (TypeError, "did you mean 'top_entropy_quantile'", dict(top_entropy_quantle=0.2)),
         (ValueError, "off_policy_mask_threshold must be finite", dict(off_policy_mask_threshold=math.nan)),
         (ValueError, r"top_entropy_quantile must be >= 0.0 and <= 1.0", dict(top_entropy_quantile=1.5)),
         (ValueError, "entropy_coef must be finite", dict(entropy_coef=math.nan)),

@@ -97,7 +97,7 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
             runs: dict[str, list] = {p: [] for p in providers}
             for round_ in range(warmup_rounds + repeats):
                 for provider in providers:
-                    why = provider_unavailable(provider, dev)
+                    why = provider_unavailable(provider, dev, getattr(torch, dtype))
                     if why is not None:
                         runs[provider].append({"status": "skipped", "reason": why})
                         continue

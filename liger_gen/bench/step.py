@@ -194,8 +194,8 @@ def config_summary(config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def provider_unavailable(provider: str, device: torch.device) -> str | None:
-    """Why ``provider`` cannot run on ``device`` (None when it can)."""
+def provider_unavailable(provider: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why ``provider`` cannot run on ``device`` with parameters of ``dtype`` (None when it can)."""
     if provider == "liger-kernel":
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed (pip install liger-kernel)"
@@ -208,6 +208,10 @@ def provider_unavailable(provider: str, device: torch.device) -> str | None:
             return "torchao's float8 training needs a CUDA GPU"
     if provider in FP8_PROVIDERS:
         from liger_gen.runtime.fp8 import fp8_unsupported_reason
+
+        if dtype != torch.bfloat16:
+            return (f"FP8 training runs the GEMMs of bf16 weights; with --dtype {str(dtype).removeprefix('torch.')} "
+                    f"(no autocast here) its layers would run plain F.linear")
 
         return fp8_unsupported_reason(device)
     return None
@@ -567,7 +571,7 @@ def run_step_benchmark(
         run = _Run(model_name, spec.family, initial_state, batches, device, torch_dtype, seed, lr, warmup_steps,
                    steps, profile_steps, attn_implementation)
         for provider in providers:
-            why = provider_unavailable(provider, device)
+            why = provider_unavailable(provider, device, torch_dtype)
             if why is not None:
                 entry["providers"][provider] = {"status": "skipped", "reason": why}
                 progress.advance(f"{model_name} {provider}")
@@ -686,12 +690,14 @@ def print_report(result: dict[str, Any], console=None) -> None:
     console.print(f"[bold]Training step[/bold] on {meta['gpu'] or meta['device']}: batch {s['batch_size']} x "
                   f"{s['seq_len']} tokens, {s['dtype']}, AdamW lr {s['lr']:g}; {s['warmup_steps']} warm-up + "
                   f"{s['steps']} timed + {s['profile_steps']} profiled steps; torch {meta['torch']}, triton "
-                  f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel {meta['liger_kernel']}")
+                  f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel "
+                  f"{meta['liger_kernel'] or 'not installed'}")
     functional = result.get("functional_run_reason")
     summary = Table(title="Speed, memory and loss curve" + (" — functional run, not performance" if functional
                                                              else ""),
                     caption=(f"{functional}. " if functional else "") + f"x: tokens/s ratio. loss: |loss - transformers| / transformers at step 1, mean and max "
-                            f"over steps; loss check: pass if step 1 and mean <= {s['loss_rel_tol']:.2e} (ref: the "
+                            f"over steps; loss check: pass if step 1 and mean <= {s['loss_rel_tol']:.2e} "
+                            f"({max(s['loss_rel_tol'], FP8_LOSS_REL_TOL):.0e} for the FP8 providers; ref: the "
                             f"run the others are compared with). 1st s: first step wall "
                             f"time (compile time apart)")
     for col in ("model", "provider", "tok/s", "ms/step", "x HF", "x Liger", "peak GiB", "rsvd GiB",

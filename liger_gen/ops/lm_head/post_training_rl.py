@@ -6,6 +6,7 @@ selection and the entropy bonus, TRL's normalisations, and ``fused_linear_grpo``
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from dataclasses import dataclass
@@ -83,6 +84,13 @@ class GRPOOptions:
                              f"vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
                              f"{self.vllm_importance_sampling_mode!r}")
         return GRPOOptions(**{**self.__dict__, **values})
+
+
+def _unknown_options_error(op: str, unknown: set[str], known) -> TypeError:
+    """The TypeError for keyword options ``op`` does not take: each with its closest known name, and the list."""
+    hints = [f"{name!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
+                           else "") for name in sorted(unknown)]
+    return TypeError(f"{op}: unknown options {', '.join(hints)}; the keyword options are: {', '.join(sorted(known))}")
 
 
 def vllm_importance_sampling_ratio(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -196,7 +204,7 @@ def grpo_per_token_loss(per_token_logps: torch.Tensor, old_per_token_logps: torc
     unknown option or a flag that is not a bool."""
     unknown = set(options) - set(GRPOOptions.__dataclass_fields__)
     if unknown:
-        raise TypeError(f"grpo_per_token_loss: unknown options {sorted(unknown)}")
+        raise _unknown_options_error("grpo_per_token_loss", unknown, GRPOOptions.__dataclass_fields__)
     o = GRPOOptions(beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, delta, **options)
     o = o.checked("grpo_per_token_loss", ref_per_token_logps is not None, sampling_per_token_logps is not None)
     entropy_mask = _entropy_mask("grpo_per_token_loss", o, entropies, mask)
@@ -378,7 +386,7 @@ def fused_linear_grpo(x: torch.Tensor, lm_head_weight: torch.Tensor, target: tor
     policy = check_policy(op, x, lm_head_weight, target, bias, ignore_index, temperature, False)
     unknown = set(options) - set(GRPOOptions.__dataclass_fields__)
     if unknown:
-        raise TypeError(f"{op}: unknown options {sorted(unknown)}; the keyword options are GRPOOptions' fields")
+        raise _unknown_options_error(op, unknown, GRPOOptions.__dataclass_fields__)
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     o = GRPOOptions(beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, delta, **options)
     o = o.checked(op, ref_per_token_logps is not None, sampling_per_token_logps is not None)
