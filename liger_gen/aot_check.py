@@ -444,13 +444,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from liger_gen.ops import available_ops
+    from liger_gen.runtime.tables import packaged_root
 
-    ops = [o for o in args.ops.split(",") if o] or list(available_ops())
+    if args.ops.strip() and not [o for o in args.ops.split(",") if o.strip()]:
+        parser.error(f"--ops {args.ops!r} names no op; leave it out for every op")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] or list(available_ops())
     unknown = sorted(set(ops) - set(available_ops()))
     if unknown:
         parser.error(f"unknown ops {unknown}; known: {', '.join(available_ops())}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - set(DTYPE_NAMES):
+        parser.error(f"--dtypes {args.dtypes!r}: give some of {', '.join(DTYPE_NAMES)}")
+    if not 50 <= args.arch <= 130:
+        parser.error(f"--arch {args.arch}: a CUDA compute capability as major·10 + minor, e.g. 80, 89, 90, 100")
+    if args.tables is not None and not (packaged_root() / args.tables).is_dir():
+        known = sorted(p.name for p in packaged_root().iterdir() if p.is_dir())
+        parser.error(f"--tables {args.tables!r}: no packaged tables for that GPU; packaged: {', '.join(known)}")
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        parser.error(f"--json {args.json!r}: its folder does not exist")
     try:
-        rows, details = run(ops, args.arch, [d for d in args.dtypes.split(",") if d], cases=not args.no_cases,
+        rows, details = run(ops, args.arch, dtypes, cases=not args.no_cases,
                             full=args.full, execute=args.execute, tables=args.tables)
     except StageFailed as exc:
         print(exc, file=sys.stderr)

@@ -115,3 +115,14 @@ def test_the_compile_stage_reports_front_end_and_gpu_branch_errors(tmp_path):
     assert [(r["ok"], r["stage"], r["signature"]["x_ptr"]) for r in fine] == [(True, "cubin", "*fp32"),
                                                                               (True, "ttir", "*fp16")]
     assert fine[0]["constexprs"]["EXACT"] == "False (GPU value)"  # flipped by name (INTERPRETER_FLAGS)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--tables", "nosuchgpu"], "no packaged tables"), (["--ops", ","], "names no op"),
+    (["--ops", "no_such_op"], "unknown ops"), (["--dtypes", "fp64"], "give some of"), (["--dtypes", ","], "give some of"),
+    (["--arch", "1000"], "compute capability"), (["--json", "/nonexistent-folder/x.json"], "does not exist"),
+])
+def test_bad_arguments_are_usage_errors_before_any_work(args, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        aot_check.main(args)
+    assert exc.value.code == 2 and words in capsys.readouterr().err

@@ -807,3 +807,11 @@ def test_report_says_when_fp8_layers_need_autocast():
         assert (report.fp8, report.fp8_float32) == (7, expected)
         assert ("7 of float32 weights" in report.summary()) == bool(expected)
         assert pickle.loads(pickle.dumps(report)).fp8_float32 == expected
+
+
+def test_recipe_fields_keep_their_positions():
+    """fast_accum came last, so positional recipes written before it keep their meaning; bad values are named."""
+    rec = liger_gen.Float8Recipe(E5M2, False, ("*.q_proj",))
+    assert (rec.grad_dtype, rec.keep_fp8_for_backward, rec.modules, rec.fast_accum) == (E5M2, False, ("*.q_proj",), True)
+    with pytest.raises(TypeError, match=r"fast_accum must be a bool, got 1 \(int\)"):
+        liger_gen.Float8Recipe(fast_accum=1)

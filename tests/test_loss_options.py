@@ -683,3 +683,20 @@ def test_bad_options_name_the_argument(pairs):
         F.fused_linear_jsd(xs, ws, xt, wt, teacher_bias=bt.double())
     with pytest.raises(TypeError, match="teacher_x must have student_x's dtype"):
         F.fused_linear_jsd(xs, ws, xt.double(), wt.double())
+
+
+def test_grpo_entropy_options_on_empty_batches_and_bad_entropies():
+    """No sequence or no token: the quantile mask is empty and the loss 0 (torch.nanquantile refuses empty input);
+    entropies of another shape, or not a tensor, are refused by name."""
+    from liger_gen.ops.lm_head.post_training import grpo_loss, high_entropy_mask
+
+    for shape in ((0, 5), (4, 0)):
+        z = torch.zeros(shape)
+        assert high_entropy_mask(z, z, 0.5).shape == shape
+        loss = grpo_loss(z, z, None, torch.zeros(shape[0]), z, entropies=z, top_entropy_quantile=0.5,
+                         entropy_coef=0.1)
+        assert loss.item() == 0.0
+    lp, mask = torch.randn(3, 4), torch.ones(3, 4)
+    for bad in (torch.rand(3, 5), torch.rand(3, 1), [[0.0] * 4] * 3):
+        with pytest.raises(ValueError, match=r"entropies must be a tensor of the mask's shape \(3, 4\)"):
+            grpo_loss(lp, lp, None, torch.zeros(3), mask, entropies=bad, top_entropy_quantile=0.5)

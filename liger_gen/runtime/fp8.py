@@ -61,26 +61,27 @@ class Float8Recipe:
         keep_fp8_for_backward: the forward saves the input's token-axis FP8 copy (one byte per element) for the
             weight gradient instead of the bf16 input (two bytes): less activation memory, one more quantize
             in the forward. False re-quantizes the saved bf16 input in the backward.
-        fast_accum: the forward GEMM uses the tensor cores' fast FP8 accumulation (default True, as torchao's
-            rowwise recipe does); the two backward GEMMs always accumulate at full precision.
         modules: name patterns (``fnmatch``, matched against the qualified module name) of the linear layers
             ``apply_to`` converts; the default is every linear layer of the decoder layers except MoE routers.
+        fast_accum: the forward GEMM uses the tensor cores' fast FP8 accumulation (default True, as torchao's
+            rowwise recipe does); the two backward GEMMs always accumulate at full precision.
     """
 
     grad_dtype: torch.dtype = E4M3
     keep_fp8_for_backward: bool = True
-    fast_accum: bool = True
     modules: tuple[str, ...] = ()
+    fast_accum: bool = True
 
     def __post_init__(self):
         if self.grad_dtype not in (E4M3, E5M2):
             raise ValueError(f"Float8Recipe: grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
                              f"{self.grad_dtype!r}")
         if not isinstance(self.fast_accum, bool):
-            raise TypeError(f"Float8Recipe: fast_accum must be a bool, got {type(self.fast_accum).__name__}")
+            raise TypeError(f"Float8Recipe: fast_accum must be a bool, got {self.fast_accum!r} "
+                            f"({type(self.fast_accum).__name__})")
         if not isinstance(self.keep_fp8_for_backward, bool):
-            raise TypeError(f"Float8Recipe: keep_fp8_for_backward must be a bool, got "
-                            f"{type(self.keep_fp8_for_backward).__name__}")
+            raise TypeError(f"Float8Recipe: keep_fp8_for_backward must be a bool, got {self.keep_fp8_for_backward!r} "
+                            f"({type(self.keep_fp8_for_backward).__name__})")
         if isinstance(self.modules, str) or not isinstance(self.modules, (tuple, list)) \
                 or not all(isinstance(p, str) and p for p in self.modules):
             raise TypeError(f"Float8Recipe: modules must be a tuple of non-empty name patterns, got "

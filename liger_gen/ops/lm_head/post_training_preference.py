@@ -47,7 +47,7 @@ def f_divergence_scores(log_ratio: torch.Tensor, f_divergence_type: str = "rever
     a = f_alpha_divergence_coef - 1.0
     cap = 11.0 if log_ratio.dtype == torch.float16 else 80.0
     work = torch.promote_types(log_ratio.dtype, torch.float32)
-    return (torch.exp(torch.clamp((a * log_ratio).to(work), max=cap)) - 1.0).to(log_ratio.dtype) / a
+    return torch.expm1(torch.clamp((a * log_ratio).to(work), max=cap)).to(log_ratio.dtype) / a  # no cancellation near α = 1
 
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,

@@ -149,6 +149,8 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_entropy_q
     q = check_finite("high_entropy_mask", "top_entropy_quantile", top_entropy_quantile, 0.0, 1.0)
     with torch.no_grad():
         keep = mask.bool()
+        if keep.numel() == 0:  # no tokens at all (torch.nanquantile refuses an empty tensor)
+            return keep
         values = torch.where(keep, entropies.float(), torch.nan)
         threshold = torch.nanquantile(values.reshape(-1), 1.0 - q)  # NaN without tokens: nothing passes
         return (entropies.float() >= threshold) & keep
@@ -205,6 +207,11 @@ def grpo_per_token_loss(per_token_logps: torch.Tensor, old_per_token_logps: torc
     unknown = set(options) - set(GRPOOptions.__dataclass_fields__)
     if unknown:
         raise _unknown_options_error("grpo_per_token_loss", unknown, GRPOOptions.__dataclass_fields__)
+    if entropies is not None and (not isinstance(entropies, torch.Tensor) or entropies.shape != mask.shape):
+        got = (f"{tuple(entropies.shape)} {entropies.dtype}" if isinstance(entropies, torch.Tensor)
+               else type(entropies).__name__)
+        raise ValueError(f"grpo_per_token_loss: entropies must be a tensor of the mask's shape {tuple(mask.shape)} "
+                         f"(each token's entropy), got {got}")
     o = GRPOOptions(beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, delta, **options)
     o = o.checked("grpo_per_token_loss", ref_per_token_logps is not None, sampling_per_token_logps is not None)
     entropy_mask = _entropy_mask("grpo_per_token_loss", o, entropies, mask)
