@@ -4,8 +4,8 @@ What it measures
 ----------------
 For each model (``STEP_MODELS``, i.e. ``liger_gen.models.ARCHITECTURES``: the published Llama-3.2-1B and
 Qwen2.5-0.5B architectures, the whole Llama-3.1-8B (``llama3-8b``; 8.03 B parameters, for one GPU at a small
-batch) and ``llama3-8b-4l``, its layer with 4 of its 32 layers, built from transformers configs written out by hand, plus ``tiny`` / ``tiny-qwen2`` for CPU runs) and each provider, in the
-order given, in one process:
+batch) and ``llama3-8b-4l``, its layer with 4 of its 32 layers, built from transformers configs written out by
+hand, plus ``tiny`` / ``tiny-qwen2`` for CPU runs) and each provider, in the order given, in one process:
 
 - ``transformers``  plain transformers (``attn_implementation="sdpa"``);
 - ``liger-kernel``  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(model=model)`` with its defaults

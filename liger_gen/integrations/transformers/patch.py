@@ -7,6 +7,7 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from liger_gen.integrations.transformers import fp8 as fp8_swaps, layers, rope as routing
@@ -67,7 +68,7 @@ class PatchReport:
         done = [f"{self.norms} norms", f"{self.mlps} MLPs"] + ([f"{self.experts} experts"] if self.experts
                                                                  else [])
         done += [f"{self.fused_adds} residual adds fused into norms"] if self.fused_adds else []
-        n32 = getattr(self, "fp8_float32", 0)
+        n32 = self.fp8_float32  # a report pickled before the field has the class default, 0
         done += [f"{self.fp8} linear layers in FP8" + (f" ({n32} of float32 weights: FP8 under a bf16 torch.autocast, "
                                                        f"F.linear without one)" if n32 else "")] if self.fp8 else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
@@ -308,7 +309,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.rope = routing.rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.fp8 = fp8_swaps.count_fp8(model)
-    report.fp8_float32 = sum(str(m.weight.dtype) == "torch.float32" for m in fp8_plan.convert) if fp8_plan else 0
+    report.fp8_float32 = sum(m.weight.dtype == torch.float32 for m in fp8_plan.convert) if fp8_plan else 0
     report.left = _group(left + kept + (fp8_plan.kept if fp8_plan else []))
     model.liger_gen_report = report
     logger.info(report.summary() + ("; it was already patched" if already else ""))
