@@ -2,14 +2,19 @@
 one decoder layer's projections (forward + backward) in bf16 and in FP8, with the quantization's share.
 
 Checks (each must hold; a failure is printed and makes the exit status 1):
-  - ``fp8_quantize`` (rows and cols, e4m3 and e5m2) equals ``quantize_reference`` bit for bit, including rows of
-    zeros, NaN, ±inf, values near the format's max and tiny values;
+  - ``fp8_quantize`` (rows and cols, e4m3 and e5m2) and ``fp8_cast_transpose`` (both axes) equal
+    ``quantize_reference`` bit for bit, including rows of zeros, NaN, ±inf, values near the format's max and tiny
+    values;
+  - ``rms_norm_fp8`` (with and without the residual add) returns the plain norm's y and ``fp8_cast_transpose(y)``;
   - ``fp8_linear``'s output and gradients are within bf16 rounding of the recipe's float64 value.
 
 Times (CUDA events, median of ``--iters`` after warm-up, L2 not flushed; the GEMMs are compute-bound):
   - per projection of the model's decoder layer at ``--tokens`` tokens: bf16 ``F.linear`` forward + backward,
-    ``fp8_linear`` forward + backward, and the quantize kernels alone (their GB/s);
-  - the quantize against ``torch.compile`` of the plain-PyTorch recipe (the fused casts torchao relies on).
+    ``fp8_linear`` forward + backward, torchao's rowwise ``Float8Linear`` under ``torch.compile`` (when torchao is
+    installed), and the quantize kernels alone: rows, cols, and both axes in one op (``fp8_cast_transpose``);
+  - the quantize against ``torch.compile`` of the plain-PyTorch recipe (the fused casts torchao relies on);
+  - the post-attention norm with its output's operands: ``fused_add_rms_norm`` then ``fp8_cast_transpose``,
+    against ``rms_norm_fp8`` (one op).
 
     python benchmarks/fp8_linear_check.py --model llama3-8b --tokens 16384 --out results/fp8
 """
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 
 from liger_gen.bench import _time_reps
 from liger_gen.models import resolve_model
+from liger_gen.functional import fp8_cast_transpose, fused_add_rms_norm, rms_norm, rms_norm_fp8
 from liger_gen.ops.fp8.linear import fp8_linear, fp8_linear_float64, fp8_linear_grads_float64
 from liger_gen.ops.fp8.quantize import fp8_quantize
 from liger_gen.runtime import fp8 as recipe
@@ -66,6 +72,43 @@ def check_quantize(device, failures: list[str]) -> None:
                                     f"{int((~same_d).sum())} scales differ from quantize_reference")
 
 
+def _same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a.view(torch.uint8) == b.view(torch.uint8)) | (a.float().isnan() & b.float().isnan())).all())
+
+
+def _same_scales(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def check_cast_transpose(device, failures: list[str]) -> None:
+    for m, k in ((4099, 4096), (2053, 14336), (37, 100)):
+        x = special_rows(m, k, device)
+        for fmt in (recipe.E4M3, recipe.E5M2):
+            q, d, qt, dt = fp8_cast_transpose(x, fmt)
+            qr, dr = recipe.quantize_reference(x, -1, fmt)
+            qtr, dtr = recipe.quantize_reference(x, 0, fmt)
+            ok = (_same_fp8(q, qr) and _same_scales(d, dr) and _same_fp8(qt[:, :m], qtr.t())
+                  and _same_scales(dt, dtr.t()) and qt[:, m:].float().abs().sum() == 0)
+            if not ok:
+                failures.append(f"fp8_cast_transpose {fmt} {m}x{k}: differs from quantize_reference")
+
+
+def check_norm(device, failures: list[str]) -> None:
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(4099, 4096, device=device, generator=gen).to(torch.bfloat16)
+    r = torch.randn(4099, 4096, device=device, generator=gen).to(torch.bfloat16)
+    w = (torch.rand(4096, device=device, generator=gen) + 0.5).to(torch.bfloat16)
+    for residual in (None, r):
+        out = rms_norm_fp8(x, w, 1e-5, residual=residual)
+        y = rms_norm(x, w, 1e-5) if residual is None else fused_add_rms_norm(x, r, w, 1e-5)[0]
+        want = fp8_cast_transpose(out.y)
+        ok = (torch.equal(out.y, y) and _same_fp8(out.q, want[0]) and _same_scales(out.dequant_rows, want[1])
+              and _same_fp8(out.qt, want[2]) and _same_scales(out.dequant_cols, want[3]))
+        if not ok:
+            failures.append(f"rms_norm_fp8 ({'fused add' if residual is not None else 'rms_norm'}): y or its "
+                            "operands differ from the plain norm's and fp8_cast_transpose's")
+
+
 def check_linear(device, failures: list[str]) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1000, 512, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -89,6 +132,17 @@ def projections(model) -> dict[str, tuple[int, int]]:
             "o": (model.num_attention_heads * model.head_dim, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
 
 
+def torchao_layer(k: int, n: int, device):
+    """torchao's rowwise float8 training of one bias-free linear layer under torch.compile, or None."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16))
+    convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    return torch.compile(layer)
+
+
 def time_layer(model, tokens: int, iters: int, device) -> list[dict]:
     compiled_quantize = torch.compile(lambda t: recipe.quantize_reference(t, -1))
     rows = []
@@ -105,14 +159,37 @@ def time_layer(model, tokens: int, iters: int, device) -> list[dict]:
 
         bf16 = cuda_ms(bf16_step, iters)
         fp8 = cuda_ms(fp8_step, iters)
+        ao = torchao_layer(k, n, device)
+        ao_ms = None
+        if ao is not None:
+            x_ao = x.detach().requires_grad_()
+            ao_ms = cuda_ms(lambda: ao(x_ao).backward(dy), iters)
         q_rows = cuda_ms(lambda: fp8_quantize(x.detach(), "rows"), iters)
         q_cols = cuda_ms(lambda: fp8_quantize(x.detach(), "cols"), iters)
+        q_both = cuda_ms(lambda: fp8_cast_transpose(x.detach()), iters)
         q_compiled = cuda_ms(lambda: compiled_quantize(x.detach()), iters)
         bytes_rows = tokens * k * 3 + tokens * 4
         rows.append({"proj": name, "K": k, "N": n, "bf16_ms": bf16, "fp8_ms": fp8, "speedup": bf16 / fp8,
-                     "quantize_rows_ms": q_rows, "quantize_cols_ms": q_cols, "compiled_rows_ms": q_compiled,
+                     "torchao_ms": ao_ms, "quantize_rows_ms": q_rows, "quantize_cols_ms": q_cols,
+                     "cast_transpose_ms": q_both, "compiled_rows_ms": q_compiled,
                      "quantize_rows_GBps": bytes_rows / q_rows / 1e6})
     return rows
+
+
+def time_norm(model, tokens: int, iters: int, device) -> dict:
+    """The post-attention norm with its output's two operands: two ops against one."""
+    h = model.hidden_size
+    x, r = (torch.randn(tokens, h, device=device, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.ones(h, device=device, dtype=torch.bfloat16)
+    eps = model.rms_norm_eps
+
+    def two_ops():
+        y, _ = fused_add_rms_norm(x, r, w, eps)
+        fp8_cast_transpose(y)
+
+    separate = cuda_ms(two_ops, iters)
+    fused = cuda_ms(lambda: rms_norm_fp8(x, w, eps, residual=r), iters)
+    return {"hidden": h, "norm_then_cast_transpose_ms": separate, "rms_norm_fp8_ms": fused}
 
 
 def main() -> int:
@@ -127,21 +204,28 @@ def main() -> int:
     device = torch.device("cuda")
     failures: list[str] = []
     check_quantize(device, failures)
+    check_cast_transpose(device, failures)
+    check_norm(device, failures)
     check_linear(device, failures)
-    rows = time_layer(resolve_model(args.model), args.tokens, args.iters, device)
+    model = resolve_model(args.model)
+    rows = time_layer(model, args.tokens, args.iters, device)
+    norm = time_norm(model, args.tokens, args.iters, device)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "tokens": args.tokens, "failures": failures, "projections": rows,
+              "tokens": args.tokens, "failures": failures, "projections": rows, "norm": norm,
               "command": " ".join(sys.argv)}
     (args.out / "fp8_linear_check.json").write_text(json.dumps(result, indent=2))
-    print(f"{'proj':6} {'K':>6} {'N':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'q rows':>7} {'q cols':>7} "
-          f"{'compiled':>8} {'GB/s':>6}")
+    print(f"{'proj':6} {'K':>6} {'N':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'torchao':>8} {'q rows':>7} "
+          f"{'q cols':>7} {'q both':>7} {'compiled':>8} {'GB/s':>6}")
     for r in rows:
+        ao = "-" if r["torchao_ms"] is None else f"{r['torchao_ms']:.3f}"
         print(f"{r['proj']:6} {r['K']:6d} {r['N']:6d} {r['bf16_ms']:8.3f} {r['fp8_ms']:8.3f} {r['speedup']:5.2f} "
-              f"{r['quantize_rows_ms']:7.3f} {r['quantize_cols_ms']:7.3f} {r['compiled_rows_ms']:8.3f} "
-              f"{r['quantize_rows_GBps']:6.0f}")
+              f"{ao:>8} {r['quantize_rows_ms']:7.3f} {r['quantize_cols_ms']:7.3f} {r['cast_transpose_ms']:7.3f} "
+              f"{r['compiled_rows_ms']:8.3f} {r['quantize_rows_GBps']:6.0f}")
     total_bf16, total_fp8 = sum(r["bf16_ms"] for r in rows), sum(r["fp8_ms"] for r in rows)
     print(f"layer  bf16 {total_bf16:.2f} ms  fp8 {total_fp8:.2f} ms  ({total_bf16 / total_fp8:.2f}x)")
+    print(f"norm + operands at {norm['hidden']}: fused_add_rms_norm then fp8_cast_transpose "
+          f"{norm['norm_then_cast_transpose_ms']:.3f} ms, rms_norm_fp8 {norm['rms_norm_fp8_ms']:.3f} ms")
     print("checks:", "all passed" if not failures else "\n  ".join(["FAILED"] + failures))
     return 1 if failures else 0
 

@@ -24,14 +24,63 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """The image side of a vision-language Architecture (Qwen2.5-VL's layout): its vision tower's config fields
+    (``vision_config``), the special token ids of its text stack, and the image each training sample carries.
+
+    ``image_size`` is (height, width) in pixels, a multiple of ``patch_size · spatial_merge_size`` both ways (the
+    size the processor resizes to); the image becomes ``grid_thw = (1, height / patch, width / patch)`` patches
+    and ``image_tokens = h · w / merge²`` placeholder tokens in the text (448 x 448: 32 x 32 patches, 256 tokens).
+    """
+
+    fields: dict[str, Any]
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    image_size: tuple[int, int] = (448, 448)
+
+    def __post_init__(self) -> None:
+        step = self.fields["patch_size"] * self.fields["spatial_merge_size"]
+        if any(side < step or side % step for side in self.image_size):
+            raise ValueError(f"image_size {self.image_size}: each side must be a positive multiple of patch_size x "
+                             f"spatial_merge_size = {step} pixels")
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        """(temporal, height, width) patches of one image: what ``image_grid_thw`` holds per image."""
+        patch = self.fields["patch_size"]
+        return 1, self.image_size[0] // patch, self.image_size[1] // patch
+
+    @property
+    def image_tokens(self) -> int:
+        """The placeholder tokens of one image in the text: its patches over the spatial merge (merge² per token)."""
+        t, h, w = self.grid_thw
+        return t * h * w // self.fields["spatial_merge_size"] ** 2
+
+    @property
+    def patch_dim(self) -> int:
+        """The width of one row of ``pixel_values``: channels · temporal_patch_size · patch_size²."""
+        f = self.fields
+        return f.get("in_channels", 3) * f["temporal_patch_size"] * f["patch_size"] ** 2
+
+    def config_fields(self) -> dict[str, Any]:
+        """The top-level config fields of the image side: ``vision_config`` and the special token ids."""
+        return {"vision_config": dict(self.fields), "image_token_id": self.image_token_id,
+                "video_token_id": self.video_token_id, "vision_start_token_id": self.vision_start_token_id,
+                "vision_end_token_id": self.vision_end_token_id}
+
+
+@dataclass(frozen=True)
 class Architecture:
     """A whole model to build with transformers: its family and the config fields that set it.
 
-    ``family`` is ``config.model_type`` ("llama", "qwen2"); ``fields`` are the config's keyword arguments;
-    ``rope`` holds transformers v5's ``rope_parameters`` (``rope_type``, ``rope_theta`` and the scaling fields),
-    which ``liger_gen.training.build_config`` turns into ``rope_theta`` + ``rope_scaling`` on transformers 4.x.
-    The training-step benchmark and the training example build their models from these; ``shape`` gives the
-    kernel dims the tuner and the op benchmark use.
+    ``family`` is ``config.model_type`` ("llama", "qwen2", "glm4_moe", "qwen2_5_vl"); ``fields`` are the keyword
+    arguments of its (text) config; ``rope`` holds transformers v5's ``rope_parameters`` (``rope_type``,
+    ``rope_theta`` and the scaling fields), which ``liger_gen.training.build_config`` turns into ``rope_theta`` +
+    ``rope_scaling`` on transformers 4.x. ``vision``: a vision-language model's image side, whose ``fields`` are
+    then its ``text_config`` (see :meth:`hf_fields`). The training-step benchmark and the training example build
+    their models from these; ``shape`` gives the kernel dims the tuner and the op benchmark use.
     """
 
     name: str
@@ -39,13 +88,25 @@ class Architecture:
     fields: dict[str, Any]
     rope: dict[str, Any]
     description: str = ""
+    vision: VisionTower | None = None
 
     def shape(self) -> ModelShape:
+        """The text stack's kernel dims; for a mixture-of-experts model (a ``moe_intermediate_size`` field) the
+        intermediate size is the experts' width, as ``from_hf_config`` reads it."""
         f = self.fields
         heads = f["num_attention_heads"]
-        return ModelShape(self.name, f["hidden_size"], f["intermediate_size"], heads,
-                          f.get("num_key_value_heads", heads), f.get("head_dim") or f["hidden_size"] // heads,
+        return ModelShape(self.name, f["hidden_size"], f.get("moe_intermediate_size") or f["intermediate_size"],
+                          heads, f.get("num_key_value_heads", heads), f.get("head_dim") or f["hidden_size"] // heads,
                           f["vocab_size"], f["rms_norm_eps"])
+
+    def hf_fields(self) -> dict[str, Any]:
+        """The config's keyword arguments without RoPE: ``fields``, or for a vision-language model
+        ``text_config=fields`` beside the image side's fields (the embedding tie is the outer config's)."""
+        if self.vision is None:
+            return dict(self.fields)
+        text = dict(self.fields)
+        tie = text.pop("tie_word_embeddings", False)
+        return {"text_config": text, **self.vision.config_fields(), "tie_word_embeddings": tie}
 
 
 _LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
@@ -55,6 +116,26 @@ _LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=
                    max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
                    attention_bias=False, mlp_bias=False)
 _LLAMA31_8B_ROPE = dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=8192)
+
+_QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=4, num_attention_heads=28,
+                          num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                          tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False, sliding_window=32768)
+_QWEN25_VL_ROPE = dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24])
+_QWEN25_VL_7B_VISION = VisionTower(
+    dict(depth=4, hidden_size=1280, intermediate_size=3420, num_heads=16, hidden_act="silu", in_channels=3,
+         patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112, fullatt_block_indexes=[3],
+         out_hidden_size=3584, tokens_per_second=2),
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    image_size=(448, 448))
+_GLM45_AIR = dict(hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=4,
+                  num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552, rms_norm_eps=1e-5,
+                  max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu", attention_bias=True,
+                  n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+                  norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1, use_qk_norm=False)
+_GLM45_AIR_ROPE = dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5)
+# the toy widths of the CPU models
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
 
 #: The models built whole (the training-step benchmark, the training example, CPU tests).
 ARCHITECTURES: dict[str, Architecture] = {
@@ -83,6 +164,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("llama3-8b", "llama", _LLAMA31_8B, _LLAMA31_8B_ROPE, description="Llama-3.1-8B"),
         Architecture("llama3-8b-4l", "llama", dict(_LLAMA31_8B, num_hidden_layers=4), _LLAMA31_8B_ROPE,
                      description="Llama-3.1-8B, 4 of its 32 layers"),
+        # Qwen/Qwen2.5-VL-7B-Instruct's config.json, 4 of its 28 decoder layers and 4 of its 32 vision blocks (every
+        # 8th block of the 32 attends over the whole image, the others in 112-pixel windows: block 3 of 4 here):
+        # text 3584 wide, MLP 18944, GQA 28/4, head_dim 128, untied 152064 vocab, M-RoPE sections 16/24/24; vision
+        # tower 1280 wide, MLP 3420, 16 heads, 14-pixel patches, 2x2 merge into 3584; one 448 x 448 image per
+        # sample: 32 x 32 patches, 256 image tokens.
+        Architecture("qwen2.5-vl-7b-4l", "qwen2_5_vl", _QWEN25_VL_7B_TEXT, _QWEN25_VL_ROPE,
+                     description="Qwen2.5-VL-7B, 4 of its 28 decoder layers and 4 of its 32 vision blocks",
+                     vision=_QWEN25_VL_7B_VISION),
+        # zai-org/GLM-4.5-Air's config.json (transformers' Glm4MoeConfig defaults hold the same dims), 4 of its 46
+        # layers: layer 0 dense (MLP 10944), layers 1-3 of 128 routed experts of width 1408, 8 per token, plus one
+        # shared expert; hidden 4096, 96 query / 8 KV heads of head_dim 128 (set: 4096 / 96 is not 128), q/k/v
+        # bias, RoPE over half of each head (partial_rotary_factor 0.5), untied 151552 vocab: 8.51 B parameters,
+        # 6.64 B of them routed experts (bf16 weights, gradients and AdamW state: 68 GB).
+        Architecture("glm4.5-air-4l", "glm4_moe", _GLM45_AIR, _GLM45_AIR_ROPE,
+                     description="GLM-4.5-Air, 4 of its 46 layers (1 dense, 3 of 128 experts)"),
         # CPU-sized models: the same code paths (GQA, tied embeddings; llama3 RoPE scaling, Qwen2's q/k/v bias)
         # at a few kB of weights; vocab 256 covers byte tokens exactly.
         Architecture(
@@ -97,6 +193,20 @@ ARCHITECTURES: dict[str, Architecture] = {
                  num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=2048,
                  tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False),
             dict(rope_type="default", rope_theta=1000000.0), description="tiny Qwen2 (CPU runs)"),
+        # the two above at toy widths: Qwen2.5-VL's vision tower (a windowed and a full-attention block, 2x2 merge) on
+        # a 56 x 112 image (4 x 8 patches, 8 image tokens, two windows), and GLM-4.5-Air's dense layer then a layer
+        # of 8 experts
+        Architecture("tiny-qwen2.5-vl", "qwen2_5_vl",
+                     dict(_TINY_TEXT, rms_norm_eps=1e-6, vocab_size=264, bos_token_id=None, eos_token_id=None),
+                     dict(_QWEN25_VL_ROPE, mrope_section=[2, 3, 3]), description="tiny Qwen2.5-VL (CPU runs)",
+                     vision=VisionTower(dict(_QWEN25_VL_7B_VISION.fields, depth=2, hidden_size=32, intermediate_size=48,
+                                             num_heads=2, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]),
+                                        image_token_id=258, video_token_id=259, vision_start_token_id=256,
+                                        vision_end_token_id=257, image_size=(56, 112))),
+        Architecture("tiny-glm4.5-air", "glm4_moe",
+                     dict(_GLM45_AIR, **_TINY_TEXT, vocab_size=256, moe_intermediate_size=32, n_routed_experts=8,
+                          num_experts_per_tok=2),
+                     _GLM45_AIR_ROPE, description="tiny GLM-4.5-Air (CPU runs)"),
     )
 }
 
@@ -160,7 +270,7 @@ def preset_hf_config(name: str) -> dict[str, Any] | None:
     None for a name that is not a preset."""
     if name in ARCHITECTURES:
         a = ARCHITECTURES[name]
-        return {"model_type": a.family, **a.fields}
+        return {"model_type": a.family, **a.hf_fields()}
     if name not in _PRESET_FAMILIES:
         return None
     family, extra = _PRESET_FAMILIES[name]

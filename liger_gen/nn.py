@@ -8,7 +8,8 @@ from torch import nn
 from liger_gen import functional as F
 from liger_gen.ops.norms.layer_norm import LayerNorm
 from liger_gen.ops.glu.glu import GLUMLP, SwiGLUMLP
-from liger_gen.ops.fp8.linear import WEIGHT_DTYPES as FP8_WEIGHT_DTYPES, check_fp8_linear, linear_2d_call
+from liger_gen.ops.glu.squared_relu import SquaredReLUMLP
+from liger_gen.ops.fp8.linear import LAST_INPUT, WEIGHT_DTYPES as FP8_WEIGHT_DTYPES, check_fp8_linear, linear_2d_call
 from liger_gen.reference import CASTING_MODES
 from liger_gen.runtime.fp8 import Float8Recipe, fp8_unsupported_reason, gemm_dims_reason
 
@@ -45,11 +46,19 @@ class RMSNorm(nn.Module):
         self.casting_mode = casting_mode
         # set by liger_gen.apply_to on a decoder layer's post-attention norm whose residual add it fuses
         self.fuse_residual = False
+        # set by liger_gen.apply_to(fp8=...) on a decoder layer's norm whose output only FP8 projections read:
+        # those projections (a plain tuple, not submodules; the norm then writes their FP8 operands with its output)
+        self.fp8_consumers: tuple = ()
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm of ``hidden_states``; with ``residual``, ``(RMSNorm(residual + hidden_states), residual +
         hidden_states)`` in one pass (``liger_gen.functional.fused_add_rms_norm``; the pre-norm decoder's residual
-        add before this norm)."""
+        add before this norm). A norm whose output feeds FP8 projections (``fp8_consumers``) also writes their
+        e4m3 operands (``liger_gen.functional.rms_norm_fp8``), which they take instead of quantizing it."""
+        if self.__dict__.get("fp8_consumers"):
+            out = self._fp8_forward(hidden_states, residual)
+            if out is not None:
+                return out
         if residual is None:
             return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
         if self.weight is None or residual.shape != hidden_states.shape:
@@ -57,6 +66,27 @@ class RMSNorm(nn.Module):
             return F.rms_norm(s, self.weight, self.variance_epsilon, self.offset, self.casting_mode), s
         return F.fused_add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, self.offset,
                                     self.casting_mode)
+
+    def _fp8_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """The norm with its output's FP8 operands handed to the projections that read it, or None where they
+        would not take them (then the plain norm runs): not eager, an output that is not bf16 (the FP8 GEMMs
+        take bf16), a device without FP8 GEMMs, a projection gone or no longer FP8."""
+        weight = self.weight
+        if weight is None or not LAST_INPUT.accepts(x) or x.dtype != torch.bfloat16 or (
+                residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != x.shape)) or (
+                self.casting_mode == "llama" and weight.dtype != torch.bfloat16) \
+                or fp8_unsupported_reason(x.device) is not None:
+            return None
+        consumers = self.fp8_consumers
+        if not all(isinstance(m, Float8Linear) for m in consumers):
+            return None
+        # the token-axis operand serves the weight gradients: made when a projection will keep it
+        cols = torch.is_grad_enabled() and any(m.recipe.keep_fp8_for_backward and m.weight.requires_grad
+                                               for m in consumers)
+        out = F.rms_norm_fp8(x, weight, self.variance_epsilon, self.offset, self.casting_mode, residual=residual,
+                             cols=cols)
+        LAST_INPUT.offer(out.y, (out.q, out.dequant_rows, out.qt, out.dequant_cols))
+        return out.y if residual is None else (out.y, out.sum)
 
     def extra_repr(self) -> str:
         shape = "no weight" if self.weight is None else f"{tuple(self.weight.shape)}"
@@ -180,4 +210,4 @@ def _check_fp8_layer(in_features: int, out_features: int, recipe) -> None:
                          f"{reason}")
 
 
-__all__ = ["CrossEntropyLoss", "Float8Linear", "GLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]
+__all__ = ["CrossEntropyLoss", "Float8Linear", "GLUMLP", "LayerNorm", "RMSNorm", "SquaredReLUMLP", "SwiGLUMLP"]

@@ -11,6 +11,7 @@ from liger_gen.ops.glu.activations import (geglu_float64, geglu_torch, glu_float
 from liger_gen.ops.glu.clamped_swiglu import (clamped_swiglu_float64, clamped_swiglu_gate_up_torch,
                                               clamped_swiglu_torch)
 from liger_gen.ops.glu.moe import moe_experts_torch, moe_permute_torch, moe_unpermute_torch
+from liger_gen.ops.glu.squared_relu import squared_relu_float64, squared_relu_torch
 from liger_gen.ops.lm_head.cross_entropy import cross_entropy_float64, cross_entropy_torch
 from liger_gen.ops.lm_head.fused_linear_cross_entropy import (fused_linear_cross_entropy_float64,
                                                               fused_linear_cross_entropy_float64_chunked,
@@ -32,4 +33,4 @@ __all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_to
            "moe_experts_torch", "moe_permute_torch", "moe_unpermute_torch",
            "rms_norm_float64", "rms_norm_out_dtype", "rms_norm_torch", "rope_float64", "rope_out_dtype",
            "rope_torch", "rotate_half", "selective_log_softmax_float64", "selective_log_softmax_torch",
-           "swiglu_float64", "swiglu_torch"]
+           "squared_relu_float64", "squared_relu_torch", "swiglu_float64", "swiglu_torch"]

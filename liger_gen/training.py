@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -27,8 +27,11 @@ MAX_TEXT_BYTES = 64 * 2**20
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-#: transformers' config and causal-LM classes of each family ``ARCHITECTURES`` holds
-FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+#: transformers' config and causal-LM classes of each family ``ARCHITECTURES`` holds (a vision-language family's
+#: ``*ForConditionalGeneration``: images and text in, the text stack's loss out)
+FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                  "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+                  "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -64,14 +67,19 @@ def build_config(name: str, attn_implementation: str = "sdpa"):
     transformers = _transformers()
 
     config_cls = getattr(transformers, FAMILY_CLASSES[spec.family][0])
-    kwargs = dict(spec.fields)
+    kwargs = spec.hf_fields()
+    text = kwargs["text_config"] if spec.vision is not None else kwargs  # where RoPE and the cache are set
     if _transformers_major() >= 5:
-        kwargs["rope_parameters"] = dict(spec.rope)
-    else:  # transformers 4.x: rope_theta at top level, scaling (if any) in rope_scaling
+        text["rope_parameters"] = dict(spec.rope)
+    else:  # transformers 4.x: rope_theta (and partial_rotary_factor) at top level, scaling (if any) in rope_scaling
         rope = dict(spec.rope)
-        kwargs["rope_theta"] = rope.pop("rope_theta")
-        if rope.get("rope_type", "default") != "default":
-            kwargs["rope_scaling"] = rope
+        text["rope_theta"] = rope.pop("rope_theta")
+        if "partial_rotary_factor" in rope:
+            text["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+        if rope.get("rope_type", "default") != "default" or "mrope_section" in rope:
+            text["rope_scaling"] = rope
+    if spec.vision is not None:
+        text["use_cache"] = False
     return config_cls(**kwargs, use_cache=False, attn_implementation=attn_implementation)
 
 
@@ -95,12 +103,37 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype, seed:
     return model
 
 
-def apply_liger_kernel(model, family: str):
-    """Liger-Kernel's ``apply_liger_kernel_to_<family>(model=model)`` with its defaults (``family``: llama, qwen2)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+def liger_kernel_apply(family: str):
+    """Liger-Kernel's ``liger_kernel.transformers.apply_liger_kernel_to_<family>``, or None where the installed
+    Liger-Kernel has no patch for that ``model_type``. ImportError without Liger-Kernel."""
+    import liger_kernel.transformers as liger_transformers
 
-    apply = {"llama": apply_liger_kernel_to_llama, "qwen2": apply_liger_kernel_to_qwen2}[family]
-    apply(model=model)  # defaults: rope, rms_norm, swiglu, fused_linear_cross_entropy
+    return getattr(liger_transformers, f"apply_liger_kernel_to_{family}", None)
+
+
+def liger_kernel_unsupported(family: str) -> str | None:
+    """Why Liger-Kernel cannot patch a model of ``family`` (its ``config.model_type``), or None when it can."""
+    try:
+        apply = liger_kernel_apply(family)
+    except ImportError as exc:
+        return f"liger-kernel cannot be imported ({exc}; pip install liger-kernel)"
+    if apply is None:
+        from liger_gen.optional import installed_version
+
+        version = installed_version("liger-kernel") or installed_version("liger_kernel") or "(version unknown)"
+        return (f"Liger-Kernel {version} has no patch for model_type {family!r} "
+                f"(no liger_kernel.transformers.apply_liger_kernel_to_{family})")
+    return None
+
+
+def apply_liger_kernel(model, family: str):
+    """Liger-Kernel's ``apply_liger_kernel_to_<family>(model=model)`` with its defaults (rope, rms_norm, swiglu,
+    fused_linear_cross_entropy). ValueError where Liger-Kernel has no patch for ``family``
+    (:func:`liger_kernel_unsupported` says why)."""
+    apply = liger_kernel_apply(family)
+    if apply is None:
+        raise ValueError(liger_kernel_unsupported(family))
+    apply(model=model)
     return model
 
 
@@ -155,17 +188,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(model, optimizer, input_ids: torch.Tensor, scheduler=None) -> torch.Tensor:
+def train_step(model, optimizer, input_ids: torch.Tensor | Mapping[str, torch.Tensor], scheduler=None) -> torch.Tensor:
     """One causal-LM training step on ``input_ids`` (B, T): forward with ``labels=input_ids`` (transformers shifts
-    them), backward, optimizer (and ``scheduler``) step, gradients cleared. Returns the loss, detached, on the
-    device (no host sync)."""
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+    them), backward, optimizer (and ``scheduler``) step, gradients cleared. ``input_ids`` may instead be a mapping
+    of model inputs with their ``labels`` (a vision-language batch: ``pixel_values``, ``image_grid_thw``, ...),
+    passed as they are. Returns the loss, detached, on the device (no host sync)."""
+    loss = step_loss(model, input_ids)
     loss.backward()
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def step_loss(model, batch: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of ``batch`` (token ids, their own labels; or a mapping of model inputs with ``labels``), not yet
+    backpropagated."""
+    if isinstance(batch, Mapping):
+        return model(**batch).loss
+    return model(input_ids=batch, labels=batch).loss
 
 
 def make_optimizer(model, lr: float, device: torch.device):

@@ -35,6 +35,13 @@ CPU_PATHS = [pytest.param("1", id="interpreter", marks=pytest.mark.skipif(
              pytest.param("0", id="plain")]
 
 
+@pytest.fixture(params=CPU_PATHS)
+def cpu_path(request, monkeypatch):
+    """Each CPU path in turn: the Triton kernels in the interpreter ("1") and plain PyTorch ("0")."""
+    monkeypatch.setenv("TRITON_INTERPRET", request.param)
+    return request.param
+
+
 def rope_call(modeling):
     """What a call of ``modeling.apply_rotary_pos_emb`` runs: the function, or the forward of the module that
     transformers makes of it with the ``kernels`` package installed (5.25 and later)."""

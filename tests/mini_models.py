@@ -162,6 +162,28 @@ VLM_CONFIGS: dict[str, tuple[str, str, dict]] = {
                  dict(_QWEN_IDS, text_config=dict(_TEXT, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
                       vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
                                          num_position_embeddings=16, deepstack_visual_indexes=[0]))),
+    # Qwen 3-VL's vision tower over a Qwen 3-MoE text stack: layer 0 dense, layer 1 of 4 experts; router logits asked
+    # by the text config, so the load-balancing loss is in the loss as the family's forward adds it
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                     dict(_QWEN_IDS, text_config=dict(_TEXT, rope_parameters=dict(_MROPE, mrope_interleaved=True),
+                                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                      decoder_sparse_step=1, mlp_only_layers=[0],
+                                                      output_router_logits=True),
+                          vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                                             num_position_embeddings=16, deepstack_visual_indexes=[0]))),
+    # Qwen 3.5: a linear-attention layer and a full-attention layer (M-RoPE of the half of head_dim that rotates)
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                dict(_QWEN_IDS, text_config=dict(FAMILY_CONFIGS["qwen3_5_text"][1], **_TEXT, rope_parameters=dict(
+                    _MROPE, mrope_section=[1, 1, 2], mrope_interleaved=True, partial_rotary_factor=0.5)),
+                     vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                                        num_position_embeddings=16))),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
+                    dict(_QWEN_IDS, text_config=dict(FAMILY_CONFIGS["qwen3_5_moe_text"][1], **_TEXT,
+                                                     output_router_logits=True, rope_parameters=dict(
+                                                         _MROPE, mrope_section=[1, 1, 2], mrope_interleaved=True,
+                                                         partial_rotary_factor=0.5)),
+                         vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                                            num_position_embeddings=16))),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                dict(text_config=dict(_TEXT, hidden_activation="gelu_pytorch_tanh", sliding_window=16,
                                      query_pre_attn_scalar=16),
@@ -169,6 +191,20 @@ VLM_CONFIGS: dict[str, tuple[str, str, dict]] = {
                                        num_attention_heads=2, image_size=16, patch_size=4),
                     mm_tokens_per_image=4, boi_token_index=VISION_START, eoi_token_index=VISION_END,
                     image_token_index=IMAGE, tie_word_embeddings=False)),
+    # Gemma 4: the text stack of the gemma4_text mini model without its experts, images attended causally; 16x16
+    # images of 4x4 patches (flattened, with their (x, y) positions) pooled 2x2 to 4 tokens; no audio tower. The
+    # experts (patched as gemma4_text's, converging in test_families.py) make this run ill-conditioned in float32:
+    # a router near-tie at step 14 puts the losses 1.1e-5 apart with any one op swapped (every earlier step within
+    # 2e-7) and the weights up to 4e-4 apart; bidirectional image attention puts the vision q/k projections 1.9e-4
+    # apart (measured; without either, every weight within 3e-5)
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration",
+               dict(text_config=dict(FAMILY_CONFIGS["gemma4_text"][1], **_TEXT, enable_moe_block=False),
+                    vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                                       position_embedding_size=16, use_clipped_linears=True),
+                    audio_config=None, boi_token_id=VISION_START, eoi_token_id=VISION_END, image_token_id=IMAGE,
+                    video_token_id=VIDEO, audio_token_id=257, boa_token_id=262, eoa_token_index=263,
+                    tie_word_embeddings=False)),
     "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration",  # M-RoPE of the half of head_dim that rotates
               dict(image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=VISION_START,
                    image_end_token_id=VISION_END, video_start_token_id=262, video_end_token_id=263,
@@ -177,6 +213,26 @@ VLM_CONFIGS: dict[str, tuple[str, str, dict]] = {
                                                                 mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
                    vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
                                       image_size=16))),
+    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration",  # layer 0 dense, layer 1 of 4 experts
+                  dict(image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=VISION_START,
+                       image_end_token_id=VISION_END, video_start_token_id=262, video_end_token_id=263,
+                       tie_word_embeddings=False,
+                       text_config=dict(_TEXT, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                        moe_intermediate_size=48, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                        output_router_logits=True,
+                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                             mrope_section=[1, 1, 2], partial_rotary_factor=0.5)),
+                       vision_config=dict(_QWEN_VISION, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                                          image_size=16))),
+    # Llama 4: the text stack of the llama4_text mini model (layer 1 of experts); 16x16 images of 4x4 patches, pixel
+    # shuffled (ratio 0.5) to 4 tokens an image; the language model a Llama4ForCausalLM inside the model
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration",
+               dict(text_config=dict(FAMILY_CONFIGS["llama4_text"][1], **_TEXT),
+                    vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=16, patch_size=4, vision_output_dim=64,
+                                       projector_input_dim=64, projector_output_dim=64),
+                    boi_token_index=VISION_START, eoi_token_index=VISION_END, image_token_index=IMAGE,
+                    tie_word_embeddings=False)),
     "mllama": ("MllamaConfig", "MllamaForConditionalGeneration",  # layer 1 cross-attends; images of 1 or 2 tiles
                dict(text_config=dict(_TEXT, cross_attention_layers=[1], rope_parameters=dict(rope_type="default",
                                                                                            rope_theta=10000.0)),
@@ -259,7 +315,7 @@ def vlm_batch(model_type: str, ids: torch.Tensor, generator: torch.Generator) ->
             if end is not None:
                 ids[row, at + 1 + n] = end
 
-    if model_type.startswith("qwen") or model_type == "glm4v":  # GLM-4V's images are laid out as Qwen's
+    if model_type.startswith(("qwen", "glm4v")):  # GLM-4V's images are laid out as Qwen's
         grids = [(1, 4, 4), (1, 4, 8)] * (rows // 2) + [(1, 4, 4)] * (rows % 2)
         for row, (t, h, w) in enumerate(grids):
             n, at = t * h * w // 4, 2 + 3 * row  # merged 2x2 patches per token
@@ -289,8 +345,16 @@ def vlm_batch(model_type: str, ids: torch.Tensor, generator: torch.Generator) ->
                      aspect_ratio_ids=torch.tensor(tiles).view(rows, 1),  # (1, 1): id 1, (1, 2): id 2
                      aspect_ratio_mask=(torch.arange(2) < torch.tensor(tiles)[:, None]).long().view(rows, 1, 2),
                      cross_attention_mask=cross)
+    elif model_type == "gemma4":  # <boi> 4 tokens <eoi>; the 16 patches of 4x4 pixels flattened, row by row
+        place(4)
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), dim=-1).reshape(16, 2)
+        batch.update(pixel_values=torch.rand(rows, 16, 3 * 4 * 4, generator=generator),
+                     image_position_ids=grid.expand(rows, -1, -1), mm_token_type_ids=(ids == IMAGE).long())
     elif model_type == "llava":  # 16 patch tokens, no start or end token
         place(16, None, None)
+        batch.update(pixel_values=torch.randn(rows, 3, 16, 16, generator=generator))
+    elif model_type == "llama4":  # <|image_start|> 4 tokens <|image_end|>; one tile an image
+        place(4)
         batch.update(pixel_values=torch.randn(rows, 3, 16, 16, generator=generator))
     elif model_type == "internvl":  # <img> 4 tokens </img>
         place(4)

@@ -50,6 +50,13 @@ def _expected_bytes(op, t, up, rows):
         bwd = _nb(up["y"]) + _nb(up["s"]) + _nb(up["s"]) + _nb(t["w"]) + f32_row + _nb(t["x"]) + _nb(t["residual"]) \
             + _nb(t["w"])
         return fwd + bwd
+    if op == "rms_norm_fp8":  # the fused add + RMSNorm, then y read once more and its two e4m3 operands written
+        m, k = t["x"].shape
+        fwd = _nb(t["x"]) + _nb(t["residual"]) + _nb(t["w"]) + _nb(up["y"]) + _nb(up["s"]) + f32_row \
+            + _nb(up["y"]) + (m * k + f32_row) + (k * (-(-m // 16) * 16) + 4 * k)
+        bwd = _nb(up["y"]) + _nb(up["s"]) + _nb(up["s"]) + _nb(t["w"]) + f32_row + _nb(t["x"]) + _nb(t["residual"]) \
+            + _nb(t["w"])
+        return fwd + bwd
     if op == "layer_norm":
         fwd = _nb(t["x"]) + _nb(t["w"]) + _nb(t["b"]) + _nb(up["y"]) + 2 * f32_row
         bwd = _nb(up["y"]) + _nb(t["x"]) + _nb(t["w"]) + 2 * f32_row + _nb(t["x"]) + _nb(t["w"]) + _nb(t["b"])
@@ -61,6 +68,8 @@ def _expected_bytes(op, t, up, rows):
         return (_nb(t["gate"]) + _nb(t["up"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["gate"]) + 2 * _nb(t["up"]))
     if op == "clamped_swiglu":  # interleaved gate_up in, y out; dy and gate_up in, the interleaved gradient out
         return (_nb(t["gate_up"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["gate_up"]))
+    if op == "squared_relu":  # x in, y out; dy and x in, dx out
+        return (_nb(t["x"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["x"]))
     if op == "moe_permute":
         index = _nb(t["token"]) + _nb(t["pos"])
         fwd = 2 * _nb(t["ys"]) + _nb(t["token"]) + _nb(t["ys"]) + _nb(t["pos"]) + _nb(t["w"]) + _nb(t["x"])
@@ -84,6 +93,9 @@ def _expected_bytes(op, t, up, rows):
     if op == "fp8_quantize":  # x read, one byte per value and a fp32 scale per slice written, for each axis; the
         m, k = t["x"].shape  # columns' copy is padded to 16 rows
         return (_nb(t["x"]) + m * k + 4 * m) + (_nb(t["x"]) + k * (-(-m // 16) * 16) + 4 * k)
+    if op == "fp8_cast_transpose":  # as fp8_quantize's two axes, but x read once for both
+        m, k = t["x"].shape
+        return _nb(t["x"]) + (m * k + 4 * m) + (k * (-(-m // 16) * 16) + 4 * k)
     raise AssertionError(f"no expected formula for {op}")
 
 

@@ -5,6 +5,7 @@ Triton kernels run in the interpreter: tests/conftest.py sets TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -47,6 +48,7 @@ def test_every_launched_template_kernel_is_liger_gen():
     assert profile.liger_gen_kernel_names() == launched
     quantize = {"quantize_rows_kernel", "column_amax_kernel", "quantize_cols_kernel"}  # FP8: their own class
     assert quantize <= launched
+    quantize |= {"amax_kernel", "cast_transpose_kernel"} & launched  # the FP8 cast-transpose template's
     for name in sorted(launched):
         want = "quantize" if name in quantize else "liger_gen"
         assert profile.classify_kernel(name) == want, name
@@ -518,3 +520,232 @@ def test_the_recorded_command_carries_the_interpreter_variable(interpret, monkey
     monkeypatch.setattr(sys, "argv", ["liger-gen", "bench-step", "--device", "cpu", "--model", "tiny"])
     command = step.run_metadata(torch.device("cpu"), None)["command"]
     assert command == ("TRITON_INTERPRET=1 " if interpret == "1" else "") + "liger-gen bench-step --device cpu --model tiny"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A vision-language model and a mixture of experts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _meta_params(config, family: str) -> int:
+    import transformers
+
+    with torch.device("meta"):
+        model = getattr(transformers, training.FAMILY_CLASSES[family][1])(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_qwen2_5_vl_7b_width_model_is_qwen2_5_vl_7b_with_fewer_layers():
+    """Qwen2.5-VL-7B's text and vision widths: at its published 28 decoder layers and 32 vision blocks (every 8th
+    attending over the whole image) it has the published 8,292,166,656 parameters; the benchmark builds 4 and 4."""
+    import transformers
+
+    spec = step.STEP_MODELS["qwen2.5-vl-7b-4l"]
+    config = training.build_config("qwen2.5-vl-7b-4l")
+    text, vision = config.text_config, config.vision_config
+    assert config.model_type == "qwen2_5_vl" and config.tie_word_embeddings is False and text.use_cache is False
+    assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.num_attention_heads,
+            text.num_key_value_heads, text.vocab_size, text.rms_norm_eps) == (3584, 18944, 4, 28, 4, 152064, 1e-6)
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24] and text.rope_parameters["rope_theta"] == 1e6
+    assert (vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads, vision.patch_size,
+            vision.spatial_merge_size, vision.temporal_patch_size, vision.out_hidden_size, vision.window_size,
+            vision.fullatt_block_indexes) == (4, 1280, 3420, 16, 14, 2, 2, 3584, 112, [3])
+    assert (config.image_token_id, config.vision_start_token_id, config.vision_end_token_id) == (151655, 151652, 151653)
+    assert spec.shape() == dataclasses.replace(PRESETS["qwen2.5-7b"], name="qwen2.5-vl-7b-4l")  # the text stack's
+    assert spec.vision.grid_thw == (1, 32, 32) and spec.vision.image_tokens == 256 and spec.vision.patch_dim == 1176
+    whole = spec.hf_fields()
+    whole["text_config"].update(num_hidden_layers=28, rope_parameters=spec.rope)
+    whole["vision_config"].update(depth=32, fullatt_block_indexes=[7, 15, 23, 31])
+    assert _meta_params(transformers.Qwen2_5_VLConfig(**whole), "qwen2_5_vl") == 8_292_166_656
+
+
+def test_glm4_5_air_width_model_is_glm4_5_air_with_fewer_layers():
+    """GLM-4.5-Air's layers: one dense, then 128 routed experts of width 1408 (8 per token) and a shared one; at
+    its 46 layers it has 106.85 B parameters (GLM-4.5-Air's published 106 B, its MTP layer apart)."""
+    config = training.build_config("glm4.5-air-4l")
+    assert config.model_type == "glm4_moe" and config.num_hidden_layers == 4 and config.use_cache is False
+    assert (config.hidden_size, config.intermediate_size, config.moe_intermediate_size, config.n_routed_experts,
+            config.num_experts_per_tok, config.n_shared_experts, config.first_k_dense_replace,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size) == (
+        4096, 10944, 1408, 128, 8, 1, 1, 96, 8, 128, 151552)
+    assert config.attention_bias is True and config.tie_word_embeddings is False
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5 and config.rope_parameters["rope_theta"] == 1e6
+    assert step.STEP_MODELS["glm4.5-air-4l"].shape().intermediate_size == 1408  # the experts' GLU width
+    assert _meta_params(config, "glm4_moe") == 8_509_550_592
+    config.num_hidden_layers = 46
+    assert _meta_params(config, "glm4_moe") == 106_852_245_504
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-glm4.5-air", "qwen2.5-vl-7b-4l", "glm4.5-air-4l"])
+def test_the_new_models_build_and_their_presets_read_as_configs(name):
+    from liger_gen.models import preset_hf_config
+    from liger_gen.verify import ops_apply_to_runs
+
+    spec = step.STEP_MODELS[name]
+    summary = step.config_summary(training.build_config(name))
+    json.dumps(summary)
+    assert summary["model_type"] == spec.family
+    assert ("vision" in summary) == (spec.vision is not None)
+    cfg = preset_hf_config(name)  # what `liger-gen verify --model` reads
+    assert cfg["model_type"] == spec.family
+    if spec.vision is not None:
+        assert cfg["text_config"]["hidden_size"] == spec.fields["hidden_size"]
+        assert cfg["vision_config"] == spec.vision.fields and cfg["image_token_id"] == spec.vision.image_token_id
+    else:  # the experts run liger-gen's fused MoE
+        ops, why = ops_apply_to_runs(cfg, quiet=True)
+        assert ops is not None and "moe_permute" in ops and "swiglu" in ops, why
+    if name.startswith("tiny"):  # built whole on the CPU
+        model = training.build_model(name, "cpu", torch.float32, 0)
+        assert model.training and model.config.model_type == step.STEP_MODELS[name].family
+
+
+def test_image_text_batches_are_laid_out_as_the_processor_lays_them_out():
+    from liger_gen.bench import step_data
+
+    spec = step.STEP_MODELS["tiny-qwen2.5-vl"]
+    vision = spec.vision
+    tokens = training.byte_tokens()
+    batches = step_data.step_batches(spec, tokens, 3, 2, 32, seed=5)
+    assert len(batches) == 3 and batches[0].keys() == {"input_ids", "labels", "mm_token_type_ids", "pixel_values",
+                                                       "image_grid_thw"}
+    t, h, w = vision.grid_thw
+    assert (t, h, w) == (1, 4, 8)
+    merge = vision.fields["spatial_merge_size"]
+    for b in batches:
+        ids, labels = b["input_ids"], b["labels"]
+        assert ids.shape == labels.shape == (2, 32) and ids.dtype == torch.int64
+        image = ids == vision.image_token_id
+        assert image.sum(1).tolist() == [t * h * w // merge ** 2] * 2 == [vision.image_tokens] * 2
+        assert (labels[image] == -100).all() and torch.equal(labels[~image], ids[~image])
+        assert torch.equal(b["mm_token_type_ids"], image.int())
+        for row in range(2):  # <vision_start> image tokens <vision_end>, contiguous
+            at = image[row].nonzero().flatten()
+            assert at.tolist() == list(range(int(at[0]), int(at[0]) + vision.image_tokens))
+            assert ids[row, at[0] - 1] == vision.vision_start_token_id and ids[row, at[-1] + 1] == vision.vision_end_token_id
+        assert b["pixel_values"].shape == (2 * t * h * w, 3 * 2 * 14 * 14) and b["pixel_values"].dtype == torch.float32
+        assert b["image_grid_thw"].tolist() == [[1, 4, 8]] * 2
+    again = step_data.step_batches(spec, tokens, 3, 2, 32, seed=5)  # every provider: the same batches
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(batches, again) for k in a)
+    whole = step.STEP_MODELS["qwen2.5-vl-7b-4l"]  # 448 x 448: 32 x 32 patches, 256 image tokens
+    assert step_data.describe_batch(whole, 8, 2048)["pixel_values_shape"] == [8 * 1024, 1176]
+    assert step_data.describe_batch(whole, 8, 2048)["text_tokens_per_sample"] == 2048 - 256
+    with pytest.raises(ValueError, match="seq_len 11 is too short"):
+        step_data.step_batches(spec, tokens, 1, 1, 11, seed=0)
+    with pytest.raises(ValueError, match="too short for qwen2.5-vl-7b-4l"):
+        step.run_step_benchmark("qwen2.5-vl-7b-4l", ["transformers"], seq_len=200, device="cpu", console=False)
+
+
+def test_patches_follow_the_qwen2_vl_image_processor():
+    """pixel_values are the processor's for the same pixels (no resize, rescale or normalisation here)."""
+    import transformers
+
+    from liger_gen.bench.step_data import patchify
+
+    processor_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or getattr(
+        transformers, "Qwen2VLImageProcessor", None)
+    if processor_cls is None:
+        pytest.skip("this transformers has no Qwen2-VL image processor")
+    vision = step.STEP_MODELS["tiny-qwen2.5-vl"].vision
+    image = torch.rand(3, *vision.image_size, generator=torch.Generator().manual_seed(0))
+    try:
+        out = processor_cls(patch_size=14, merge_size=2, temporal_patch_size=2)(
+            images=[image], do_resize=False, do_rescale=False, do_normalize=False, return_tensors="pt")
+    except ImportError as exc:  # its imaging backend (PIL, torchvision) is absent
+        pytest.skip(str(exc))
+    assert out["image_grid_thw"].tolist() == [list(vision.grid_thw)]
+    assert torch.allclose(out["pixel_values"].float(), patchify(image[None], vision))
+
+
+@pytest.mark.parametrize("name,seq_len", [("tiny-qwen2.5-vl", 16), ("tiny-glm4.5-air", 8)])
+def test_tiny_cpu_step_of_the_new_models(name, seq_len, tmp_path):
+    """One step of the vision-language model (an image per sample) and of the mixture of experts, plain
+    transformers then liger-gen; Liger-Kernel is skipped with the reason, its autotune warm-up marked not run."""
+    result = step.run_step_benchmark(name, ["transformers", "liger-gen", "liger-kernel"], batch_size=1,
+                                     seq_len=seq_len, warmup_steps=0, steps=1, profile_steps=0, device="cpu",
+                                     console=False, command="pytest", out_dir=tmp_path)
+    entry = result["models"][name]
+    written = json.loads((tmp_path / "step.json").read_text())["models"][name]
+    assert written["inputs"] == entry["inputs"] and written["config"] == json.loads(json.dumps(entry["config"]))
+    plain, lg, lk = (entry["providers"][p] for p in ("transformers", "liger-gen", "liger-kernel"))
+    assert plain["status"] == "ok" and lg["status"] == "ok", (plain.get("reason"), lg.get("reason"))
+    assert lg["loss_check"]["pass"], lg["loss_check"]
+    assert plain["tokens_per_s"] == pytest.approx(seq_len / (plain["ms_per_step"] / 1e3))
+    assert plain["autotune_warmup"] is None and lg["autotune_warmup"] is None
+    assert lk["status"] == "skipped" and lk["reason"]
+    assert lk["autotune_warmup"] == {"s": None, "kernels_tuned": None, "reason": lk["reason"]}
+    if name == "tiny-qwen2.5-vl":
+        assert entry["inputs"]["image_tokens_per_sample"] == 8 and entry["config"]["vision"]["depth"] == 2
+        assert plain["patch"]["forward"].endswith("Qwen2_5_VLForConditionalGeneration.forward")
+    else:
+        assert entry["inputs"] is None and entry["config"]["n_routed_experts"] == 8
+        assert plain["patch"]["expert_classes"] and "liger_gen" in lg["patch"]["expert_classes"][0]
+
+
+def _fake_liger_kernel(monkeypatch, patches: dict):
+    """A ``liger_kernel`` package whose ``transformers`` module holds ``patches`` (apply functions by name)."""
+    import importlib.machinery
+
+    root = types.ModuleType("liger_kernel")
+    root.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+    sub = types.ModuleType("liger_kernel.transformers")
+    for key, fn in patches.items():
+        setattr(sub, key, fn)
+    root.transformers = sub
+    monkeypatch.setitem(sys.modules, "liger_kernel", root)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", sub)
+    return root
+
+
+def test_liger_kernel_without_a_patch_for_the_model_type_says_why(monkeypatch):
+    _fake_liger_kernel(monkeypatch, {"apply_liger_kernel_to_qwen2_5_vl": lambda model: None})
+    cuda = torch.device("cuda", 0)
+    assert step.provider_unavailable("liger-kernel", cuda, family="qwen2_5_vl") is None
+    why = step.provider_unavailable("liger-kernel", cuda, family="glm4_moe")
+    assert "no patch for model_type 'glm4_moe'" in why and "apply_liger_kernel_to_glm4_moe" in why
+    with pytest.raises(ValueError, match="glm4_moe"):
+        training.apply_liger_kernel(torch.nn.Linear(1, 1), "glm4_moe")
+    assert "CUDA" in step.provider_unavailable("liger-kernel", torch.device("cpu"), family="qwen2_5_vl")
+
+
+def test_liger_kernel_autotune_warm_up_is_timed_apart(monkeypatch):
+    """A stand-in Liger-Kernel whose one autotuned kernel tunes on its first call: the warm-up pass records it
+    (time and one tuned entry), the steps after it tune nothing, and its loss curve is the plain one's (the
+    warm-up's gradients are dropped, no optimizer step)."""
+    pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner
+
+    class Tuner(Autotuner):  # no __init__: only what the count reads
+        def __init__(self):
+            self.cache = {}
+
+    kernels = types.ModuleType("liger_kernel.ops.fake_moe")
+    kernels.fused_experts = tuner = Tuner()
+    calls = []
+
+    def first_call_tunes(*_):
+        calls.append(1)
+        tuner.cache.setdefault(("H", "I"), "best")
+
+    def apply(model, family):
+        monkeypatch.setitem(sys.modules, kernels.__name__, kernels)
+        model.register_forward_hook(first_call_tunes)
+        return model
+
+    monkeypatch.setattr(step, "provider_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(step, "apply_liger_kernel", apply)
+    result = step.run_step_benchmark("tiny", ["transformers", "liger-kernel"], batch_size=1, seq_len=8,
+                                     warmup_steps=1, steps=1, profile_steps=0, device="cpu", console=False)
+    runs = result["models"]["tiny"]["providers"]
+    lk = runs["liger-kernel"]
+    assert lk["status"] == "ok", lk.get("reason")
+    warm = lk["autotune_warmup"]
+    assert warm["s"] > 0 and warm["kernels_tuned"] == 1 and warm["reason"] is None
+    assert len(calls) == 3  # the warm-up pass, then one warm-up and one timed step
+    assert lk["losses"] == runs["transformers"]["losses"]
+    assert runs["transformers"]["autotune_warmup"] is None
+    from rich.console import Console
+
+    console = Console(record=True, width=240)
+    step.print_report(result, console)
+    text = console.export_text()
+    assert "autotune s" in text and f"{warm['s']:.1f} (1 tuned)" in text

@@ -30,9 +30,10 @@ ODD = ModelShape("odd", hidden_size=72, intermediate_size=100, num_attention_hea
                  head_dim=16, vocab_size=97, rms_norm_eps=1e-6)
 # ops whose inputs carry no leading rows dim to split: RoPE takes (batch, heads, seq, head_dim) already, and
 # kl_div's "batchmean" divides by the leading dim, so splitting the rows changes the loss (as in PyTorch)
-NO_LEADING_ROWS = {"rope", "kl_div", "moe_permute", "fp8_quantize"}
-# ops without a gradient (the FP8 quantization): no backward to check; fp8_quantize takes 2-D x only
-DIFFERENTIABLE = [op for op in OPS if op != "fp8_quantize"]
+FP8_QUANTIZE = {"fp8_quantize", "fp8_cast_transpose"}
+NO_LEADING_ROWS = {"rope", "kl_div", "moe_permute"} | FP8_QUANTIZE
+# ops without a gradient (the FP8 quantizations): no backward to check; they take 2-D x only
+DIFFERENTIABLE = [op for op in OPS if op not in FP8_QUANTIZE]
 
 
 def _inputs(op: str, rows: int, dtype: torch.dtype, device, seed: int = 0, model: ModelShape = ODD) -> Inputs:

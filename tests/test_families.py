@@ -18,7 +18,8 @@ import torch
 
 import liger_gen
 from liger_gen.training import byte_tokens, make_batches
-from liger_gen.integrations.transformers import MODEL_FAMILIES, restore_rope
+from liger_gen.integrations.transformers import MODEL_FAMILIES, patched_ops, restore_rope
+from liger_gen.nn import SquaredReLUMLP
 from mini_models import FAMILY_CONFIGS, mini_config, mini_model
 
 STEPS, BATCH, SEQ, LR = 20, 2, 32, 3e-3
@@ -39,13 +40,14 @@ LOGPROB_ATOL = 1e-3  # held-out top-k log-probabilities (nats)
 # hyper-connection streams)
 UNFUSED_LAYOUTS = ("olmo2", "olmo3", "exaone4", "cohere2", "phimoe", "lfm2", "lfm2_moe", "minimax", "nemotron",
                    "deepseek_v4")
-# families with no MLP or experts apply_to swaps (LFM2's w1/w3/w2 MLPs, Nemotron's squared-ReLU MLP, DeepSeek-V4's
-# clamped SwiGLU)
-UNPATCHED_MLPS = ("lfm2", "nemotron", "deepseek_v4")
+# families with no MLP or experts apply_to swaps (LFM2's w1/w3/w2 MLPs, DeepSeek-V4's clamped SwiGLU)
+UNPATCHED_MLPS = ("lfm2", "deepseek_v4")
+# families whose MLPs are squared-ReLU (not gated): swapped for SquaredReLUMLP, not GLUMLP
+SQUARED_RELU_MLPS = ("nemotron",)
 
 # one family per distinct block, run through the kernels (Triton's interpreter)
 INTERPRETER_FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "olmo2", "cohere2", "granite", "gpt_oss", "llama4_text",
-                        "gemma4_text")
+                        "gemma4_text", "nemotron")
 
 # families whose patched pieces (norm formula, GLU MLP, fused experts, RoPE layout, fused loss) are each compiled in
 # another family's test: their own compile test (4-9 s apiece on 2 cores) would check nothing more, so it is left
@@ -110,6 +112,10 @@ def _compare(model_type: str, steps: int):
     # what was patched: norms and the fused loss always; MLPs or experts gates; RoPE where the layout is ours
     assert report.norms > 0 and report.loss, report.summary()
     assert (report.mlps + report.experts > 0) == (model_type not in UNPATCHED_MLPS), report.summary()
+    mlps = [m for m in patched.modules() if type(m).__name__.endswith("MLP")]
+    if model_type in SQUARED_RELU_MLPS:  # every MLP swapped: none of transformers' own left
+        assert mlps and all(isinstance(m, SquaredReLUMLP) for m in mlps), report.summary()
+        assert report.mlps == len(mlps) and "squared_relu" in patched_ops(patched), report.summary()
     assert report.rope == family.rope, report.summary()
     # the attention residual add fused into the next norm in every pre-norm decoder layer; the post-norm (OLMo 2/3,
     # Exaone 4), parallel-block (Cohere 2) and LayerNorm (PhiMoE) layouts keep transformers' add

@@ -34,7 +34,7 @@ from liger_gen.ops.fp8.quantize import FORMAT_NAMES, QuantizeProblem, fp8_quanti
 from liger_gen.runtime import fp8 as recipe
 from liger_gen.training import byte_tokens, make_batches
 
-from conftest import CPU_PATHS, seeded
+from conftest import seeded
 from mini_models import mini_model
 
 # the linear layers' tests run their FP8 GEMMs on the CPU: torch builds before 2.13 take only per-tensor scales there
@@ -47,13 +47,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in mul
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U_BF16 = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
 U_FP32 = 2.0 ** -24
-
-
-@pytest.fixture(params=CPU_PATHS)
-def cpu_path(request, monkeypatch):
-    """Each CPU path in turn: the Triton kernels in the interpreter ("1") and plain PyTorch ("0")."""
-    monkeypatch.setenv("TRITON_INTERPRET", request.param)
-    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -568,19 +561,25 @@ def test_fp8_training_follows_the_bf16_run(monkeypatch):
 
 
 def _count_quantize_and_gemm(monkeypatch):
-    """Record every quantization (by axis) and FP8 GEMM the FP8 linear layers make."""
+    """Record every quantization (by axis: "rows", "cols", or "both" for the cast + transpose op) and FP8 GEMM
+    the FP8 linear layers make."""
     calls = []
-    quantize, gemm = fp8_linear_module.quantize_2d, recipe.scaled_mm
+    quantize, both, gemm = fp8_linear_module.quantize_2d, fp8_linear_module.cast_transpose_2d, recipe.scaled_mm
 
     def counted_quantize(x, axis, fmt):
         calls.append(("quantize", axis, tuple(x.shape)))
         return quantize(x, axis, fmt)
+
+    def counted_both(x, fmt):
+        calls.append(("quantize", "both", tuple(x.shape)))
+        return both(x, fmt)
 
     def counted_gemm(*args):
         calls.append(("gemm",))
         return gemm(*args)
 
     monkeypatch.setattr(fp8_linear_module, "quantize_2d", counted_quantize)
+    monkeypatch.setattr(fp8_linear_module, "cast_transpose_2d", counted_both)
     monkeypatch.setattr(recipe, "scaled_mm", counted_gemm)
     return calls
 
@@ -588,9 +587,9 @@ def _count_quantize_and_gemm(monkeypatch):
 @needs_cpu_fp8_gemm
 @pytest.mark.parametrize("autocast", [False, True])
 def test_projections_of_one_input_quantize_it_once(autocast, monkeypatch):
-    """q, k and v (or gate and up) read one tensor: it is quantized once per axis and its token-axis copy is saved
-    once, also under autocast, where each projection casts the fp32 input to bf16 itself; the results are those
-    of separate calls."""
+    """q, k and v (or gate and up) read one tensor: it is quantized once (both axes in one op) and its
+    token-axis copy is saved once, also under autocast, where each projection casts the fp32 input to bf16
+    itself; the results are those of separate calls."""
     gen = seeded("shared", autocast)
     layers = [Float8Linear(32, 16 * (i + 1), bias=False, dtype=torch.bfloat16) for i in range(3)]
     x = torch.randn(2, 19, 32, generator=gen)
@@ -600,7 +599,7 @@ def test_projections_of_one_input_quantize_it_once(autocast, monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ys = [layer(x) for layer in layers]
     x_calls = [c for c in calls if c[0] == "quantize" and c[2] == (38, 32)]
-    assert sorted(c[1] for c in x_calls) == ["cols", "rows"]
+    assert [c[1] for c in x_calls] == ["both"]  # both axes in one op
     dys = [torch.randn(y.shape, generator=gen).to(y.dtype) for y in ys]
     torch.autograd.backward(ys, dys)
     separate = []
@@ -628,7 +627,8 @@ def test_a_frozen_weight_makes_no_weight_gradient_work(monkeypatch):
     fp8_linear_module.LAST_INPUT.clear()
     calls = _count_quantize_and_gemm(monkeypatch)
     layer(x).backward(dy)
-    assert ("quantize", "cols", (40, 32)) not in calls and calls.count(("gemm",)) == 2
+    assert [c[1] for c in calls if c[0] == "quantize"] == ["rows", "rows", "rows", "cols"]  # x, W; dy, Wᵀ
+    assert calls.count(("gemm",)) == 2
     dx, _ = fp8_linear_grads_float64(x.detach(), layer.weight, dy)
     assert ((x.grad.double() - dx).norm() / dx.norm()).item() < 2.0 ** -7
 

@@ -4,7 +4,6 @@ neighbour list is the same on every host, and clamped SwiGLU's heuristic is vali
 
 import dataclasses
 import json
-import math
 import warnings
 
 import pytest

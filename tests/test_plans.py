@@ -17,6 +17,7 @@ from liger_gen.ops.divergence import jsd as J
 from liger_gen.ops.divergence import kl_div as KL
 from liger_gen.ops.glu import clamped_swiglu as CS
 from liger_gen.ops.glu import glu as G
+from liger_gen.ops.glu import squared_relu as SR
 from liger_gen.ops.lm_head import cross_entropy as CE
 from liger_gen.ops.norms import fused_add_rms_norm as FA
 from liger_gen.ops.norms import layer_norm as LN
@@ -332,6 +333,9 @@ def _call(name, v):
     if name == "clamped_swiglu_gate_up":
         gate_up = _t(2, 3, 48, **grad) if v != 3 else _t(2, 3, 64, **grad)[..., :48]
         return F.clamped_swiglu_gate_up(gate_up.requires_grad_(), alpha=1.0 if v == 4 else 1.702)
+    if name == "squared_relu":  # no option: another shape stands for one (4)
+        x = _t(2, 3, 24, **grad) if v != 3 else _t(2, 24, 3, **grad).transpose(1, 2)
+        return F.squared_relu((x if v != 4 else _t(3, 40, **grad)).requires_grad_())
     if name == "kl_div":
         x = _t(5, 40, **grad).log_softmax(-1) if v != 3 else _t(40, 5, **grad).log_softmax(0).t()
         return F.kl_div(x.requires_grad_(), _t(5, 40, **grad).softmax(-1), "sum" if v == 4 else "batchmean")
@@ -347,7 +351,7 @@ PLANNED = {"rms_norm": N.rms_norm_planned, "fused_add_rms_norm": FA.fused_add_rm
            "geglu": G.glu_planned, "swiglu_gate_up": G.glu_gate_up_planned, "geglu_gate_up": G.glu_gate_up_planned,
            "layer_norm": LN.layer_norm_planned, "clamped_swiglu": CS.clamped_swiglu_planned,
            "clamped_swiglu_gate_up": CS.clamped_swiglu_gate_up_planned, "kl_div": KL.kl_div_planned,
-           "jsd": J.jsd_planned}
+           "jsd": J.jsd_planned, "squared_relu": SR.squared_relu_planned}
 
 
 def _counting(monkeypatch, planned) -> list:
@@ -471,6 +475,8 @@ def test_bad_calls_after_good_ones_still_raise(device):
         F.clamped_swiglu_gate_up(_t(2, 3, 47))
     with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
         F.clamped_swiglu_gate_up(_t(2, 3, 48), alpha=float("inf"))
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16; got x of shape \\(2, 3, 24\\)"):
+        F.squared_relu(_t(2, 3, 24).to(torch.int32))
     x = _t(5, 40).log_softmax(-1)
     with pytest.raises(ValueError, match="input and target must have the same shape"):
         F.kl_div(x, _t(5, 39))

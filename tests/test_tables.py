@@ -241,6 +241,12 @@ def test_template_hashes_of_the_wrong_form_make_the_table_unused(user_dir, hashe
     assert _lookup_warns("template_hashes") == "heuristic"
 
 
+# ops whose kernels have not been tuned on an H200 yet: they run their analytic heuristic there (a "no tuned
+# <op> config" warning says so) until ``liger-gen tune --gpu h200`` writes their table; an op leaves this set in
+# the change that ships its table (the test below fails while an op is in both)
+AWAITING_H200_TABLE = {"squared_relu", "fp8_cast_transpose", "rms_norm_fp8"}
+
+
 def test_packaged_tables_parse_and_belong_to_their_gpu():
     from liger_gen.ops import available_ops, get_spec
 
@@ -260,7 +266,8 @@ def test_packaged_tables_parse_and_belong_to_their_gpu():
         for e in table["entries"]:
             space = space_cls(e["dims"], getattr(torch, e["dtype"]))
             assert not space.violations(space.config_cls.from_dict(e["config"])), (path, e["dims"], e["rows"])
-    assert ops == set(available_ops())  # every op has a packaged (H200) table
+    # every op has a packaged (H200) table, but those awaiting theirs
+    assert not ops & AWAITING_H200_TABLE and ops | AWAITING_H200_TABLE == set(available_ops())
 
 
 # ------------------------------------------------------------------------------------------------ hostile files

@@ -36,7 +36,7 @@ from liger_gen.ops import get_spec
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
                                  fused_linear_jsd_torch, geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch,
                                  moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
-                                 selective_log_softmax_torch, swiglu_torch)
+                                 selective_log_softmax_torch, squared_relu_torch, swiglu_torch)
 
 # A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
 TINY = PRESETS["tiny"]
@@ -131,6 +131,20 @@ def _fused_add_lg(t, o):
     return lg.fused_add_rms_norm(t["x"], t["residual"], t["w"], eps=o["eps"], offset=0.0, casting_mode="llama")
 
 
+def _fused_add_fp8_eager(t, o):
+    from liger_gen.runtime.fp8 import quantize_reference
+
+    y, s = fused_add_rms_norm_torch(t["x"], t["residual"], t["w"], o["eps"], 0.0, "llama")
+    quantize_reference(y, -1)  # the operands the FP8 projections take: timed, not compared (they are exact
+    quantize_reference(y, 0)  # functions of y, which is)
+    return y, s
+
+
+def _fused_add_fp8_lg(t, o):
+    out = lg.rms_norm_fp8(t["x"], t["w"], eps=o["eps"], offset=0.0, casting_mode="llama", residual=t["residual"])
+    return out.y, out.sum
+
+
 def _lk_fused_add():
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
@@ -201,6 +215,14 @@ def _clamped_swiglu_eager(t, o):
 
 def _clamped_swiglu_lg(t, o):
     return (lg.clamped_swiglu_gate_up(t["gate_up"], o["alpha"], o["limit"]),)
+
+
+def _squared_relu_eager(t, o):
+    return (squared_relu_torch(t["x"]),)
+
+
+def _squared_relu_lg(t, o):
+    return (lg.squared_relu(t["x"]),)
 
 
 def _moe_permute_eager(t, o):
@@ -347,6 +369,12 @@ def _fp8_quantize_lg(t, o):
     return q_rows, d_rows, q_cols[:, : t["x"].shape[0]], d_cols  # the GEMM's padding rows left out
 
 
+def _fp8_cast_transpose_lg(t, o):
+    fmt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[o["fp8"]]
+    q_rows, d_rows, q_cols, d_cols = lg.fp8_cast_transpose(t["x"], fmt)
+    return q_rows, d_rows, q_cols[:, : t["x"].shape[0]], d_cols
+
+
 # ------------------------------------------------------------------------------------------------ the cases
 
 CASES: dict[str, Case] = {c.op: c for c in (
@@ -356,6 +384,9 @@ CASES: dict[str, Case] = {c.op: c for c in (
          _fused_add_lg, _lk_fused_add,
          "LigerFusedAddRMSNormFunction(offset=0, casting_mode='llama', in_place=False): returns one tensor as both "
          "dx and dresidual"),
+    Case("rms_norm_fp8", _fused_add_fp8_eager,
+         "x + residual, rms_norm_torch, then quantize_reference of y per row and per column (the e4m3 operands "
+         "of the FP8 projections that read it)", _fused_add_fp8_lg),
     Case("layer_norm", _layer_norm_eager, "F.layer_norm", _layer_norm_lg, _lk_layer_norm,
          "LigerLayerNormFunction(eps=1e-5)"),
     Case("rope", _rope_eager, "rope_torch (transformers' apply_rotary_pos_emb)", _rope_lg, _lk_rope,
@@ -367,6 +398,8 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("clamped_swiglu", _clamped_swiglu_eager,
          "transformers' GptOssExperts._apply_gate on the interleaved gate_up (alpha 1.702, limit 7)",
          _clamped_swiglu_lg),
+    Case("squared_relu", _squared_relu_eager,
+         "torch.square(relu(x)) (transformers' ACT2FN['relu2'], NemotronMLP's activation)", _squared_relu_lg),
     Case("moe_permute", _moe_permute_eager,
          "x[token] and the routing-weighted sum of ys[pos] (transformers' grouped experts: index and index_add_)",
          _moe_permute_lg),
@@ -403,6 +436,9 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("fp8_quantize", _fp8_quantize_eager,
          "quantize_reference per row and per column (amax, power-of-two scale, e4m3 cast in PyTorch); "
          "torch-compile fuses it as torchao's float8 training does", _fp8_quantize_lg),
+    Case("fp8_cast_transpose", _fp8_quantize_eager,
+         "quantize_reference per row and per column (amax, power-of-two scale, e4m3 cast in PyTorch); "
+         "torch-compile fuses both axes as torchao's float8 training does", _fp8_cast_transpose_lg),
 )}
 
 

@@ -23,9 +23,11 @@ CLASS_LABELS = {"gemm": "GEMM", "attention": "attn", "quantize": "fp8 quant", "l
                 "optimizer": "optim", "elementwise": "elem/reduce", "other": "memcpy/other", "idle": "idle"}
 
 _KERNEL_DEF = re.compile(r"^def\s+(\w+_kernel)\s*\(", re.MULTILINE)
-#: liger-gen's FP8 quantize kernels (templates/fp8_quantize.py.jinja), and Inductor kernels that reduce an amax
-#: or cast to float8 (torchao's float8 training fuses its scaling into such kernels under torch.compile)
-_QUANTIZE = re.compile(r"^(?:quantize_rows_kernel|column_amax_kernel|quantize_cols_kernel)(?:_[0-9a-z]+)?$"
+#: liger-gen's FP8 quantize kernels (templates/fp8_quantize.py.jinja, fp8_cast_transpose.py.jinja), and Inductor
+#: kernels that reduce an amax or cast to float8 (torchao's float8 training fuses its scaling into such kernels
+#: under torch.compile)
+_QUANTIZE = re.compile(r"^(?:quantize_rows_kernel|column_amax_kernel|quantize_cols_kernel|amax_kernel"
+                       r"|cast_transpose_kernel)(?:_[0-9a-z]+)?$"
                        r"|^triton_.*(?:amax|float8|fp8)", re.IGNORECASE)
 _INDUCTOR_GEMM = re.compile(r"^triton_tem_.*(?:mm|conv)", re.IGNORECASE)
 _ATTENTION = re.compile(r"flash|fmha|sdpa|efficient_attention|attention|_attn", re.IGNORECASE)

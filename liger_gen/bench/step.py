@@ -4,12 +4,17 @@ What it measures
 ----------------
 For each model (``STEP_MODELS``, i.e. ``liger_gen.models.ARCHITECTURES``: the published Llama-3.2-1B and
 Qwen2.5-0.5B architectures, the whole Llama-3.1-8B (``llama3-8b``; 8.03 B parameters, for one GPU at a small
-batch) and ``llama3-8b-4l``, its layer with 4 of its 32 layers, built from transformers configs written out by
-hand, plus ``tiny`` / ``tiny-qwen2`` for CPU runs) and each provider, in the order given, in one process:
+batch) and ``llama3-8b-4l``, its layer with 4 of its 32 layers; ``qwen2.5-vl-7b-4l``, Qwen2.5-VL-7B's text and
+vision widths with 4 decoder layers and 4 vision blocks, trained on an image and text per sample;
+``glm4.5-air-4l``, GLM-4.5-Air's dense layer and 3 of its 128-expert layers; all built from transformers configs
+written out by hand, plus ``tiny``, ``tiny-qwen2``, ``tiny-qwen2.5-vl`` and ``tiny-glm4.5-air`` for CPU runs) and
+each provider, in the order given, in one process:
 
 - ``transformers``  plain transformers (``attn_implementation="sdpa"``);
 - ``liger-kernel``  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(model=model)`` with its defaults
-                    (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); CUDA only;
+                    (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); CUDA only; skipped, with the reason,
+                    where the installed Liger-Kernel has no ``apply_liger_kernel_to_<model_type>``. Its autotuned
+                    kernels are warmed before the warm-up steps (``autotune_warmup``, below);
 - ``liger-gen``     ``liger_gen.apply_to(model)`` (RMSNorm, the attention residual add fused into the next RMSNorm,
                     RoPE, SwiGLU MLP, LM-head loss without logits);
 - ``torch-compile`` ``torch.compile(model)`` (default mode); the first step's wall time, which holds the
@@ -27,7 +32,9 @@ Every provider trains a freshly built model from the same initial weights (built
 the host, loaded into each provider's model) for ``warmup_steps + steps + profile_steps`` AdamW steps (bf16
 parameters, ``fused=True``, constant ``lr``, ``use_cache=False``, ``model.train()``) on the same batches:
 random windows of tiny Shakespeare read as bytes (token ids 0..255, no tokenizer), ``labels = input_ids``
-(the model shifts them). Module-level patches a provider makes in transformers' modeling module (Liger-Kernel
+(the model shifts them); a vision-language model's windows carry one image per sample, as Qwen2.5-VL's
+processor lays it out (``liger_gen.bench.step_data``: patches, ``image_grid_thw``, the image's placeholder tokens
+in ``input_ids``, labels -100 at them). Module-level patches a provider makes in transformers' modeling module (Liger-Kernel
 replaces ``apply_rotary_pos_emb``, the RMSNorm and MLP classes; liger-gen replaces ``apply_rotary_pos_emb``)
 are undone after it (``liger_gen``'s ``restore_rope()`` plus a snapshot of the module's globals), so the next
 provider runs what it claims to run. Between providers: model and optimizer deleted, ``gc.collect()``,
@@ -35,6 +42,10 @@ provider runs what it claims to run. Between providers: model and optimizer dele
 
 Per provider:
 
+- ``autotune_warmup`` (``liger-kernel``): one forward and backward before the warm-up steps, gradients dropped
+  (``liger_gen.bench.autotune``): the pass in which Liger-Kernel's ``@triton.autotune`` kernels (its fused MoE's
+  grouped GEMMs: minutes at a large MoE) benchmark their configs at this model's shapes; its wall time ``s`` and
+  the autotune entries it added (``kernels_tuned``), counted in no other field. None for the other providers.
 - ``tokens_per_s`` / ``ms_per_step``: the ``steps`` timed steps, wall clock between two
   ``torch.cuda.synchronize()`` calls (warm-up steps excluded); ``step_ms``: each timed step from CUDA events.
 - ``peak_allocated_gib`` / ``peak_reserved_gib``: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``
@@ -67,16 +78,23 @@ Output schema (``run_step_benchmark``'s return value, also written as JSON to ``
                    "loss_reference": "transformers", "idle_definition": str},
       "models": {
         MODEL: {
-          "config": {transformers config fields that set the shapes}, "n_params": int,
+          "config": {transformers config fields that set the shapes; "vision": {...} of a vision-language model},
+          "n_params": int,
+          "inputs": None | {"image_size", "grid_thw", "image_tokens_per_sample", "text_tokens_per_sample",
+                            "pixel_values_shape", "layout"} (a vision-language model's),
           "providers": {
             PROVIDER: {
               "status": "ok" | "skipped" | "error", "reason": str | None, "traceback": str (errors only),
               "setup_s": float (build, load, patch/compile wrapper), "first_step_s": float,
+              "autotune_warmup": None | {"s": float | None, "kernels_tuned": int | None,
+                                         "reason": str | None (why it did not run)} (liger-kernel's, also when
+                                         skipped),
               "compile_s": float | None (torch-compile: first_step_s minus the median timed step),
               "tokens_per_s": float, "ms_per_step": float, "step_ms": [float],
               "peak_allocated_gib": float | None, "peak_reserved_gib": float | None,
               "losses": [float | None (non-finite)],
-              "patch": {"rope": str, "norm_classes": [str], "mlp_classes": [str], "forward": str},
+              "patch": {"rope": str, "norm_classes": [str], "mlp_classes": [str], "expert_classes": [str],
+                        "decoder_layers": [str], "forward": str},
               "profile": None | {"steps": int, "kernel_ms": {CLASS: float}, "kernel_calls": {CLASS: float},
                                  "busy_ms": float, "idle_ms": float, "profiled_ms_per_step": float,
                                  "top_kernels": [{"name", "class", "ms", "calls"}]},
@@ -96,6 +114,7 @@ and three providers in a few minutes on an H200)::
 
     liger-gen bench-step --out $OUT/step
     liger-gen bench-step --model llama3.2-1b --providers transformers,liger-kernel,liger-gen,torch-compile
+    liger-gen bench-step --model qwen2.5-vl-7b-4l,glm4.5-air-4l --batch-size 4
 
 On a CPU (tiny model; liger-gen's kernels run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before
 Python starts)::
@@ -104,7 +123,8 @@ Python starts)::
         --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0
 
 Library use: ``run_step_benchmark(models=[...], providers=[...], ...)`` returns the dict above.
-The models, batches and optimizer come from ``liger_gen.training``, the profile's kernel classes from
+The models and optimizer come from ``liger_gen.training``, the batches from ``liger_gen.bench.step_data``,
+Liger-Kernel's autotune warm-up from ``liger_gen.bench.autotune``, the profile's kernel classes from
 ``liger_gen.bench.profile``; the first step in a fresh process (``--first-step``) is ``liger_gen.bench.first_step``.
 """
 
@@ -128,14 +148,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from liger_gen.bench.autotune import not_run, warm_autotune
 from liger_gen.bench.labels import label
-from liger_gen.bench.profile import CLASS_LABELS, KERNEL_CLASSES, device_events, summarize_profile
+from liger_gen.bench.profile import device_events, summarize_profile
+from liger_gen.bench.step_data import batches_to, describe_batch, min_seq_len, step_batches, tokens_per_step
+from liger_gen.bench.step_report import fmt as _fmt, print_step_report
 from liger_gen.console import NO_PROGRESS, ProgressBar
 from liger_gen.files import ResultsNotWritten, write_atomic, write_results
 from liger_gen.models import ARCHITECTURES, Architecture
 from liger_gen.optional import installed_version
 from liger_gen.training import (DEFAULT_TEXT, DTYPES, apply_liger_kernel, build_model, byte_tokens, compare_losses,
-                                loss_rel_tolerance, make_batches, make_optimizer, sync, train_step)
+                                liger_kernel_unsupported, loss_rel_tolerance, make_optimizer, sync, train_step)
 
 SCHEMA = "liger-gen/bench-step/1"
 
@@ -168,24 +191,43 @@ IDLE_DEFINITION = ("idle_ms = ms_per_step (unprofiled timed steps) - busy_ms (un
 STEP_MODELS: dict[str, Architecture] = ARCHITECTURES
 
 MODELING_MODULES = {"llama": "transformers.models.llama.modeling_llama",
-                    "qwen2": "transformers.models.qwen2.modeling_qwen2"}
+                    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+                    "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe",
+                    "qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"}
+
+
+_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                "tie_word_embeddings", "hidden_act", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias",
+                "_attn_implementation", "use_cache",
+                # a mixture of experts'
+                "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "partial_rotary_factor")
+_VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
+                "spatial_merge_size", "window_size", "fullatt_block_indexes", "out_hidden_size", "hidden_act")
 
 
 def config_summary(config) -> dict[str, Any]:
-    """The shape-setting fields of a transformers config (what the JSON records per model)."""
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
-            "tie_word_embeddings", "hidden_act", "rope_parameters", "rope_theta", "rope_scaling",
-            "attention_bias", "_attn_implementation", "use_cache")
-    out = {}
-    for key in keys:
-        value = getattr(config, key, None)
-        if value is not None:
-            out[key.lstrip("_")] = dict(value) if isinstance(value, dict) else value
+    """The shape-setting fields of a transformers config (what the JSON records per model): a vision-language
+    model's text config's, its ``model_type`` and embedding tie, and its vision config's under ``vision``."""
+    text = getattr(config, "text_config", None) or config
+
+    def fields(cfg, keys) -> dict[str, Any]:
+        out = {}
+        for key in keys:
+            value = getattr(cfg, key, None)
+            if value is not None:
+                out[key.lstrip("_")] = dict(value) if isinstance(value, dict) else value
+        return out
+
+    out = fields(text, _CONFIG_KEYS)
+    if text is not config:
+        out.update(fields(config, ("model_type", "tie_word_embeddings")))
+        out["vision"] = fields(config.vision_config, _VISION_KEYS)
     if "rope_parameters" in out:  # transformers 5 keeps rope_scaling as an alias of the same dict
         out.pop("rope_scaling", None)
     if "head_dim" not in out:
-        out["head_dim"] = config.hidden_size // config.num_attention_heads
+        out["head_dim"] = text.hidden_size // text.num_attention_heads
     return out
 
 
@@ -194,13 +236,17 @@ def config_summary(config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def provider_unavailable(provider: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why ``provider`` cannot run on ``device`` with parameters of ``dtype`` (None when it can)."""
+def provider_unavailable(provider: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                         family: str | None = None) -> str | None:
+    """Why ``provider`` cannot run on ``device`` with parameters of ``dtype`` for a model of ``family`` (its
+    ``config.model_type``; None: any), or None when it can."""
     if provider == "liger-kernel":
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed (pip install liger-kernel)"
         if device.type != "cuda":
             return "Liger-Kernel's Triton kernels need a CUDA device"
+        if family is not None:
+            return liger_kernel_unsupported(family)
     if provider == "torchao-fp8":
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not installed (pip install torchao)"
@@ -286,7 +332,7 @@ def patch_report(model, family: str) -> dict[str, Any]:
             name += f" (wrapped by {defined_in})"
         return name
 
-    norms, mlps, layers = set(), set(), set()
+    norms, mlps, experts, layers = set(), set(), set(), set()
     for m in model.modules():
         cls = type(m).__name__
         if cls.endswith("DecoderLayer"):
@@ -296,8 +342,10 @@ def patch_report(model, family: str) -> dict[str, Any]:
             norms.add(f"{cls} ({origin(m.forward)})")
         elif cls.endswith("MLP"):
             mlps.add(f"{cls} ({origin(m.forward)})")
+        elif cls.endswith("Experts"):  # a mixture of experts' routed experts (the shared ones are MLPs)
+            experts.add(f"{cls} ({origin(m.forward)})")
     return {"rope": origin(rope), "norm_classes": sorted(norms), "mlp_classes": sorted(mlps),
-            "decoder_layers": sorted(layers), "forward": origin(model.forward)}
+            "expert_classes": sorted(experts), "decoder_layers": sorted(layers), "forward": origin(model.forward)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -319,7 +367,8 @@ class _Run:
     model_name: str
     family: str
     initial_state: dict[str, torch.Tensor]
-    batches: torch.Tensor  # [n_steps, B, T] on the device
+    batches: torch.Tensor | list[dict[str, torch.Tensor]]  # [n_steps, B, T] (or per step, a vision-language model's
+                                                          # inputs) on the device
     device: torch.device
     dtype: torch.dtype
     seed: int
@@ -339,7 +388,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
     device = run.device
     cuda = device.type == "cuda"
     _free(device)
-    res: dict[str, Any] = {"status": "ok", "reason": None, "compile_s": None}
+    res: dict[str, Any] = {"status": "ok", "reason": None, "compile_s": None, "autotune_warmup": None}
     modeling = MODELING_MODULES[run.family]
     if provider not in LIGER_GEN_PROVIDERS and "liger_gen.integrations.transformers" in sys.modules:
         undo_liger_gen()  # RoPE routed by an earlier apply_to in this process would run in this provider too
@@ -363,8 +412,11 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
             sync(device)
             res["setup_s"] = time.perf_counter() - t0
 
-            losses: list[torch.Tensor] = []
             batches = run.batches
+            if provider == "liger-kernel":  # its autotuned kernels benchmark their configs here, not in step 1
+                res["autotune_warmup"] = warm_autotune(step_model, batches[0], device)
+
+            losses: list[torch.Tensor] = []
             k = 0
             first = []
             for _ in range(run.warmup_steps):
@@ -397,7 +449,7 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
                 step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(run.steps)]
             else:
                 step_ms = [1e3 * (b - a) for a, b in zip(host_marks, host_marks[1:])]
-            tokens = run.steps * batches.shape[1] * batches.shape[2]
+            tokens = run.steps * tokens_per_step(batches)
             res["tokens_per_s"] = tokens / timed_s if run.steps else None
             res["ms_per_step"] = 1e3 * timed_s / run.steps if run.steps else None
             res["step_ms"] = step_ms
@@ -482,6 +534,11 @@ def _validate(models, providers, batch_size, seq_len, warmup_steps, steps, profi
         max_pos = STEP_MODELS[m].fields["max_position_embeddings"]
         if seq_len > max_pos:
             raise ValueError(f"seq_len {seq_len} exceeds {m}'s max_position_embeddings {max_pos}")
+        if seq_len < min_seq_len(STEP_MODELS[m]):
+            vision = STEP_MODELS[m].vision
+            raise ValueError(f"seq_len {seq_len} is too short for {m}: each sample holds an image of "
+                             f"{vision.image_tokens} tokens between its start and end tokens, and two tokens of "
+                             f"text (at least {min_seq_len(STEP_MODELS[m])})")
 
 
 def run_step_benchmark(
@@ -545,7 +602,6 @@ def run_step_benchmark(
         raise ValueError(f"loss_rel_tol must be > 0, got {loss_rel_tol!r}")
     n_total = warmup_steps + steps + profile_steps
     tokens = byte_tokens(text)
-    batches_cpu = make_batches(tokens, n_total, batch_size, seq_len, seed)
 
     result: dict[str, Any] = {
         "schema": SCHEMA,
@@ -559,21 +615,25 @@ def run_step_benchmark(
     }
     label(result, device.type)  # on the CPU: a functional run, not performance
     progress.start(len(models) * len(providers))
-    batches = batches_cpu.to(device)
     for model_name in models:
         spec = STEP_MODELS[model_name]
         _free(device)
         model = build_model(model_name, device, torch_dtype, seed, attn_implementation)
         entry: dict[str, Any] = {"config": config_summary(model.config),
-                                 "n_params": sum(p.numel() for p in model.parameters()), "providers": {}}
+                                 "n_params": sum(p.numel() for p in model.parameters()),
+                                 "inputs": describe_batch(spec, batch_size, seq_len), "providers": {}}
         initial_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        # the same batches for every provider (the image ones drop inputs this transformers' forward does not take)
+        batches = batches_to(step_batches(spec, tokens, n_total, batch_size, seq_len, seed), device, model.forward)
         del model
         run = _Run(model_name, spec.family, initial_state, batches, device, torch_dtype, seed, lr, warmup_steps,
                    steps, profile_steps, attn_implementation)
         for provider in providers:
-            why = provider_unavailable(provider, device, torch_dtype)
+            why = provider_unavailable(provider, device, torch_dtype, spec.family)
             if why is not None:
                 entry["providers"][provider] = {"status": "skipped", "reason": why}
+                if provider == "liger-kernel":
+                    entry["providers"][provider]["autotune_warmup"] = not_run(why)
                 progress.advance(f"{model_name} {provider}")
                 continue
             try:
@@ -584,7 +644,7 @@ def run_step_benchmark(
                     "traceback": traceback.format_exc(limit=-10)}
             _free(device)  # outside the handler: the exception's frames hold the failed run's tensors until then
             progress.advance(f"{model_name} {provider}")
-        del run, initial_state
+        del run, initial_state, batches
         add_comparisons(entry["providers"], rel_tol)
         result["models"][model_name] = entry
     return finish_run(result, out_dir, "step.json", print_report, console)
@@ -672,69 +732,11 @@ def write_json(result: dict[str, Any], path: str | Path) -> Path:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def fmt(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
+fmt = _fmt  # the first-step benchmark's report formats as this one's
 
 
 def print_report(result: dict[str, Any], console=None) -> None:
-    """Print the summary table (speed, memory, loss check) and the kernel-class breakdown with ``rich``.
-
-    Providers that were skipped or failed are listed under the summary with the reason.
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    # Piped output (logs) gets a width that fits the tables; a terminal keeps its own.
-    console = console or Console(width=None if sys.stdout.isatty() else 180)
-    meta, s = result["metadata"], result["settings"]
-    console.print(f"[bold]Training step[/bold] on {meta['gpu'] or meta['device']}: batch {s['batch_size']} x "
-                  f"{s['seq_len']} tokens, {s['dtype']}, AdamW lr {s['lr']:g}; {s['warmup_steps']} warm-up + "
-                  f"{s['steps']} timed + {s['profile_steps']} profiled steps; torch {meta['torch']}, triton "
-                  f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel "
-                  f"{meta['liger_kernel'] or 'not installed'}")
-    functional = result.get("functional_run_reason")
-    summary = Table(title="Speed, memory and loss curve" + (" — functional run, not performance" if functional
-                                                             else ""),
-                    caption=(f"{functional}. " if functional else "") + f"x: tokens/s ratio. loss: |loss - transformers| / transformers at step 1, mean and max "
-                            f"over steps; loss check: pass if step 1 and mean <= {s['loss_rel_tol']:.2e} "
-                            f"({max(s['loss_rel_tol'], FP8_LOSS_REL_TOL):.0e} for the FP8 providers; ref: the "
-                            f"run the others are compared with). 1st s: first step wall "
-                            f"time (compile time apart)")
-    for col in ("model", "provider", "tok/s", "ms/step", "x HF", "x Liger", "peak GiB", "rsvd GiB",
-                "loss Δrel 1/mean/max", "loss check", "1st s"):
-        summary.add_column(col, justify="left" if col in ("model", "provider", "loss check") else "right")
-    breakdown = Table(title="GPU time per step by kernel class (ms, torch.profiler)",
-                      caption="busy: union of GPU activity per step; idle: ms/step (unprofiled) - busy")
-    breakdown.add_column("model")
-    breakdown.add_column("provider")
-    for c in (*KERNEL_CLASSES, "idle"):
-        breakdown.add_column(CLASS_LABELS[c], justify="right")
-    breakdown.add_column("busy", justify="right")
-    notes, any_profile = [], False
-    for model_name, entry in result["models"].items():
-        for name, r in entry["providers"].items():
-            if r["status"] != "ok":
-                summary.add_row(model_name, name, *["-"] * 7, r["status"], "-")
-                notes.append(f"{model_name} / {name}: {r['status']}: {r['reason']}")
-                continue
-            check = r.get("loss_check")
-            verdict = ("ref" if check is None else "[green]pass[/green]" if check["pass"] else "[red]FAIL[/red]")
-            first = fmt(r.get("first_step_s"), ".2f")
-            if r.get("compile_s") is not None:
-                first += f" ({r['compile_s']:.1f} compile)"
-            summary.add_row(model_name, name, fmt(r["tokens_per_s"], ",.0f"), fmt(r["ms_per_step"], ".1f"),
-                            fmt(r.get("speedup_vs_transformers"), ".2f"), fmt(r.get("speedup_vs_liger_kernel"), ".2f"),
-                            fmt(r.get("peak_allocated_gib"), ".2f"), fmt(r.get("peak_reserved_gib"), ".2f"),
-                            "-" if check is None else " / ".join(
-                                fmt(check.get(k), ".1e", "nan")
-                                for k in ("first_step_rel_diff", "mean_rel_diff", "max_rel_diff")), verdict, first)
-            p = r.get("profile")
-            if p:
-                any_profile = True
-                breakdown.add_row(model_name, name, *[f"{p['kernel_ms'][c]:.1f}" for c in KERNEL_CLASSES],
-                                  fmt(p["idle_ms"], ".1f"), f"{p['busy_ms']:.1f}")
-    console.print(summary)
-    for note in notes:
-        console.print(f"  {note}", highlight=False)
-    if any_profile:
-        console.print(breakdown)
+    """Print the summary table (speed, memory, loss check, Liger-Kernel's autotune warm-up) and the kernel-class
+    breakdown with ``rich`` (``liger_gen.bench.step_report``); skipped and failed providers are listed under the
+    summary with the reason."""
+    print_step_report(result, console, FP8_LOSS_REL_TOL)

@@ -1,12 +1,15 @@
 """The op set, by family: one module per op, each holding everything about it end to end.
 
-    norms/        row_norm (shared) · rms_norm · fused_add_rms_norm · layer_norm
+    norms/        row_norm (shared) · rms_norm · fused_add_rms_norm · layer_norm · rms_norm_fp8 (with the FP8
+                  operands of its output)
     glu/          activations (shared) · glu (swiglu, geglu; + glu_space) · clamped_swiglu · moe (moe_permute)
+                  · squared_relu (Nemotron's non-gated MLP activation)
     lm_head/      chunks (shared) · cross_entropy (+ cross_entropy_space, cross_entropy_rows)
                   · fused_linear_cross_entropy (+ fused_linear_cross_entropy_plan) · selective_log_softmax
                   · fused_linear_jsd (distillation) · post_training (preference and RL losses)
     divergence/   rows (shared) · kl_div · jsd
-    fp8/          quantize (shared: the standalone FP8 quantize op) · linear (fp8_linear, GEMMs by torch._scaled_mm)
+    fp8/          quantize (shared: the standalone FP8 quantize op) · cast_transpose (both axes in one op)
+                  · linear (fp8_linear, GEMMs by torch._scaled_mm)
     rope.py
 
 An op module defines, top to bottom: the plain-PyTorch and float64 references; the launch-settings dataclass
@@ -44,16 +47,19 @@ OP_MODULES: dict[str, str] = {
     "rms_norm": "liger_gen.ops.norms.rms_norm",
     "fused_add_rms_norm": "liger_gen.ops.norms.fused_add_rms_norm",
     "layer_norm": "liger_gen.ops.norms.layer_norm",
+    "rms_norm_fp8": "liger_gen.ops.norms.rms_norm_fp8",
     "rope": "liger_gen.ops.rope",
     "swiglu": "liger_gen.ops.glu.glu",
     "geglu": "liger_gen.ops.glu.glu",
     "clamped_swiglu": "liger_gen.ops.glu.clamped_swiglu",
+    "squared_relu": "liger_gen.ops.glu.squared_relu",
     "moe_permute": "liger_gen.ops.glu.moe",
     "cross_entropy": "liger_gen.ops.lm_head.cross_entropy",
     "fused_linear_cross_entropy": "liger_gen.ops.lm_head.fused_linear_cross_entropy",
     "kl_div": "liger_gen.ops.divergence.kl_div",
     "jsd": "liger_gen.ops.divergence.jsd",
     "fp8_quantize": "liger_gen.ops.fp8.quantize",
+    "fp8_cast_transpose": "liger_gen.ops.fp8.cast_transpose",
     "selective_log_softmax": "liger_gen.ops.lm_head.selective_log_softmax",
     "fused_linear_jsd": "liger_gen.ops.lm_head.fused_linear_jsd",
 }

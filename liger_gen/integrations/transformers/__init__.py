@@ -24,6 +24,8 @@
   (Llama's layout) or ``gate_up_proj``/``down_proj`` (Phi-3, GLM-4), with the activation read from the module's
   own activation function: SiLU → SwiGLU, ``gelu_pytorch_tanh`` → GeGLU (tanh), exact GELU → GeGLU. Seed-OSS's
   residual dropout and Falcon-H1's gate and output multipliers are kept. An MLP with another activation stays.
+- **Squared-ReLU MLPs** (Nemotron's ``down_proj(relu2(up_proj(x)))``, not gated) → ``liger_gen.nn.SquaredReLUMLP``
+  holding the same ``up_proj`` and ``down_proj``, the activation by ``liger_gen.functional.squared_relu``.
 - **MoE experts** (transformers' fused ``*Experts`` modules): in the standard layout (``gate_up_proj`` (E, 2·I,
   H), ``down_proj`` (E, H, I), no biases) their ``forward`` becomes ``liger_gen.functional.moe_experts``, whatever
   ``config._experts_implementation`` says; other layouts that call transformers' shared gate hook

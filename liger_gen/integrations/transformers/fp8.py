@@ -158,3 +158,34 @@ def convert(plan: Fp8Plan) -> None:
 def count_fp8(model: nn.Module) -> int:
     """The model's ``Float8Linear`` layers."""
     return sum(isinstance(m, Float8Linear) for m in model.modules())
+
+
+#: a pre-norm decoder layer's norms and the projections that read their output
+NORM_CONSUMERS = {"input_layernorm": (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("qkv_proj",))),
+                  "post_attention_layernorm": (("mlp", ("gate_proj", "up_proj")), ("mlp", ("gate_up_proj",)))}
+
+
+def mark_fp8_norms(model: nn.Module) -> int:
+    """Give each pre-norm decoder layer's liger-gen ``RMSNorm`` whose output only ``Float8Linear`` projections
+    read (the input norm before q, k and v; the post-attention norm before gate and up) those projections, so
+    its kernel writes their FP8 operands (``RMSNorm.fp8_consumers``). Layers with a ``post_feedforward_layernorm``
+    (Gemma 2/3, OLMo 2 style, where the post-attention norm normalises the attention's output) are left as they
+    are. Returns the number of norms marked."""
+    from liger_gen.nn import RMSNorm
+
+    marked = 0
+    for layer in model.modules():
+        if not type(layer).__name__.endswith("DecoderLayer") or hasattr(layer, "post_feedforward_layernorm"):
+            continue
+        for norm_name, layouts in NORM_CONSUMERS.items():
+            norm = getattr(layer, norm_name, None)
+            if not isinstance(norm, RMSNorm) or norm.weight is None:
+                continue
+            for block_name, names in layouts:
+                block = getattr(layer, block_name, None)
+                consumers = tuple(getattr(block, n, None) for n in names)
+                if block is not None and all(isinstance(m, Float8Linear) for m in consumers):
+                    norm.fp8_consumers = consumers
+                    marked += 1
+                    break
+    return marked

@@ -44,6 +44,12 @@ def _logit_transform(model: nn.Module, family: ModelFamily) -> tuple[float | Non
     return None, None
 
 
+# the keyword the fused forward of a ``*ForConditionalGeneration`` passes through its own forward to the
+# ``*ForCausalLM`` inside it (Llama 4's, ``ModelFamily.causal_lm_inside``), whose fused forward then returns its text
+# model's last hidden states in the logits' place: the outer forward merges the images and runs the text stack as
+# it is, and no logits are computed
+HIDDEN_STATES_KEYWORD = "liger_gen_hidden_states"
+
 _OUTPUT_CLASSES: dict[Any, Any] = {}
 
 
@@ -77,7 +83,10 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
 
     The call is bound to the original ``forward``'s signature, so positional and keyword arguments mean what
     they mean there; a call without labels, with gradients disabled or with ``use_cache=True`` runs the original
-    forward unchanged.
+    forward unchanged. A ``*ForConditionalGeneration`` that holds a ``*ForCausalLM`` instead of a base model (Llama
+    4's, ``family.causal_lm_inside``) runs its own forward without labels, passing ``HIDDEN_STATES_KEYWORD`` to the
+    causal LM inside, whose fused forward then returns the text model's outputs with its last hidden states as
+    ``logits``.
     """
     original = type(self).forward
     signature = _signature(original)
@@ -86,8 +95,10 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     extra = dict(named.pop(var_keyword, {})) if var_keyword else {}  # **kwargs, **loss_kwargs (4.46), none (4.45)
     labels = named.get("labels")
+    hidden_only = bool(extra.pop(HIDDEN_STATES_KEYWORD, False))  # from the forward of the model holding this one
     packing.warn_if_mixed(self, named, extra)  # packed documents that transformers will not keep apart: warn once
-    if labels is None or not torch.is_grad_enabled() or named.get("use_cache") or extra.get("use_cache"):
+    if not hidden_only and (labels is None or not torch.is_grad_enabled() or named.get("use_cache")
+                            or extra.get("use_cache")):
         return original(self, *args, **kwargs)
     from liger_gen.functional import fused_linear_cross_entropy
 
@@ -97,16 +108,35 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     return_dict = extra.pop("return_dict", return_dict)
     shift_labels = extra.pop("shift_labels", None)
     num_items_in_batch = extra.pop("num_items_in_batch", None)  # a loss argument; base models before 4.48 reject it
-    # router logits: asked by name, in **kwargs, or by the config (the base model reads the same three)
+    # router logits: asked by name, in **kwargs, or by the config (the base model reads the same three); a
+    # multimodal model's MoE settings are in its text config, as its forward reads them
+    config = self.config
+    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     router = named.get("output_router_logits", extra.get("output_router_logits"))
-    router = bool(getattr(self.config, "output_router_logits", False) if router is None else router)
-    base_parameters = _signature(type(self.model).forward).parameters
-    if "return_dict" in base_parameters:
-        named["return_dict"] = True  # the base model returns a tuple when config.return_dict/its caller says so
-    if "labels" in base_parameters:
-        named["labels"] = labels  # a multimodal base model that takes them (Gemma 3's, PaliGemma's), as passed there
-    outputs = self.model(**named, **extra)
-    hidden = outputs.last_hidden_state
+    if router is None:
+        router = getattr(config, "output_router_logits", getattr(text_config, "output_router_logits", False))
+    router = bool(router)
+    inside = getattr(self, family.causal_lm_inside, None) if family.causal_lm_inside and not hidden_only else None
+    if inside is not None and not hasattr(self, "model"):
+        # this forward merges the images into the text embeddings and calls the causal LM inside it (Llama 4's):
+        # run as it is, without labels, that causal LM returning its text model's hidden states as the logits
+        outputs = original(self, **named, **extra, return_dict=True, **{HIDDEN_STATES_KEYWORD: True})
+        hidden = outputs.logits
+    else:
+        base_parameters = _signature(type(self.model).forward).parameters
+        if "output_router_logits" in base_parameters and "output_router_logits" not in extra:
+            named["output_router_logits"] = router  # resolved here, as transformers' forward passes it on
+        if "return_dict" in base_parameters:
+            named["return_dict"] = True  # the base model returns a tuple when config.return_dict/its caller says so
+        if "labels" in base_parameters:
+            named["labels"] = labels  # a multimodal base model that takes them (Gemma 3's, PaliGemma's), as there
+        outputs = self.model(**named, **extra)
+        hidden = outputs.last_hidden_state
+    if hidden_only:  # the base model's outputs, by the output class's names, with the hidden states as the logits
+        out_cls = _output_class(type(self), hasattr(outputs, "router_logits"))
+        fields = {name: getattr(outputs, name, None) for name in out_cls.__dataclass_fields__}
+        fields.update(logits=hidden)
+        return out_cls(**fields)
     if shift_labels is None:  # tokens < n predict token n, as transformers' ForCausalLMLoss shifts them
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
@@ -127,11 +157,17 @@ def _causal_lm_forward(self, family: ModelFamily, *args, **kwargs):
     moe = hasattr(outputs, "router_logits")
     aux_loss = None
     modeling = sys.modules[type(self).__module__]  # imported with the class (import_module stops torch.compile)
+    # (a multimodal model's coefficient and expert counts from its text config where it holds none of its own)
+    coef = getattr(self, "router_aux_loss_coef", None if text_config is config
+                   else getattr(text_config, "router_aux_loss_coef", None))
     if router and getattr(outputs, "router_logits", None) is not None \
-            and hasattr(modeling, "load_balancing_loss_func") and hasattr(self, "router_aux_loss_coef"):
-        aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
-                                                     self.num_experts_per_tok, named.get("attention_mask"))
-        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            and hasattr(modeling, "load_balancing_loss_func") and coef is not None:
+        num_experts = getattr(self, "num_experts", None) or getattr(text_config, "num_experts", None) \
+            or text_config.num_local_experts
+        top_k = getattr(self, "num_experts_per_tok", None) or text_config.num_experts_per_tok
+        aux_loss = modeling.load_balancing_loss_func(outputs.router_logits, num_experts, top_k,
+                                                     named.get("attention_mask"))
+        loss = loss + coef * aux_loss.to(loss.device)
     out_cls = _output_class(type(self), moe)
     # the base model's fields by the output class's own names (the cache field was renamed in transformers 5);
     # __dataclass_fields__ rather than dataclasses.fields, which torch.compile does not trace (the output classes

@@ -1,6 +1,6 @@
-"""Module swaps: norms and gated MLPs replaced by liger-gen modules holding the same Parameters, MoE
-experts given liger-gen forwards or gates, and the replication rule that keeps an installed forward bound
-to its own module under ``nn.DataParallel``."""
+"""Module swaps: norms, gated MLPs and squared-ReLU MLPs replaced by liger-gen modules holding the same
+Parameters, MoE experts given liger-gen forwards or gates, and the replication rule that keeps an installed
+forward bound to its own module under ``nn.DataParallel``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from liger_gen.integrations.transformers.families import ModelFamily
-from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
+from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm, SquaredReLUMLP
 
 # ------------------------------------------------------------------------------------------------ norms
 
@@ -79,13 +79,29 @@ def _activation_of(module: nn.Module) -> str | None:
     return None if act is None else activation_name(act)
 
 
+def _is_linear(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a projection GLUMLP can call: an ``nn.Linear``, or a module whose one child is an
+    ``nn.Linear`` named ``linear`` (Gemma 4's clippable linears, which clamp its input and output: called whole,
+    the clamps stay)."""
+    return isinstance(module, nn.Linear) or (isinstance(getattr(module, "linear", None), nn.Linear)
+                                             and list(dict(module.named_children())) == ["linear"])
+
+
 def replace_mlp(module: nn.Module) -> tuple[nn.Module | None, str]:
-    """(a GLUMLP holding ``module``'s projections, "") or (None, why it stays)."""
+    """(a GLUMLP, or for a non-gated squared-ReLU MLP (Nemotron's) a SquaredReLUMLP, holding ``module``'s
+    projections, "") or (None, why it stays)."""
     children = dict(module.named_children())
     multipliers = {name: float(getattr(module, name)) for name in ("gate_multiplier", "down_multiplier")
                    if isinstance(getattr(module, name, None), (int, float))}
     if getattr(module, "limit", None) is not None:  # DeepSeek-V4's gate and up clamped to swiglu_limit
         return None, "gate and up clamped (swiglu_limit)"
+    act = children.get("act_fn", children.get("activation_fn"))
+    if type(act).__name__ == "ReLUSquaredActivation" and not {"gate_proj", "gate_up_proj"} & set(children) \
+            and all(isinstance(children.get(n), nn.Linear) for n in ("up_proj", "down_proj")):
+        # Nemotron: down_proj(relu2(up_proj(x))), not gated (a gated relu² has no kernel: it stays, below)
+        new = SquaredReLUMLP(children["up_proj"], children["down_proj"])
+        new.train(module.training)
+        return new, ""
     activation = _activation_of(module)
     if activation is None:
         act = children.get("act_fn", children.get("activation_fn"))
@@ -95,7 +111,7 @@ def replace_mlp(module: nn.Module) -> tuple[nn.Module | None, str]:
         if multipliers:
             return None, "multipliers on a packed gate_up_proj"
         new = GLUMLP(activation, children["down_proj"], gate_up_proj=children["gate_up_proj"], dropout=dropout)
-    elif all(isinstance(children.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+    elif all(_is_linear(children.get(n)) for n in ("gate_proj", "up_proj", "down_proj")):
         new = GLUMLP(activation, children["down_proj"], gate_proj=children["gate_proj"],
                      up_proj=children["up_proj"], dropout=dropout, **multipliers)
     else:

@@ -17,7 +17,7 @@ from liger_gen.integrations.transformers.loss import FusedLossForward
 from liger_gen.integrations.transformers.modules import (BatchedExpertsForward, ExpertsGate, FusedExpertsForward,
                                                          experts_gate, install_forward, is_patched_experts,
                                                          replace_mlp, replace_norm)
-from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm
+from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm, SquaredReLUMLP
 from liger_gen.runtime.fp8 import Float8Recipe
 
 logger = logging.getLogger("liger_gen")
@@ -40,6 +40,7 @@ class PatchReport:
     loss: bool = False
     fp8: int = 0
     fp8_float32: int = 0  # of those, the layers with float32 weights: FP8 GEMMs only under a bf16 autocast
+    fp8_norms: int = 0  # norms whose kernel writes the FP8 operands of the projections that read their output
     left: list[str] | None = None
     note: str = ""
     text_family: str | None = None  # a vision-language wrapper's (Llava, ...): the family of its language model
@@ -71,6 +72,7 @@ class PatchReport:
         n32 = self.fp8_float32  # a report pickled before the field has the class default, 0
         done += [f"{self.fp8} linear layers in FP8" + (f" ({n32} of float32 weights: FP8 under a bf16 torch.autocast, "
                                                        f"F.linear without one)" if n32 else "")] if self.fp8 else []
+        done += [f"{self.fp8_norms} norms writing their FP8 operands"] if self.fp8_norms else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         text = f", text model {self.text_family}" if self.text_family else ""
@@ -136,8 +138,9 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     granite, granitemoe, hunyuan_v1_dense, hunyuan_v1_moe, lfm2, lfm2_moe, llama, llama4_text, minimax, ministral,
     mistral, mixtral, nemotron, olmo2, olmo3, olmoe, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text,
     qwen3_5_text, qwen3_moe, qwen3_next, seed_oss, smollm3; vision-language, their ``*ForConditionalGeneration``
-    and base models: gemma3, glm4v, mllama, qwen2_5_vl, qwen2_vl, qwen3_vl, whose vision towers' norms and gated
-    MLPs are patched too and whose loss is fused alike; and the wrappers internvl, llava, paligemma, smolvlm, whose
+    and base models: gemma3, gemma4, glm4v, glm4v_moe, llama4, mllama, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe,
+    qwen3_vl, qwen3_vl_moe, whose vision towers' norms and gated MLPs are patched too and whose loss is fused
+    alike; and the wrappers internvl, llava, paligemma, smolvlm, whose
     language model is patched as the family of its ``config.text_config.model_type`` and their vision towers and
     loss as the others'; a projector that a family leaves as it is is listed in the report); the module docstring
     says what each replacement does. The state_dict, the Parameter objects (so an optimizer built before still
@@ -150,7 +153,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         model: a transformers model of a supported family (a ``*ForCausalLM``, a vision-language
             ``*ForConditionalGeneration``, or its base ``*Model``).
         rms_norm: swap the norm modules (RMSNorm, or LayerNorm for the families that use it).
-        swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` and route MoE experts' gates.
+        swiglu: swap the gated MLP modules for ``liger_gen.nn.GLUMLP`` (Nemotron's squared-ReLU MLPs, not gated,
+            for ``liger_gen.nn.SquaredReLUMLP``) and route MoE experts' gates.
         rope: route the family's ``apply_rotary_pos_emb`` to ``liger_gen.functional.rope`` (process-wide).
         fused_linear_cross_entropy: compute the training loss of a ``*ForCausalLM`` (or a vision-language
             ``*ForConditionalGeneration``) without logits.
@@ -276,6 +280,13 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         fuse_loss = False
         left.append((type(model).__name__, f"loss: the fused loss needs the base model at .model and its language "
                      f"model at .model.{family.language_model} (transformers 4.52 and later)"))
+    # a *ForConditionalGeneration holding a *ForCausalLM (Llama 4's): the causal LM inside gives the hidden states
+    needs_inside = bool(fuse_loss and family.causal_lm_inside and not hasattr(model, "model"))
+    inside = getattr(model, family.causal_lm_inside, None) if needs_inside else None
+    if needs_inside and type(inside).__name__ not in family.causal_lm_classes:
+        fuse_loss, inside = False, None
+        left.append((type(model).__name__, f"loss: the fused loss needs a causal LM at .{family.causal_lm_inside} "
+                     f"(one of {', '.join(family.causal_lm_classes)})"))
     fp8_plan = fp8_swaps.plan_fp8(model, recipe) if recipe is not None else None
     left += fp8_plan.left if fp8_plan else []
     if strict and left:
@@ -295,13 +306,16 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             getattr(layer, name).fuse_residual = True
     if fp8_plan is not None:
         fp8_swaps.convert(fp8_plan)
+        fp8_swaps.mark_fp8_norms(model)
     if rope and routing.rope_functions(family):
         routing.patch_rope(model, modeling, family)
     if fuse_loss:
         install_forward(model, FusedLossForward(model, family))  # a base *Model has no LM head: nothing to fuse
+        if inside is not None:
+            install_forward(inside, FusedLossForward(inside, family))  # Llama 4's: hidden states for the loss above
     # the report counts what the model holds now, so a second call reports the same model
     report.norms = sum(isinstance(m, (RMSNorm, LayerNorm)) for m in model.modules())
-    report.mlps = sum(isinstance(m, GLUMLP) for m in model.modules())
+    report.mlps = sum(isinstance(m, (GLUMLP, SquaredReLUMLP)) for m in model.modules())
     report.experts = sum(is_patched_experts(m) for m in model.modules())
     report.fused_adds = count_fused_adds(model)
     report.fused_layer_classes = sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in model.modules()
@@ -309,6 +323,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.rope = routing.rope_is_patched(family)
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.fp8 = fp8_swaps.count_fp8(model)
+    report.fp8_norms = sum(bool(m.__dict__.get("fp8_consumers")) for m in model.modules())
     report.fp8_float32 = sum(m.weight.dtype == torch.float32 for m in fp8_plan.convert) if fp8_plan else 0
     report.left = _group(left + kept + (fp8_plan.kept if fp8_plan else []))
     model.liger_gen_report = report
@@ -331,10 +346,11 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     """The liger-gen ops a model patched by ``apply_to`` runs in training, in ``liger_gen.ops.all_specs`` order:
     ``rms_norm`` / ``layer_norm`` for its norm modules, ``fused_add_rms_norm`` where decoder layers fuse their
     residual add into the norm, ``swiglu`` / ``geglu`` / ``clamped_swiglu`` for its
-    gated MLPs and experts' gates, ``moe_permute`` where the experts run ``liger_gen.functional.moe_experts``,
+    gated MLPs and experts' gates, ``squared_relu`` for its squared-ReLU MLPs (Nemotron's), ``moe_permute`` where
+    the experts run ``liger_gen.functional.moe_experts``,
     ``rope`` when the family's rotary function is routed to liger-gen in this process,
-    ``fused_linear_cross_entropy`` when its loss is fused, and ``fp8_quantize`` where linear layers run in FP8
-    (once the op is in the registry). ``[]`` for a model ``apply_to`` has not patched.
+    ``fused_linear_cross_entropy`` when its loss is fused, ``fp8_quantize`` and ``fp8_cast_transpose`` where
+    linear layers run in FP8, and ``rms_norm_fp8`` where norms write their FP8 operands. ``[]`` for a model ``apply_to`` has not patched.
     ``rope``: whether to count RoPE as routed (None: whether this process routes the family's now)."""
     from liger_gen.ops import all_specs
 
@@ -349,6 +365,8 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
             ops.add("layer_norm")
         elif isinstance(m, GLUMLP):
             ops.add(_glu_op(m.activation))
+        elif isinstance(m, SquaredReLUMLP):
+            ops.add("squared_relu")
         for hook in (m.__dict__.get("_apply_gate"), m.__dict__.get("forward")):
             if isinstance(hook, (ExpertsGate, BatchedExpertsForward, FusedExpertsForward)):
                 ops.add(_glu_op(hook.activation))
@@ -357,7 +375,9 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     if count_fused_adds(model):
         ops.add("fused_add_rms_norm")
     if report.fp8:
-        ops.add("fp8_quantize")
+        ops.update(("fp8_quantize", "fp8_cast_transpose"))
+    if report.fp8_norms:
+        ops.add("rms_norm_fp8")
     family = _report_family(report)
     if rope if rope is not None else (family is not None and routing.rope_is_patched(family)):
         ops.add("rope")

@@ -4,7 +4,9 @@ The recipe and which axis each scale runs over are ``liger_gen.runtime.fp8``'s (
 table). Forward: x per token and W per out-feature (rows). Backward: dy per token and W per in-feature for the
 input gradient; dy and x per feature over the tokens (``axis="cols"``, transposed and zero-padded to a multiple of
 16 tokens, which the GEMM needs) for the weight gradient. The GEMMs are cuBLASLt's (CPU: PyTorch's reference
-kernel); the quantization runs the tuned ``fp8_quantize`` kernels (``quantize``). The outputs, and the gradients
+kernel); the quantization runs the tuned ``fp8_cast_transpose`` kernels where a tensor needs both of its
+operands (x when its weight has a gradient, dy when x and W both have one) and ``fp8_quantize``'s where it needs
+one (the weights, a frozen layer's x). The outputs, and the gradients
 of x and W, are bf16 GEMM outputs (W's cast to its dtype); the bias gradient is summed in fp32.
 """
 
@@ -17,6 +19,7 @@ import weakref
 
 import torch
 
+from liger_gen.ops.fp8.cast_transpose import cast_transpose_2d
 from liger_gen.ops.fp8.quantize import FORMAT_NAMES, FORMATS, quantize_2d
 from liger_gen.runtime import fp8 as fp8r
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
@@ -66,15 +69,18 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     (K, 1) fp32), else two empty tensors. ``xq, xd`` (x's rows) and ``xtq, xtd`` (its columns), when given, are
     x's quantization made once for the projections that share x (``shared_operands``). ``fast_accum``: the GEMM
     accumulates in the tensor cores' faster, less precise mode (``Float8Recipe.fast_accum``)."""
-    if xq is None or xd is None:
+    own_cols = keep_fp8 and xtq is None  # this call makes (and returns) x's token-axis operand
+    if own_cols and (xq is None or xd is None):  # both of x's operands from one op (fp8_cast_transpose)
+        xq, xd, xtq, xtd = cast_transpose_2d(x, "e4m3")
+    elif xq is None or xd is None:
         xq, xd = quantize_2d(x, "rows", "e4m3")
+    if own_cols and xtq is None:
+        xtq, xtd = quantize_2d(x, "cols", "e4m3")
     wq, wd = quantize_2d(weight if weight.stride(-1) == 1 else weight.contiguous(), "rows", "e4m3")
     y = fp8r.scaled_mm(xq, xd, wq.t(), wd.t(), OUT_DTYPE, fast_accum)
     if bias is not None:
         y += bias.to(OUT_DTYPE)
-    if keep_fp8 and xtq is None:
-        xtq, xtd = quantize_2d(x, "cols", "e4m3")
-    else:
+    if not own_cols:
         xtq, xtd = x.new_empty((0,), dtype=fp8r.E4M3), x.new_empty((0,), dtype=torch.float32)
     return y, xtq, xtd
 
@@ -87,14 +93,19 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, xtq: torch.Tensor, xtd: 
     m = dy.shape[0]
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
+    both = bool(need_dx and need_dw and m and weight.shape[1])
+    if both:  # dy's two operands from one op (fp8_cast_transpose)
+        dyq, dyd, dytq, dytd = cast_transpose_2d(dy, grad_fp8)
     if need_dx:
-        dyq, dyd = quantize_2d(dy, "rows", grad_fp8)
+        if not both:
+            dyq, dyd = quantize_2d(dy, "rows", grad_fp8)
         wtq, wtd = quantize_2d(weight if weight.stride(-1) == 1 else weight.contiguous(), "cols", "e4m3")
         dx = fp8r.scaled_mm(dyq, dyd, wtq.t(), wtd.t(), OUT_DTYPE)  # (K, N) W: N is a multiple of 16, no padding
     else:
         dx = dy.new_empty((0,), dtype=OUT_DTYPE)
     if need_dw and m and weight.shape[1]:  # (no features: xtq is empty, which is not "not kept"; dW is (N, 0))
-        dytq, dytd = quantize_2d(dy, "cols", grad_fp8)
+        if not both:
+            dytq, dytd = quantize_2d(dy, "cols", grad_fp8)
         if xtq.numel() == 0:
             xtq, xtd = quantize_2d(x, "cols", "e4m3")
         dw = fp8r.scaled_mm(dytq, dytd, xtq.t(), xtd.t(), OUT_DTYPE).to(weight.dtype)
@@ -225,7 +236,8 @@ def linear_2d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 class _LastInput(threading.local):
     """The quantization of the last input ``linear_2d_call`` saw: attention's q, k and v projections (and the
     MLP's gate and up) read one tensor, which is then quantized once, and its token-axis copy saved once for
-    the three weight gradients instead of three times. Eager mode only: under torch.compile and torch.func
+    the three weight gradients instead of three times. A norm whose kernel wrote those operands with its output
+    (``rms_norm_fp8``) offers them here first (``offer``), and the projections quantize nothing. Eager mode only: under torch.compile and torch.func
     every call quantizes (a compiled graph's buffers must not alias).
 
     One entry per thread (threads calling concurrently neither read each other's entry nor evict it), read and
@@ -244,7 +256,7 @@ class _LastInput(threading.local):
         return () if entry is None else entry[-1]
 
     def lookup(self, x: torch.Tensor, x2: torch.Tensor, keep: bool) -> tuple:
-        if use_custom_op() or transforms_active() or x.is_inference():
+        if not self.accepts(x):
             return ()
         slot = self.slot
         entry = slot[0]
@@ -254,11 +266,23 @@ class _LastInput(threading.local):
                 # without the token-axis copy when the caller keeps none (a frozen weight, keep_fp8 False)
                 return operands if keep else (*operands[:2], None, None)
         with torch.no_grad():
-            xq, xd = quantize_2d(x2, "rows", "e4m3")
-            xtq, xtd = quantize_2d(x2, "cols", "e4m3") if keep else (None, None)
+            if keep:  # both operands from one op (fp8_cast_transpose)
+                xq, xd, xtq, xtd = cast_transpose_2d(x2, "e4m3")
+            else:
+                (xq, xd), xtq, xtd = quantize_2d(x2, "rows", "e4m3"), None, None
         operands = (xq, xd, xtq, xtd)
         slot[0] = (weakref.ref(x, functools.partial(_forget, slot)), _key(x), operands)
         return operands
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether an entry for ``x`` could be used: eager mode, and a tensor with a version counter."""
+        return not (use_custom_op() or transforms_active() or x.is_inference())
+
+    def offer(self, x: torch.Tensor, operands: tuple) -> None:
+        """Make ``operands`` (rows q, dequant, and the token-axis qt, dequant or two Nones) the entry of ``x``: a
+        kernel that produced x wrote them (``rms_norm_fp8``), and the projections that read x take them."""
+        if self.accepts(x):
+            self.slot[0] = (weakref.ref(x, functools.partial(_forget, self.slot)), _key(x), operands)
 
     def clear(self) -> None:
         self.slot[0] = None

@@ -1,5 +1,7 @@
 """The gated linear units: SwiGLU and GeGLU (``glu``), gpt-oss's clamped SwiGLU, and the mixture-of-experts
-experts built on them (``moe``). ``activations`` holds what they share (the activations and their references).
+experts built on them (``moe``); and the one non-gated MLP activation with a kernel, Nemotron's squared ReLU
+(``squared_relu``), on the same row tiles. ``activations`` holds what they share (the activations and their
+references, the per-call-shape plan of the elementwise kernels).
 
 ``GLUMLP`` and ``SwiGLUMLP`` were defined in a module ``liger_gen.ops.glu`` before the ops were grouped by
 family, and a pickled model names a class by the module that defined it: they stay reachable here, so such

@@ -1,7 +1,7 @@
 """The activations of the GLU family and their references: ``act(gate) · up`` in plain PyTorch (each as
 transformers writes it) and in float64, shared by the GLU ops (``glu``), the experts (``moe``) and
-``liger_gen.reference``; and ``GLUPlan``, the per-call-shape plan of the elementwise GLU kernels (``glu``,
-``clamped_swiglu``). Imports none of the family's ops.
+``liger_gen.reference``; and ``GLUPlan``, the per-call-shape plan of the family's elementwise kernels (``glu``,
+``clamped_swiglu``, ``squared_relu``). Imports none of the family's ops.
 
     act = silu (SwiGLU) | gelu, gelu_tanh (GeGLU)
 """
@@ -88,7 +88,8 @@ class GLUPlan(plans.Plan):
 
     An op's subclass sets ``BACKWARD`` and ``GRAD_INPUTS``; a packed form sets ``PACKED`` (one gate_up in, its
     gradient one tensor out) and ``halves`` (how gate and up sit in the packed rows). ``tail`` is the op's
-    trailing scalar arguments, ``extra`` what its kernels take after the tensors.
+    trailing scalar arguments, ``extra`` what its kernels take after the tensors. A one-input op (``squared_relu``:
+    ``forward(x, y)`` / ``backward(dy, x, dx)``) is a packed form whose ``halves`` is its one row view.
     """
 
     __slots__ = ("shape", "out_shape", "rows", "n_cols", "dtype", "device", "module", "extra")

@@ -1,6 +1,6 @@
-"""The search space of the gated linear units (``glu``: SwiGLU and GeGLU; ``clamped_swiglu`` reuses it): the
-launch settings of one variant of ``templates/glu.py.jinja``, their constraints and the analytic heuristic. A
-companion of ``liger_gen.ops.glu.glu``, which re-exports both names."""
+"""The search space of the gated linear units (``glu``: SwiGLU and GeGLU; ``clamped_swiglu`` and the non-gated
+``squared_relu`` reuse it): the launch settings of one variant of ``templates/glu.py.jinja``, their constraints
+and the analytic heuristic. A companion of ``liger_gen.ops.glu.glu``, which re-exports both names."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ class GLUSpace(Space):
     # up, a), ~5 backward (dy, gate, up, s, products) — estimates, not measurements
     MAX_ELEMS_PER_THREAD_FWD = 64
     MAX_ELEMS_PER_THREAD_BWD = 32
+    # tensors each phase streams in (gate, up; + dy backward), which pipelined loads stage in shared memory
+    STREAMS_FWD = 2
+    STREAMS_BWD = 3
     _BLOCK_N = tuple(2 ** k for k in range(4, 14))  # 16 .. 8192
 
     PARAMS = (
@@ -87,16 +90,16 @@ class GLUSpace(Space):
         problems: list[str] = []
         for phase, block_n, block_m, warps, stages, max_elems, n_streams in (
             ("fwd", config.BLOCK_N_FWD, config.BLOCK_M_FWD, config.num_warps_fwd, config.num_stages_fwd,
-             self.MAX_ELEMS_PER_THREAD_FWD, 2),
+             self.MAX_ELEMS_PER_THREAD_FWD, self.STREAMS_FWD),
             ("bwd", config.BLOCK_N_BWD, config.BLOCK_M_BWD, config.num_warps_bwd, config.num_stages_bwd,
-             self.MAX_ELEMS_PER_THREAD_BWD, 3),
+             self.MAX_ELEMS_PER_THREAD_BWD, self.STREAMS_BWD),
         ):
             if block_n > self.max_block_n:
                 problems.append(f"{phase}: BLOCK_N={block_n} > {self.max_block_n} (next_power_of_2(n_cols="
                                 f"{self.n_cols})): the extra columns are masked-off work")
             tile = block_m * block_n
             problems += self.threads_violations(phase, warps, tile, max_elems)
-            # pipelined loads keep (stages - 1) tiles of each streamed input (gate, up; + dy backward) in shared memory
+            # pipelined loads keep (stages - 1) tiles of each streamed input in shared memory
             smem = (stages - 1) * n_streams * tile * self.element_size
             problems += self.smem_violations(phase, smem)
         return problems

@@ -1,0 +1,222 @@
+"""FP8 quantization along both axes in one op ("cast + transpose"): the two operands an FP8 linear layer makes of
+each activation and each gradient. Search space, tuning problem, custom op and the public op.
+
+    rows:  q[i, :]  = rne_fp8(x[i, :] · 2^s_i),  s_i = floor(log2(fp8_max / max_j |x_ij|)),  dequant_rows = 2^-s_i
+    cols:  qᵀ[j, :] = rne_fp8(x[:, j] · 2^t_j),  t_j = floor(log2(fp8_max / max_i |x_ij|)),  dequant_cols = 2^-t_j
+
+The recipe (and its plain-PyTorch truth, ``quantize_reference``) is ``liger_gen.runtime.fp8``'s; the result is
+bit for bit ``fp8_quantize(x, "rows")`` and ``fp8_quantize(x, "cols")``. The forward's input x needs its rows
+(the forward GEMM) and its columns (the weight gradient's GEMM, over the tokens); the output gradient dy needs
+its rows (the input gradient's GEMM) and its columns (the weight gradient's). Done as one op, x is read twice
+(an amax pass over both axes, then one cast that writes both layouts) instead of three or four times; a kernel
+that produced x and computed its amaxes skips the amax pass. Kernels: ``templates/fp8_cast_transpose.py.jinja``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from liger_gen.codegen.problems import Problem
+from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
+from liger_gen.codegen.spec import OpSpec
+from liger_gen.ops.fp8.quantize import FORMAT_NAMES, FORMATS, QuantizeProblem
+from liger_gen.runtime import fp8 as recipe
+from liger_gen.runtime.binding import Kernel
+from liger_gen.runtime.ops import (KERNEL_DTYPES, check_tensor, describe, interpreter_enabled, kernel_module,
+                                   use_custom_op, uses_triton)
+
+# ------------------------------------------------------------------------------------------------ space
+
+
+@dataclass(frozen=True)
+class CastTransposeConfig(KernelConfig):
+    """Launch settings of the two kernels: the amax pass's BLOCK_M_AMAX x BLOCK_K_AMAX tile and warps (one atomic
+    max per tile row and per tile column), and the cast's BLOCK_M x BLOCK_K tile and warps (read once, written in
+    place and transposed)."""
+
+    BLOCK_M_AMAX: int
+    BLOCK_K_AMAX: int
+    num_warps_amax: int
+    BLOCK_M: int
+    BLOCK_K: int
+    num_warps: int
+
+
+class CastTransposeSpace(Space):
+    """Search space, constraints and heuristic of the cast + transpose op for one width (dims
+    ``{"n_cols": K}``) and input dtype; the FP8 format is a render-time variant with its own table entries. One
+    phase ("fwd"): the op is not differentiable, and its two kernels run as one call."""
+
+    op = "fp8_cast_transpose"
+    template = "fp8_cast_transpose"
+    config_cls = CastTransposeConfig
+    DIMS = ("n_cols",)
+    phases = ("fwd",)
+    AMAX_TILE = (32, 256)  # the heuristic's amax tile: 32 values per thread at 8 warps
+    CAST_TILE = (64, 64)  # the heuristic's cast tile, as the single-axis cols quantize's
+    MAX_ELEMS_PER_THREAD = 64  # fp32 values per thread before spills (x, its two scaled copies): an estimate
+    _BLOCK_M_AMAX = (1, 2, 4, 8, 16, 32, 64, 128)
+    _BLOCK_K_AMAX = tuple(2 ** k for k in range(4, 15))  # 16 .. 16384
+    _BLOCK_M = (8, 16, 32, 64, 128)  # the transposed store writes BLOCK_M consecutive bytes per column
+    _BLOCK_K = (16, 32, 64, 128, 256)
+    _WARPS = (1, 2, 4, 8, 16)
+    PARAMS = (
+        Param("BLOCK_M_AMAX", _BLOCK_M_AMAX, "fwd"), Param("BLOCK_K_AMAX", _BLOCK_K_AMAX, "fwd"),
+        Param("num_warps_amax", _WARPS, "fwd"),
+        Param("BLOCK_M", _BLOCK_M, "fwd"), Param("BLOCK_K", _BLOCK_K, "fwd"), Param("num_warps", _WARPS, "fwd"),
+    )
+
+    def check_dims(self) -> None:
+        self.n_cols = self.dims["n_cols"]
+        self.max_block_k = max(16, next_power_of_2(self.n_cols))
+
+    def heuristic(self) -> CastTransposeConfig:
+        """Analytic default, valid for every n_cols: 32 x 256 amax tiles at 8 warps, 64 x 64 cast tiles at 4
+        (narrower where the row is narrower)."""
+        amax_m, amax_k = self.AMAX_TILE[0], min(self.AMAX_TILE[1], self.max_block_k)
+        cast_m, cast_k = self.CAST_TILE[0], min(self.CAST_TILE[1], self.max_block_k)
+        config = CastTransposeConfig(
+            BLOCK_M_AMAX=amax_m, BLOCK_K_AMAX=amax_k, num_warps_amax=self.fit_warps(8, amax_m * amax_k, 8),
+            BLOCK_M=cast_m, BLOCK_K=cast_k, num_warps=self.fit_warps(4, cast_m * cast_k, 8))
+        problems = self.violations(config)
+        assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
+        return config
+
+    def shape_violations(self, config: CastTransposeConfig) -> list[str]:
+        problems = []
+        for kernel, block_m, block_k, warps in (
+                ("amax", config.BLOCK_M_AMAX, config.BLOCK_K_AMAX, config.num_warps_amax),
+                ("cast", config.BLOCK_M, config.BLOCK_K, config.num_warps)):
+            if block_k > self.max_block_k:
+                problems.append(f"{kernel}: BLOCK_K={block_k} > {self.max_block_k} (next_power_of_2(n_cols="
+                                f"{self.n_cols}))")
+            problems += self.threads_violations(kernel, warps, block_m * block_k, self.MAX_ELEMS_PER_THREAD)
+        return problems
+
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class CastTransposeProblem(QuantizeProblem):
+    """Quantize (rows, n_cols) of ``dtype`` into ``fp8`` along both axes in one call: the single-axis quantize's
+    inputs, truth (``quantize_reference``, matched exactly) and outputs (``q_rows``, ``d_rows``, ``q_cols``,
+    ``d_cols``), with one phase that writes all four."""
+
+    SPACE = CastTransposeSpace
+    # minimal bytes: x read once (the amax pass reads it a second time), both layouts and their scales written
+    BYTES_FORMULA = "R·H·s + R·H + R·4 + H·⌈R⌉₁₆ + H·4"
+
+    @classmethod
+    def phase_bytes(cls, dims, s: int) -> dict[str, int]:
+        single = QuantizeProblem.phase_bytes(dims, s)
+        return {"fwd": single["fwd"] + single["bwd"] - dims["rows"] * dims["n_cols"] * s}
+
+    def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, fp8: str = "e4m3", seed: int = 0,
+                 limits=None):
+        super().__init__(dtype, dims, rows, device, fp8=fp8, seed=seed, limits=limits)
+        self.outputs = {"fwd": ("q_rows", "q_cols")}
+
+    def launcher(self, module, phase: str):
+        b, exact = self.buffers, interpreter_enabled()
+        return lambda: module.cast_transpose(b["x"], b["q_rows"], b["d_rows"], b["q_cols"], b["d_cols"], exact)
+
+    def check(self, module, phase: str) -> str | None:
+        """Run the op once on poisoned scales; None if both layouts dequantize to the truth exactly."""
+        self.buffers["d_rows"].fill_(float("nan"))
+        self.buffers["d_cols"].fill_(float("nan"))
+        self.launcher(module, phase)()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.compare("rows") or self.compare("cols")
+
+
+def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
+    """The activations and gradients a decoder's linear layers quantize along both axes, one problem per token
+    count and width: ``hidden_size`` (the attention and MLP inputs; the gradients of o and down),
+    ``intermediate_size`` (the down projection's input; the gradients of gate and up) and the attention widths
+    (the gradients of q, and of k and v)."""
+    widths = dict.fromkeys((model.hidden_size, model.intermediate_size,
+                            model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim))
+    return [CastTransposeProblem(dtype, {"n_cols": k}, r, device, seed=seed) for r in rows for k in widths]
+
+
+SPEC = OpSpec("fp8_cast_transpose", CastTransposeSpace, CastTransposeProblem, tuning_problems,
+              custom_ops=("liger_gen::fp8_cast_transpose",))
+SPECS = {SPEC.name: SPEC}
+
+
+# ------------------------------------------------------------------------------------------------ binding
+
+
+def _impl(x: torch.Tensor, fp8: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (M, K), dequant_rows (M, 1), qt (K, Mp) contiguous with zero columns past M, dequant_cols (K, 1)) of
+    x (M, K) with unit column stride."""
+    m, k = x.shape
+    dtype = FORMATS[fp8]
+    qt = (torch.zeros if not uses_triton(x) or x.numel() == 0 else torch.empty)(
+        (k, recipe.padded(m)), dtype=dtype, device=x.device)
+    if not uses_triton(x) or x.numel() == 0:
+        q, d_rows = recipe.quantize_reference(x, -1, dtype)
+        q_cols, d_cols = recipe.quantize_reference(x, 0, dtype)
+        qt[:, :m] = q_cols.t()
+        return q, d_rows, qt, d_cols.view(k, 1)  # (an empty slice's amax counts as 0: an all-zero slice's scale)
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    d_rows = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    d_cols = torch.empty((k, 1), dtype=torch.float32, device=x.device)
+    module, _, _ = kernel_module(CastTransposeSpace, x, k, m, fp8=fp8)
+    module.cast_transpose(x, q, d_rows.view(-1), qt, d_cols.view(-1), interpreter_enabled())
+    return q, d_rows, qt, d_cols
+
+
+def _fake(x, fp8):
+    m, k = x.shape
+    dtype = FORMATS[fp8]
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, 1), dtype=torch.float32),
+            x.new_empty((k, recipe.padded(m)), dtype=dtype), x.new_empty((k, 1), dtype=torch.float32))
+
+
+fp8_cast_transpose_op = Kernel("fp8_cast_transpose", _impl, _fake)
+
+
+def cast_transpose_2d(x: torch.Tensor, fp8: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_cast_transpose`` without the checks, for callers that made x 2-D with unit column stride."""
+    return fp8_cast_transpose_op.op(x, fp8) if use_custom_op() else _impl(x, fp8)
+
+
+# ------------------------------------------------------------------------------------------------ public op
+
+
+def fp8_cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor to FP8 with one power-of-two scale per row and, separately, one per column: both
+    results of ``fp8_quantize`` (axis "rows" and axis "cols"), bit for bit, from one read of x's values for the
+    cast (the recipe of ``liger_gen.runtime.fp8``: dynamic scales, ``scale = 2^floor(log2(fp8_max / amax))``,
+    round to nearest even).
+
+    Args:
+        x: (M, K) float32, bfloat16 or float16, any strides.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+
+    Returns:
+        (q, dequant_rows, qt, dequant_cols): q (M, K) in ``fp8_dtype`` and dequant_rows (M, 1) fp32, one scale
+        per row; qt (K, Mp) contiguous, Mp = M rounded up to a multiple of 16 (zeros past M), and dequant_cols
+        (K, 1) fp32, one scale per column, transposed (the layout of the weight-gradient GEMM's operands).
+        ``q.float() * dequant_rows`` and ``(qt.float() * dequant_cols)[:, :M].t()`` are x up to FP8 rounding.
+        A slice with a NaN has a NaN scale; one with an infinite element has dequant scale inf. Not
+        differentiable.
+
+    Raises:
+        TypeError: x is not a float32 / bfloat16 / float16 tensor, or fp8_dtype is not an FP8 format.
+        ValueError: x is not 2-D.
+    """
+    op = "fp8_cast_transpose"
+    check_tensor(op, "x", x, dtypes=KERNEL_DTYPES)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D (M, K); got {describe('x', x)}")
+    if fp8_dtype not in FORMAT_NAMES:
+        raise TypeError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return cast_transpose_2d(x, FORMAT_NAMES[fp8_dtype])
