@@ -55,3 +55,45 @@ def assert_trains_past_an_inference_mode_target(op, op_float64, make_target, dev
     x64 = x.detach().double().requires_grad_()
     op_float64(x64, target.clone()).backward()
     assert rel_l2(x.grad, x64.grad) < REL_TOL[torch.float32]
+
+
+def graph_leaves(outputs) -> list:
+    """The leaf tensors autograd reaches from ``outputs`` (a tensor or several): the inputs a call made
+    differentiable, or the bases views were taken of."""
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else outputs
+    seen, todo, leaves = set(), [t.grad_fn for t in outputs if t.grad_fn is not None], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        todo.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+def saved_for_backward(fn):
+    """(fn(), the tensors autograd saved for its backward while it ran)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+#: launch settings that reach each structural branch of the GLU-family templates (glu, squared_relu): the
+#: heuristic's (one column block); several column blocks with a partial last one and row loops with a partial
+#: last tile, pipelined; narrow forward and wide backward tiles
+GLU_TEMPLATE_BRANCHES = [
+    {},
+    {"BLOCK_N_FWD": 64, "BLOCK_M_FWD": 2, "TILES_FWD": 4, "num_warps_fwd": 2, "num_stages_fwd": 2,
+     "BLOCK_N_BWD": 32, "BLOCK_M_BWD": 4, "TILES_BWD": 2, "num_warps_bwd": 1, "num_stages_bwd": 3},
+    {"BLOCK_N_FWD": 32, "BLOCK_M_FWD": 1, "TILES_FWD": 8, "num_warps_fwd": 1,
+     "BLOCK_N_BWD": 128, "BLOCK_M_BWD": 16, "TILES_BWD": 1, "num_warps_bwd": 8},
+]
+GLU_TEMPLATE_BRANCH_IDS = ["heuristic", "col-blocks+row-loops", "narrow+wide"]

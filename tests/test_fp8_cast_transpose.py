@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from liger_gen.codegen.build import load_variant
-from liger_gen.models import ModelShape
-from liger_gen.ops.fp8.cast_transpose import (CastTransposeProblem, CastTransposeSpace, fp8_cast_transpose,
-                                              fp8_cast_transpose_op, tuning_problems)
+from liger_gen.ops.fp8.cast_transpose import CastTransposeProblem, fp8_cast_transpose, fp8_cast_transpose_op
 from liger_gen.runtime import fp8 as recipe
 
 from conftest import seeded
@@ -139,32 +137,3 @@ def test_the_custom_op_passes_opcheck():
     x = torch.randn(21, 32, generator=seeded("ct-opcheck")).to(torch.bfloat16)
     for fmt in ("e4m3", "e5m2"):
         torch.library.opcheck(fp8_cast_transpose_op.op, (x, fmt))
-
-
-@pytest.mark.parametrize("n_cols", [1, 16, 100, 4096, 14336, 28672, 100_000])
-def test_the_heuristic_is_valid_for_any_width(n_cols):
-    space = CastTransposeSpace({"n_cols": n_cols}, torch.bfloat16)
-    config = space.heuristic()
-    assert not space.violations(config)
-    assert max(config.BLOCK_K_AMAX, config.BLOCK_K) <= max(16, 1 << (n_cols - 1).bit_length())
-
-
-def test_the_space_refuses_what_cannot_run():
-    space = CastTransposeSpace({"n_cols": 100}, torch.bfloat16)
-    base = space.heuristic()
-    assert any("amax: BLOCK_K" in p for p in space.violations(dataclasses.replace(base, BLOCK_K_AMAX=1024)))
-    spills = dataclasses.replace(base, BLOCK_M=128, BLOCK_K=128, num_warps=1)
-    assert any("cast" in p and "per thread" in p for p in space.violations(spills))
-    assert space.violations(dataclasses.replace(base, BLOCK_M=3))  # not one of the choices
-
-
-def test_tuning_problems_cover_every_operand_width():
-    model = ModelShape("m", hidden_size=64, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1,
-                       head_dim=16, vocab_size=100, rms_norm_eps=1e-6)
-    problems = tuning_problems(model, [16, 40], torch.bfloat16, "cpu")
-    assert sorted((p.rows, p.dims["n_cols"]) for p in problems) == sorted(
-        (r, k) for r in (16, 40) for k in (64, 96, 48, 16))
-    for p in problems:  # x read once, both layouts (cols padded to 16 rows) and both scale vectors written
-        m, k = p.rows, p.dims["n_cols"]
-        assert p.phase_bytes(p.problem_dims, 2) == {"fwd": 2 * m * k + m * k + 4 * m + k * (-(-m // 16) * 16)
-                                                    + 4 * k}

@@ -1,5 +1,6 @@
-"""The FP8 quantize op as a tuned op: its space, its heuristic and the tuner's exactness gate on each kernel
-branch (Triton's interpreter on the CPU)."""
+"""The FP8 quantize ops (``fp8_quantize``, ``fp8_cast_transpose``) as tuned ops: their spaces, heuristics and
+tuning problems, and the tuner's exactness gate on each kernel branch of ``fp8_quantize`` (Triton's interpreter
+on the CPU; ``test_fp8_cast_transpose.py`` has the other op's)."""
 
 import dataclasses
 
@@ -8,25 +9,38 @@ import torch
 
 from liger_gen.codegen.build import load_variant
 from liger_gen.models import ModelShape
-from liger_gen.ops.fp8.quantize import QuantizeProblem, QuantizeSpace, tuning_problems
+from liger_gen.ops.fp8.cast_transpose import CastTransposeSpace
+from liger_gen.ops import get_spec
+from liger_gen.ops.fp8.quantize import QuantizeProblem, QuantizeSpace
 
 
+# each space with its two tiles' (BLOCK_M, BLOCK_K, num_warps) fields and the names its violations give them
+SPACES = {"fp8_quantize": (QuantizeSpace, ("BLOCK_M_ROWS", "BLOCK_K_ROWS", "num_warps_rows", "fwd"),
+                           ("BLOCK_M_COLS", "BLOCK_K_COLS", "num_warps_cols", "bwd")),
+          "fp8_cast_transpose": (CastTransposeSpace, ("BLOCK_M_AMAX", "BLOCK_K_AMAX", "num_warps_amax", "amax"),
+                                 ("BLOCK_M", "BLOCK_K", "num_warps", "cast"))}
+
+
+@pytest.mark.parametrize("op", sorted(SPACES))
 @pytest.mark.parametrize("n_cols", [1, 16, 100, 4096, 14336, 28672, 100_000])
-def test_the_heuristic_is_valid_for_any_width(n_cols):
-    space = QuantizeSpace({"n_cols": n_cols}, torch.bfloat16)
+def test_the_heuristic_is_valid_for_any_width(n_cols, op):
+    space_cls, first, second = SPACES[op]
+    space = space_cls({"n_cols": n_cols}, torch.bfloat16)
     config = space.heuristic()
     assert not space.violations(config)
-    assert max(config.BLOCK_K_ROWS, config.BLOCK_K_COLS) <= max(16, 1 << (n_cols - 1).bit_length())
+    assert max(getattr(config, first[1]), getattr(config, second[1])) <= max(16, 1 << (n_cols - 1).bit_length())
 
 
-def test_the_space_refuses_what_cannot_run():
-    space = QuantizeSpace({"n_cols": 100}, torch.bfloat16)
+@pytest.mark.parametrize("op", sorted(SPACES))
+def test_the_space_refuses_what_cannot_run(op):
+    space_cls, first, second = SPACES[op]
+    space = space_cls({"n_cols": 100}, torch.bfloat16)
     base = space.heuristic()
-    too_wide = dataclasses.replace(base, BLOCK_K_ROWS=1024)
-    assert any("fwd: BLOCK_K" in p for p in space.violations(too_wide))
-    spills = dataclasses.replace(base, BLOCK_M_COLS=128, BLOCK_K_COLS=128, num_warps_cols=1)
-    assert any("bwd" in p and "per thread" in p for p in space.violations(spills))
-    assert space.violations(dataclasses.replace(base, BLOCK_M_ROWS=3))  # not one of the choices
+    too_wide = dataclasses.replace(base, **{first[1]: 1024})
+    assert any(f"{first[3]}: BLOCK_K" in p for p in space.violations(too_wide))
+    spills = dataclasses.replace(base, **{second[0]: 128, second[1]: 128, second[2]: 1})
+    assert any(second[3] in p and "per thread" in p for p in space.violations(spills))
+    assert space.violations(dataclasses.replace(base, **{first[0]: 3}))  # not one of the choices
 
 
 # one- and two-pass rows, and the two-kernel column path, at odd sizes (rows not a multiple of the tile or of 16)
@@ -57,14 +71,22 @@ def test_the_gate_catches_a_kernel_of_the_other_format(phase, device):
     assert "differ" in problem.check(wrong, phase)
 
 
-def test_tuning_problems_cover_every_operand_width():
+def _expected_bytes(op: str, m: int, k: int) -> dict[str, int]:
+    """x read (once per axis, or once for both), one byte per value and a fp32 scale per slice written; the
+    columns' copy padded to 16 rows."""
+    rows, cols = m * k + 4 * m, k * (-(-m // 16) * 16) + 4 * k
+    if op == "fp8_quantize":
+        return {"fwd": 2 * m * k + rows, "bwd": 2 * m * k + cols}
+    return {"fwd": 2 * m * k + rows + cols}
+
+
+@pytest.mark.parametrize("op", sorted(SPACES))
+def test_tuning_problems_cover_every_operand_width(op):
     model = ModelShape("m", hidden_size=64, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1,
                        head_dim=16, vocab_size=100, rms_norm_eps=1e-6)
-    problems = tuning_problems(model, [16, 40], torch.bfloat16, "cpu")
+    problems = get_spec(op).tuning_problems(model, [16, 40], torch.bfloat16, "cpu")
     # hidden, intermediate, q (3 x 16 = 48) and k/v (16) widths, each once
     assert sorted((p.rows, p.dims["n_cols"]) for p in problems) == sorted(
         (r, k) for r in (16, 40) for k in (64, 96, 48, 16))
     for p in problems:
-        m, k = p.rows, p.dims["n_cols"]
-        assert p.phase_bytes(p.problem_dims, 2) == {"fwd": 3 * m * k + 4 * m,
-                                                    "bwd": 2 * m * k + k * (-(-m // 16) * 16) + 4 * k}
+        assert p.phase_bytes(p.problem_dims, 2) == _expected_bytes(op, p.rows, p.dims["n_cols"])

@@ -14,7 +14,8 @@ from liger_gen.ops.glu.glu import (GeGLUProblem, GeGLUSpace, GLUConfig, GLUProbl
 from liger_gen.runtime import tables
 
 from conftest import seeded
-from helpers import HEURISTIC_LIMITS, assert_passes_the_gate, valid_heuristics
+from helpers import (GLU_TEMPLATE_BRANCH_IDS, GLU_TEMPLATE_BRANCHES, HEURISTIC_LIMITS, assert_passes_the_gate,
+                     saved_for_backward, valid_heuristics)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (template activation, approximate for geglu or None for swiglu)
@@ -212,18 +213,9 @@ def test_gate_up_gradient_is_one_tensor_without_split_or_cat(approximate, device
 @pytest.mark.parametrize("approximate", [None, "none"])
 def test_backward_saves_only_the_inputs(packed, approximate, device):
     """No activation tensor is saved for backward: only gate and up (or gate_up), which autograd keeps anyway."""
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
     x = torch.randn(4, 32, device=device, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if packed:
-            y = _glu_packed(None, approximate, x)
-        else:
-            y = _glu(None, approximate, x[:, :16], x[:, 16:])
+    y, saved = saved_for_backward(lambda: _glu_packed(None, approximate, x) if packed
+                                  else _glu(None, approximate, x[:, :16], x[:, 16:]))
     assert len(saved) == (1 if packed else 2)
     assert all(t.data_ptr() in (x.data_ptr(), x[:, 16:].data_ptr()) for t in saved)
     y.sum().backward()
@@ -455,14 +447,7 @@ def test_constraints_reject_bad_configs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("changes", [
-    {},  # heuristic: one column block, 8-row tiles
-    # several column blocks with a partial last one, row loops with a partial last tile, pipelined
-    {"BLOCK_N_FWD": 64, "BLOCK_M_FWD": 2, "TILES_FWD": 4, "num_warps_fwd": 2, "num_stages_fwd": 2,
-     "BLOCK_N_BWD": 32, "BLOCK_M_BWD": 4, "TILES_BWD": 2, "num_warps_bwd": 1, "num_stages_bwd": 3},
-    {"BLOCK_N_FWD": 32, "BLOCK_M_FWD": 1, "TILES_FWD": 8, "num_warps_fwd": 1,
-     "BLOCK_N_BWD": 128, "BLOCK_M_BWD": 16, "TILES_BWD": 1, "num_warps_bwd": 8},
-], ids=["heuristic", "col-blocks+row-loops", "narrow+wide"])
+@pytest.mark.parametrize("changes", GLU_TEMPLATE_BRANCHES, ids=GLU_TEMPLATE_BRANCH_IDS)
 def test_every_template_branch_passes_the_tuners_gate(changes, activation, dtype, device):
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each structural variant."""
     problem_cls = GLUProblem if activation == "silu" else GeGLUProblem

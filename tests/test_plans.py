@@ -28,6 +28,7 @@ from liger_gen.runtime import ops, plans
 from liger_gen.runtime.tables import heuristic_only
 
 from conftest import seeded
+from helpers import graph_leaves
 
 F = liger_gen.functional
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not ops.interpreter_enabled(),
@@ -382,27 +383,13 @@ def test_a_second_call_of_a_call_shape_skips_the_checks_and_equals_the_first(dev
     for _ in range(3):
         out = _outputs(_call(name, 0))
         leaf = [t for t in out if t.requires_grad]
-        grads = torch.autograd.grad(leaf, _leaves(out), [torch.ones_like(t) for t in leaf], allow_unused=True)
+        grads = torch.autograd.grad(leaf, graph_leaves(out), [torch.ones_like(t) for t in leaf], allow_unused=True)
         results.append((out, grads))
     assert len(calls) == 1
     assert len(_plans(PLANNED[name])) == 1
     for out, grads in results[1:]:
         for a, b in zip(out + grads, results[0][0] + results[0][1]):
             assert (a is None and b is None) or torch.equal(a, b)
-
-
-def _leaves(out) -> list:
-    """The leaf tensors that require grad behind ``out`` (the one input each call makes differentiable)."""
-    seen, todo, leaves = set(), [t.grad_fn for t in out if t.grad_fn is not None], []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        todo.extend(n for n, _ in node.next_functions)
-    return leaves
 
 
 @pytest.mark.parametrize("name", sorted(PLANNED))

@@ -16,7 +16,8 @@ from liger_gen.ops.glu.squared_relu import (SPEC, SquaredReLUMLP, SquaredReLUPro
 from liger_gen.runtime import tables
 
 from conftest import CPU_PATHS, assert_compiles_like_eager, seeded
-from helpers import HEURISTIC_LIMITS, assert_error_names, assert_passes_the_gate, valid_heuristics
+from helpers import (GLU_TEMPLATE_BRANCH_IDS, GLU_TEMPLATE_BRANCHES, HEURISTIC_LIMITS, assert_error_names,
+                     assert_passes_the_gate, graph_leaves, saved_for_backward, valid_heuristics)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -34,7 +35,7 @@ def _assert_matches_float64(x, tol=None):
     y = squared_relu(x)
     assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
     dy = torch.randn(y.shape, generator=seeded("dy", tuple(y.shape))).to(y.device, y.dtype)
-    leaf = next(t for t in _leaves(y) if t.requires_grad)
+    leaf = next(t for t in graph_leaves(y) if t.requires_grad)
     (dx,) = torch.autograd.grad(y, leaf, dy)
     x64 = _leaf(leaf.detach().double())
     ref = squared_relu_float64(_same_view(x, leaf, x64))
@@ -42,20 +43,6 @@ def _assert_matches_float64(x, tol=None):
     tol = tol or REL_TOL[x.dtype]
     assert rel_l2(y, ref) < tol, "y"
     assert rel_l2(dx, ref_dx) < tol, "dx"
-
-
-def _leaves(y):
-    """The leaf tensors behind ``y`` (the test's one input leaf, or the base a view was taken of)."""
-    seen, todo, out = set(), [y.grad_fn], []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            out.append(node.variable)
-        todo.extend(n for n, _ in node.next_functions)
-    return out
 
 
 def _same_view(x, leaf, other):
@@ -168,15 +155,8 @@ def test_non_contiguous_inputs(make_view, device):
 
 def test_column_slices_are_read_in_place_and_only_x_is_saved(device):
     """A column slice of a wider tensor is read where it is (no copy), and the backward keeps x alone."""
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
     base = torch.randn(6, 40, device=device, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = squared_relu(base[:, 8:32])
+    y, saved = saved_for_backward(lambda: squared_relu(base[:, 8:32]))
     assert len(saved) == 1 and saved[0].data_ptr() == base[:, 8:32].data_ptr()
     y.sum().backward()
     assert (base.grad[:, :8] == 0).all() and (base.grad[:, 32:] == 0).all()
@@ -349,14 +329,7 @@ def test_constraints_reject_bad_configs_and_count_one_stream_less():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("changes", [
-    {},  # heuristic: one column block, 16-row tiles
-    # several column blocks with a partial last one, row loops with a partial last tile, pipelined
-    {"BLOCK_N_FWD": 64, "BLOCK_M_FWD": 2, "TILES_FWD": 4, "num_warps_fwd": 2, "num_stages_fwd": 2,
-     "BLOCK_N_BWD": 32, "BLOCK_M_BWD": 4, "TILES_BWD": 2, "num_warps_bwd": 1, "num_stages_bwd": 3},
-    {"BLOCK_N_FWD": 32, "BLOCK_M_FWD": 1, "TILES_FWD": 8, "num_warps_fwd": 1,
-     "BLOCK_N_BWD": 128, "BLOCK_M_BWD": 16, "TILES_BWD": 1, "num_warps_bwd": 8},
-], ids=["heuristic", "col-blocks+row-loops", "narrow+wide"])
+@pytest.mark.parametrize("changes", GLU_TEMPLATE_BRANCHES, ids=GLU_TEMPLATE_BRANCH_IDS)
 def test_every_template_branch_passes_the_tuners_gate(changes, dtype, device):
     """The tuner's float64 gate (NaN-poisoned outputs, per-dtype tolerance) on each structural variant."""
     assert_passes_the_gate(SquaredReLUProblem(dtype, 100, 19, device, seed=5), changes)

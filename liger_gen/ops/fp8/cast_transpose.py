@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from liger_gen.codegen.problems import Problem
-from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
+from liger_gen.codegen.spaces import KernelConfig, Param
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.fp8.quantize import FORMAT_NAMES, FORMATS, QuantizeProblem
+from liger_gen.ops.fp8.quantize import (FORMAT_NAMES, FORMATS, QuantizeProblem, QuantizeSpace, checked_2d,
+                                        operand_widths)
 from liger_gen.runtime import fp8 as recipe
 from liger_gen.runtime.binding import Kernel
-from liger_gen.runtime.ops import (KERNEL_DTYPES, check_tensor, describe, interpreter_enabled, kernel_module,
-                                   use_custom_op, uses_triton)
+from liger_gen.runtime.ops import interpreter_enabled, kernel_module, use_custom_op, uses_triton
 
 # ------------------------------------------------------------------------------------------------ space
 
@@ -44,10 +44,11 @@ class CastTransposeConfig(KernelConfig):
     num_warps: int
 
 
-class CastTransposeSpace(Space):
+class CastTransposeSpace(QuantizeSpace):
     """Search space, constraints and heuristic of the cast + transpose op for one width (dims
     ``{"n_cols": K}``) and input dtype; the FP8 format is a render-time variant with its own table entries. One
-    phase ("fwd"): the op is not differentiable, and its two kernels run as one call."""
+    phase ("fwd"): the op is not differentiable, and its two kernels run as one call. The tiles' checks are the
+    single-axis quantize's."""
 
     op = "fp8_cast_transpose"
     template = "fp8_cast_transpose"
@@ -56,7 +57,6 @@ class CastTransposeSpace(Space):
     phases = ("fwd",)
     AMAX_TILE = (32, 256)  # the heuristic's amax tile: 32 values per thread at 8 warps
     CAST_TILE = (64, 64)  # the heuristic's cast tile, as the single-axis cols quantize's
-    MAX_ELEMS_PER_THREAD = 64  # fp32 values per thread before spills (x, its two scaled copies): an estimate
     _BLOCK_M_AMAX = (1, 2, 4, 8, 16, 32, 64, 128)
     _BLOCK_K_AMAX = tuple(2 ** k for k in range(4, 15))  # 16 .. 16384
     _BLOCK_M = (8, 16, 32, 64, 128)  # the transposed store writes BLOCK_M consecutive bytes per column
@@ -68,32 +68,14 @@ class CastTransposeSpace(Space):
         Param("BLOCK_M", _BLOCK_M, "fwd"), Param("BLOCK_K", _BLOCK_K, "fwd"), Param("num_warps", _WARPS, "fwd"),
     )
 
-    def check_dims(self) -> None:
-        self.n_cols = self.dims["n_cols"]
-        self.max_block_k = max(16, next_power_of_2(self.n_cols))
-
     def heuristic(self) -> CastTransposeConfig:
         """Analytic default, valid for every n_cols: 32 x 256 amax tiles at 8 warps, 64 x 64 cast tiles at 4
         (narrower where the row is narrower)."""
-        amax_m, amax_k = self.AMAX_TILE[0], min(self.AMAX_TILE[1], self.max_block_k)
-        cast_m, cast_k = self.CAST_TILE[0], min(self.CAST_TILE[1], self.max_block_k)
-        config = CastTransposeConfig(
-            BLOCK_M_AMAX=amax_m, BLOCK_K_AMAX=amax_k, num_warps_amax=self.fit_warps(8, amax_m * amax_k, 8),
-            BLOCK_M=cast_m, BLOCK_K=cast_k, num_warps=self.fit_warps(4, cast_m * cast_k, 8))
-        problems = self.violations(config)
-        assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
-        return config
+        return self.checked(CastTransposeConfig(*self.tile(*self.AMAX_TILE, 8), *self.tile(*self.CAST_TILE, 4)))
 
     def shape_violations(self, config: CastTransposeConfig) -> list[str]:
-        problems = []
-        for kernel, block_m, block_k, warps in (
-                ("amax", config.BLOCK_M_AMAX, config.BLOCK_K_AMAX, config.num_warps_amax),
-                ("cast", config.BLOCK_M, config.BLOCK_K, config.num_warps)):
-            if block_k > self.max_block_k:
-                problems.append(f"{kernel}: BLOCK_K={block_k} > {self.max_block_k} (next_power_of_2(n_cols="
-                                f"{self.n_cols}))")
-            problems += self.threads_violations(kernel, warps, block_m * block_k, self.MAX_ELEMS_PER_THREAD)
-        return problems
+        return self.tiles_violations((("amax", config.BLOCK_M_AMAX, config.BLOCK_K_AMAX, config.num_warps_amax),
+                                      ("cast", config.BLOCK_M, config.BLOCK_K, config.num_warps)))
 
 
 # ------------------------------------------------------------------------------------------------ tuning
@@ -134,12 +116,9 @@ class CastTransposeProblem(QuantizeProblem):
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
     """The activations and gradients a decoder's linear layers quantize along both axes, one problem per token
-    count and width: ``hidden_size`` (the attention and MLP inputs; the gradients of o and down),
-    ``intermediate_size`` (the down projection's input; the gradients of gate and up) and the attention widths
-    (the gradients of q, and of k and v)."""
-    widths = dict.fromkeys((model.hidden_size, model.intermediate_size,
-                            model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim))
-    return [CastTransposeProblem(dtype, {"n_cols": k}, r, device, seed=seed) for r in rows for k in widths]
+    count and width (``operand_widths``: hidden, intermediate and the attention widths)."""
+    return [CastTransposeProblem(dtype, {"n_cols": k}, r, device, seed=seed)
+            for r in rows for k in operand_widths(model)]
 
 
 SPEC = OpSpec("fp8_cast_transpose", CastTransposeSpace, CastTransposeProblem, tuning_problems,
@@ -211,12 +190,4 @@ def fp8_cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4
         TypeError: x is not a float32 / bfloat16 / float16 tensor, or fp8_dtype is not an FP8 format.
         ValueError: x is not 2-D.
     """
-    op = "fp8_cast_transpose"
-    check_tensor(op, "x", x, dtypes=KERNEL_DTYPES)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-D (M, K); got {describe('x', x)}")
-    if fp8_dtype not in FORMAT_NAMES:
-        raise TypeError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return cast_transpose_2d(x, FORMAT_NAMES[fp8_dtype])
+    return cast_transpose_2d(*checked_2d("fp8_cast_transpose", x, fp8_dtype), FORMAT_NAMES[fp8_dtype])

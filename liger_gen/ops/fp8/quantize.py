@@ -81,24 +81,34 @@ class QuantizeSpace(Space):
         """Analytic default, valid for every n_cols. Rows: a whole row per tile up to 8192 columns, else
         8192-wide steps; ~8K-element tiles; warps to feed them. Cols: 64 x 64 tiles, 4 warps."""
         block_k = min(self.max_block_k, self.TILE_TARGET)
-        block_m = max(1, min(128, self.TILE_TARGET // block_k))
-        cols_m, cols_k = self.COLS_TILE[0], min(self.COLS_TILE[1], self.max_block_k)
-        config = QuantizeConfig(
-            BLOCK_M_ROWS=block_m, BLOCK_K_ROWS=block_k, num_warps_rows=self.fit_warps(8, block_m * block_k, 8),
-            BLOCK_M_COLS=cols_m, BLOCK_K_COLS=cols_k, num_warps_cols=self.fit_warps(4, cols_m * cols_k, 8))
+        rows = self.tile(max(1, min(128, self.TILE_TARGET // block_k)), block_k, 8)
+        return self.checked(QuantizeConfig(*rows, *self.tile(*self.COLS_TILE, 4)))
+
+    def tile(self, block_m: int, block_k: int, warps: int) -> tuple[int, int, int]:
+        """(BLOCK_M, BLOCK_K, num_warps) of a heuristic tile: BLOCK_K no wider than the row's next power of two,
+        at most ``warps`` warps with at least 8 values per thread."""
+        block_k = min(block_k, self.max_block_k)
+        return block_m, block_k, self.fit_warps(warps, block_m * block_k, 8)
+
+    def checked(self, config):
+        """``config``, asserted valid: the heuristic's."""
         problems = self.violations(config)
         assert not problems, f"heuristic is invalid for n_cols={self.n_cols}: {problems}"
         return config
 
     def shape_violations(self, config: QuantizeConfig) -> list[str]:
+        return self.tiles_violations((("fwd", config.BLOCK_M_ROWS, config.BLOCK_K_ROWS, config.num_warps_rows),
+                                      ("bwd", config.BLOCK_M_COLS, config.BLOCK_K_COLS, config.num_warps_cols)))
+
+    def tiles_violations(self, tiles) -> list[str]:
+        """The checks of (name, BLOCK_M, BLOCK_K, num_warps) tiles: no wider than the row's next power of two,
+        threads and registers (``MAX_ELEMS_PER_THREAD``)."""
         problems = []
-        for phase, block_m, block_k, warps in (
-                ("fwd", config.BLOCK_M_ROWS, config.BLOCK_K_ROWS, config.num_warps_rows),
-                ("bwd", config.BLOCK_M_COLS, config.BLOCK_K_COLS, config.num_warps_cols)):
+        for name, block_m, block_k, warps in tiles:
             if block_k > self.max_block_k:
-                problems.append(f"{phase}: BLOCK_K={block_k} > {self.max_block_k} (next_power_of_2(n_cols="
+                problems.append(f"{name}: BLOCK_K={block_k} > {self.max_block_k} (next_power_of_2(n_cols="
                                 f"{self.n_cols}))")
-            problems += self.threads_violations(phase, warps, block_m * block_k, self.MAX_ELEMS_PER_THREAD)
+            problems += self.threads_violations(name, warps, block_m * block_k, self.MAX_ELEMS_PER_THREAD)
         return problems
 
 
@@ -189,13 +199,19 @@ class QuantizeProblem(Problem):
         return None
 
 
+def operand_widths(model) -> tuple[int, ...]:
+    """The widths of the operands a decoder's linear layers quantize, each once: ``hidden_size`` (the attention
+    and MLP inputs; the gradients of o and down), ``intermediate_size`` (the down projection's input; the
+    gradients of gate and up) and the attention widths (the gradients of q, and of k and v)."""
+    return tuple(dict.fromkeys((model.hidden_size, model.intermediate_size,
+                                model.num_attention_heads * model.head_dim,
+                                model.num_key_value_heads * model.head_dim)))
+
+
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The operands a decoder's linear layers quantize, one problem per token count and width: ``hidden_size``
-    (the attention and MLP inputs; the gradients of o and down), ``intermediate_size`` (the down projection's
-    input; the gradients of gate and up) and the attention widths (the gradients of q, and of k and v)."""
-    widths = dict.fromkeys((model.hidden_size, model.intermediate_size,
-                            model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim))
-    return [QuantizeProblem(dtype, {"n_cols": k}, r, device, seed=seed) for r in rows for k in widths]
+    """The operands a decoder's linear layers quantize, one problem per token count and width
+    (``operand_widths``)."""
+    return [QuantizeProblem(dtype, {"n_cols": k}, r, device, seed=seed) for r in rows for k in operand_widths(model)]
 
 
 SPEC = OpSpec("fp8_quantize", QuantizeSpace, QuantizeProblem, tuning_problems,
@@ -267,13 +283,18 @@ def fp8_quantize(x: torch.Tensor, axis: str = "rows",
         ValueError: x is not 2-D, or axis is not "rows" or "cols".
     """
     op = "fp8_quantize"
+    if axis not in AXES:
+        check_tensor(op, "x", x, dtypes=KERNEL_DTYPES)
+        raise ValueError(f"{op}: axis must be one of {AXES}, got {axis!r}")
+    return quantize_2d(*checked_2d(op, x, fp8_dtype), axis, FORMAT_NAMES[fp8_dtype])
+
+
+def checked_2d(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor]:
+    """The checks of a public quantize op: x a 2-D float32 / bfloat16 / float16 tensor and fp8_dtype an FP8
+    format; (x with unit column stride,)."""
     check_tensor(op, "x", x, dtypes=KERNEL_DTYPES)
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be 2-D (M, K); got {describe('x', x)}")
-    if axis not in AXES:
-        raise ValueError(f"{op}: axis must be one of {AXES}, got {axis!r}")
     if fp8_dtype not in FORMAT_NAMES:
         raise TypeError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return quantize_2d(x, axis, FORMAT_NAMES[fp8_dtype])
+    return (x if x.stride(-1) == 1 else x.contiguous(),)

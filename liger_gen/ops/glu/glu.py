@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module  # the global hook registries
 
-from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
+from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, GLUPlan, act_torch, gelu_activation, glu_float64,
                                            glu_gate_up_torch, glu_torch)
-from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace
+from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace, MLPActivationProblem
 from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
@@ -37,7 +37,7 @@ from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, descr
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class GLUProblem(Problem):
+class GLUProblem(MLPActivationProblem):
     """SwiGLU at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
 
     The truth is computed in float64 row chunk by row chunk (bounded temporaries); a problem keeps it as float32:
@@ -46,14 +46,9 @@ class GLUProblem(Problem):
 
     SPACE = GLUSpace
     ACTIVATION_CHOICES: tuple[str, ...] = ("silu",)
-    REF_CHUNK_ELEMENTS = 2 * REF_CHUNK_ELEMENTS  # elements per float64 reference chunk
-    OUTPUTS = ("y",)
     # fwd: gate, up in; y out.  bwd: dy, gate, up in; dgate, dup out.
     BYTES_FORMULA = "8·R·I·s"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"n_cols": model.intermediate_size}
+    LAUNCH_ARGS = {"fwd": ("gate", "up", "y"), "bwd": ("dy", "gate", "up", "dgate", "dup")}
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
@@ -102,14 +97,6 @@ class GLUProblem(Problem):
         tol = REL_TOL[dtype]
         self.tol = {"y": tol, "dgate": tol, "dup": tol}
         self.outputs = {"fwd": ("y",), "bwd": ("dgate", "dup")}
-
-    def launcher(self, module, phase: str):
-        b = self.buffers
-        if phase == "fwd":
-            return lambda: module.forward(b["gate"], b["up"], b["y"])
-        if phase == "bwd":
-            return lambda: module.backward(b["dy"], b["gate"], b["up"], b["dgate"], b["dup"])
-        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:

@@ -1,11 +1,13 @@
 """The search space of the gated linear units (``glu``: SwiGLU and GeGLU; ``clamped_swiglu`` and the non-gated
 ``squared_relu`` reuse it): the launch settings of one variant of ``templates/glu.py.jinja``, their constraints
-and the analytic heuristic. A companion of ``liger_gen.ops.glu.glu``, which re-exports both names."""
+and the analytic heuristic; and the base of their tuning problems (``MLPActivationProblem``). A companion of
+``liger_gen.ops.glu.glu``, which re-exports the space's names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, Problem
 from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
 
 # ------------------------------------------------------------------------------------------------ space
@@ -103,3 +105,28 @@ class GLUSpace(Space):
             smem = (stages - 1) * n_streams * tile * self.element_size
             problems += self.smem_violations(phase, smem)
         return problems
+
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+class MLPActivationProblem(Problem):
+    """The base of an MLP activation's tuning problem at ``intermediate_size`` (GLU, squared ReLU): the float64
+    truth computed in row chunks of ``REF_CHUNK_ELEMENTS`` (kept as float32: 2^-24 relative, far below every
+    tolerance), one output y, and launchers that pass the buffers ``LAUNCH_ARGS`` names per phase to the kernel
+    module's ``forward`` and ``backward``."""
+
+    REF_CHUNK_ELEMENTS = 2 * REF_CHUNK_ELEMENTS  # elements per float64 reference chunk
+    OUTPUTS = ("y",)
+    LAUNCH_ARGS: dict[str, tuple[str, ...]] = {}
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"n_cols": model.intermediate_size}
+
+    def launcher(self, module, phase: str):
+        if phase not in ("fwd", "bwd"):
+            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+        launch = module.forward if phase == "fwd" else module.backward
+        args = [self.buffers[name] for name in self.LAUNCH_ARGS[phase]]
+        return lambda: launch(*args)

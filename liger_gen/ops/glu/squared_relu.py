@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liger_gen.codegen.problems import REF_CHUNK_ELEMENTS, REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
+from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spec import OpSpec
 from liger_gen.ops.glu.activations import GLUPlan
 from liger_gen.ops.glu.glu import as_rows
-from liger_gen.ops.glu.glu_space import GLUSpace
+from liger_gen.ops.glu.glu_space import GLUSpace, MLPActivationProblem
 from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
 from liger_gen.runtime.ops import check_kernel_dtypes, describe, kernel_module, uses_triton
@@ -66,7 +66,7 @@ class SquaredReLUSpace(GLUSpace):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-class SquaredReLUProblem(Problem):
+class SquaredReLUProblem(MLPActivationProblem):
     """Squared ReLU at (rows, n_cols) in ``dtype`` on ``device``: inputs, float64 truth, checks and launchers.
 
     x ~ N(0, 2²) (half the elements negative: the masked branch of the backward runs on as many as the other);
@@ -74,14 +74,9 @@ class SquaredReLUProblem(Problem):
     tolerance)."""
 
     SPACE = SquaredReLUSpace
-    REF_CHUNK_ELEMENTS = 2 * REF_CHUNK_ELEMENTS  # elements per float64 reference chunk
-    OUTPUTS = ("y",)
     # fwd: x in, y out.  bwd: dy, x in; dx out.
     BYTES_FORMULA = "5·R·I·s"
-
-    @classmethod
-    def shape(cls, model) -> dict[str, int]:
-        return {"n_cols": model.intermediate_size}
+    LAUNCH_ARGS = {"fwd": ("x", "y"), "bwd": ("dy", "x", "dx")}
 
     @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
@@ -119,14 +114,6 @@ class SquaredReLUProblem(Problem):
         self.ref = self.reference(inputs, torch.float32)
         self.tol = {"y": REL_TOL[dtype], "dx": REL_TOL[dtype]}
         self.outputs = {"fwd": ("y",), "bwd": ("dx",)}
-
-    def launcher(self, module, phase: str):
-        b = self.buffers
-        if phase == "fwd":
-            return lambda: module.forward(b["x"], b["y"])
-        if phase == "bwd":
-            return lambda: module.backward(b["dy"], b["x"], b["dx"])
-        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:

@@ -21,14 +21,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from liger_gen.codegen.problems import (FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, randn,
-                                        reference_by_autograd, rel_l2)
-from liger_gen.codegen.spaces import KernelConfig, Param, Space, next_power_of_2
+from liger_gen.codegen.problems import FP32_OUT_TOL, REL_TOL, STAT_BYTES, Inputs, Problem, rel_l2
+from liger_gen.codegen.spaces import Param, Space, next_power_of_2
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.norms.fused_add_rms_norm import (fused_add_rms_norm_bwd, fused_add_rms_norm_float64,
+from liger_gen.ops.norms.fused_add_rms_norm import (FusedAddRMSNormProblem, fused_add_rms_norm_bwd,
                                                     fused_add_rms_norm_torch)
 from liger_gen.ops.norms.rms_norm import RMSNormSpace, rms_norm_bwd
-from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormSpace, check_casting_mode, check_floating,
+from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormForwardConfig, RowNormSpace, check_casting_mode, check_floating,
                                           check_row_input, check_row_params, check_row_width, rms_norm_float64,
                                           rms_norm_out_dtype, rms_norm_torch)
 from liger_gen.runtime import fp8 as recipe
@@ -43,16 +42,11 @@ EMITS = ("rows", "amax")
 
 
 @dataclass(frozen=True)
-class RMSNormFp8Config(KernelConfig):
-    """Launch settings: the norm kernel's single-pass row width BLOCK_N (a power of two >= n_cols), rows per
-    program, warps and stages (as ``rms_norm``'s forward); ``EMIT``, the fusion choice ("rows": the norm kernel
-    writes the rows operand, the cast kernel the columns; "amax": the norm kernel writes both axes' amaxes, the
-    cast kernel both operands); the cast kernel's tile and warps."""
+class RMSNormFp8Config(RowNormForwardConfig):
+    """Launch settings: the norm kernel's (``RowNormForwardConfig``, as ``rms_norm``'s forward); ``EMIT``, the
+    fusion choice ("rows": the norm kernel writes the rows operand, the cast kernel the columns; "amax": the
+    norm kernel writes both axes' amaxes, the cast kernel both operands); the cast kernel's tile and warps."""
 
-    BLOCK_N: int
-    BLOCK_M_FWD: int = 1
-    num_warps_fwd: int = 4
-    num_stages_fwd: int = 1
     EMIT: str = "rows"
     BLOCK_M_CAST: int = 64
     BLOCK_K_CAST: int = 64
@@ -145,19 +139,9 @@ class RMSNormFp8Problem(DecoderNormProblem):
     # their scales. Backward (the fused add's): dy, ds, s, w, rstd read; dx, dr, dW written
     BYTES_FORMULA = "5·R·H·s + H·s + R·H + H·⌈R⌉₁₆ + 2·R·4 + H·4 (fwd) + 5·R·H·s + 2·H·s + R·4 (bwd)"
 
-    @classmethod
-    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
-        r, h = dims["rows"], dims["n_cols"]
-        return Inputs({"x": randn(gen, (r, h), dtype, device), "residual": randn(gen, (r, h), dtype, device),
-                       "w": randn(gen, (h,), dtype, device, 0.1, 1.0)},
-                      grad_of=("x", "residual", "w"),
-                      upstream={"y": randn(gen, (r, h), dtype, device), "s": randn(gen, (r, h), dtype, device)},
-                      options={"eps": options.get("eps", 1e-6)})
-
-    @classmethod
-    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
-        return reference_by_autograd(
-            inputs, lambda t, o: fused_add_rms_norm_float64(t["x"], t["residual"], t["w"], o["eps"]), cls.OUTPUTS)
+    # the fused add's inputs and float64 truth (the op's case runs the add; without it, the sum is unused)
+    make_inputs = classmethod(FusedAddRMSNormProblem.make_inputs.__func__)
+    reference = classmethod(FusedAddRMSNormProblem.reference.__func__)
 
     @classmethod
     def phase_bytes(cls, dims, s: int) -> dict[str, int]:

@@ -61,9 +61,21 @@ def rms_norm_float64(x: torch.Tensor, weight: torch.Tensor | None, eps: float, o
 
 
 @dataclass(frozen=True)
-class RowNormConfig(KernelConfig):
+class RowNormForwardConfig(KernelConfig):
+    """The forward kernel's launch settings of a single-pass row norm: BLOCK_N, the single-pass row width (a
+    power of two >= n_cols), BLOCK_M_FWD rows per program, warps and pipeline stages."""
+
+    BLOCK_N: int
+    BLOCK_M_FWD: int = 1
+    num_warps_fwd: int = 4
+    num_stages_fwd: int = 1
+
+
+@dataclass(frozen=True)
+class RowNormConfig(RowNormForwardConfig):
     """Launch settings of one single-pass row-norm variant (the ``rms_norm``, ``fused_add_rms_norm`` and
-    ``layer_norm`` templates), each op's config a subclass of it.
+    ``layer_norm`` templates), each op's config a subclass of it: the forward's (``RowNormForwardConfig``) and
+    the backward's.
 
     BLOCK_N is the single-pass row width (a power of two >= n_cols). The forward kernel normalises a tile of
     BLOCK_M_FWD rows per program. The backward kernel walks tiles of BLOCK_M_BWD rows; with
@@ -73,10 +85,6 @@ class RowNormConfig(KernelConfig):
     reductions (software pipelining written out, at the cost of a second tile of registers).
     """
 
-    BLOCK_N: int
-    BLOCK_M_FWD: int = 1
-    num_warps_fwd: int = 4
-    num_stages_fwd: int = 1
     BLOCK_M_BWD: int = 1
     dw_strategy: str = "persistent"
     TILES_PER_PROGRAM: int = 1
