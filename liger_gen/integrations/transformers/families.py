@@ -29,12 +29,15 @@ class ModelFamily:
     function; rope_pairs: the function rotates interleaved pairs (x0, x1), (x2, x3), ... of the rotary dims and
     returns them in that layout (GLM-4, Cohere 2, Llama 4, ERNIE 4.5);
     interleaved_rope: the name of a second function that rotates interleaved pairs of a de-interleavable layout
-    (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. mlp: whether its gated MLP
-    modules are patched. causal_lm: the class names whose LM-head loss is fused (default ``<prefix>ForCausalLM``; a
-    multimodal family's ``*ForConditionalGeneration``, whose base model takes the images and returns the text stack's
-    hidden states). norm_classes may name torch's ``LayerNorm`` beside the family's RMSNorm classes: a multimodal
-    family's vision tower, swapped for liger-gen's LayerNorm. logits: the transform between
-    ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
+    (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. vision_rope: the name of the vision
+    tower's rotary function, ``apply_rotary_pos_emb_vision(q, k, cos, sin)`` of (seq, heads, head_dim) q and k and
+    (seq, head_dim) 2-D RoPE tables, computed in fp32 and cast back to q's and k's dtypes (the Qwen vision-language
+    families, GLM-4V): routed to liger-gen too where the release's function takes (q, k, cos, sin). mlp: whether its
+    gated MLP modules are patched. causal_lm: the class names whose LM-head loss is fused (default
+    ``<prefix>ForCausalLM``; a multimodal family's ``*ForConditionalGeneration``, whose base model takes the images
+    and returns the text stack's hidden states). norm_classes may name torch's ``LayerNorm`` beside the family's
+    RMSNorm classes: a multimodal family's vision tower, swapped for liger-gen's LayerNorm. logits: the transform
+    between ``lm_head`` and the loss (None, "softcap" from ``config.final_logit_softcapping``, "divide" by
     ``config.logits_scaling``, "multiply" by the model's ``logit_scale``, "lm_head_multiplier" by the base
     model's ``lm_head_multiplier``). experts_gate: how the family's experts compute their gate where it is not
     transformers' shared hook: "clamped_swiglu" (GPT-OSS's own ``_apply_gate``, from the experts' ``alpha`` and
@@ -52,6 +55,11 @@ class ModelFamily:
     formula) of the norm classes whose formula is not ``norm`` (the vision tower's); module, the text family's
     modeling module (its RoPE, decoder layers and MLPs); logits, the wrapper's (its forward applies the
     transform, or not).
+
+    causal_lm_inside: the attribute of a ``*ForConditionalGeneration`` that holds a ``*ForCausalLM`` where the others
+    hold a base model at ``.model`` (Llama 4's ``language_model``): the fused loss runs that forward as it is (it
+    merges the images into the text embeddings), without labels, the causal LM inside returning its text model's
+    hidden states in the logits' place.
     """
 
     model_type: str
@@ -66,6 +74,7 @@ class ModelFamily:
     rope_heads_dim: int = 2
     rope_single: bool = False
     interleaved_rope: str | None = None
+    vision_rope: str | None = None
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
     logits: str | None = None
@@ -77,6 +86,7 @@ class ModelFamily:
     kept: tuple[tuple[str, str], ...] = ()
     text_family: str | None = None
     norm_kinds: tuple[tuple[str, str], ...] = ()
+    causal_lm_inside: str | None = None
 
     @property
     def modeling_module(self) -> str:
@@ -101,9 +111,11 @@ class ModelFamily:
 
 
 _F = ModelFamily
+# the vision tower's rotary function of the Qwen vision-language families and GLM-4V (``vision_rope``)
+_VISION_ROPE = "apply_rotary_pos_emb_vision"
 # what a Qwen vision-language family leaves as transformers' own
-_VISION_LEFT = ("the vision tower's patch embedding, attention and 2-D RoPE (apply_rotary_pos_emb_vision) and the "
-                "patch merger stay transformers' own")
+_VISION_LEFT = ("the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
+                "its patch embedding and attention and the patch merger stay transformers' own")
 MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("llama", "Llama"),
     _F("llama4_text", "Llama4Text", module="transformers.models.llama4.modeling_llama4", experts_gate="batched",
@@ -156,35 +168,80 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("minimax", "MiniMax", note="the lightning (linear) attention stays transformers' own; the residual adds "
        "are scaled (alpha·residual + beta·x) and stay unfused"),
     _F("nemotron", "Nemotron", norm="layer1p", norm_classes=("NemotronLayerNorm1P",),
-       note="the squared-ReLU MLP (not gated) stays transformers' own"),
+       note="the residual adds before its LayerNorms stay unfused; its MLPs (squared ReLU, not gated) become "
+       "SquaredReLUMLP, on the squared_relu kernels"),
     _F("gemma4_text", "Gemma4", norm="fp32", logits="softcap", rope_single=True,
        module="transformers.models.gemma4.modeling_gemma4"),
     # multimodal (vision-language): the text stack as a text family's; the vision tower's RMSNorm / LayerNorm and
     # gated MLPs where it has them; the loss of the *ForConditionalGeneration. Qwen's multimodal RoPE (M-RoPE, its
     # sections interleaved in Qwen 3-VL) is assembled into per-token cos/sin tables by the text rotary embedding
     # module, so the apply_rotary_pos_emb it feeds is the plain rotate-half rotation
-    _F("qwen2_5_vl", "Qwen2_5_VL", causal_lm=("Qwen2_5_VLForConditionalGeneration",),
+    _F("qwen2_5_vl", "Qwen2_5_VL", causal_lm=("Qwen2_5_VLForConditionalGeneration",), vision_rope=_VISION_ROPE,
        note=_VISION_LEFT + " (but for its RMSNorm); the vision blocks' RMSNorms and SwiGLU MLPs are patched"),
-    _F("qwen2_vl", "Qwen2VL", norm_classes=("Qwen2VLRMSNorm", "LayerNorm"), causal_lm=("Qwen2VLForConditionalGeneration",),
+    _F("qwen2_vl", "Qwen2VL", norm_classes=("Qwen2VLRMSNorm", "LayerNorm"),
+       causal_lm=("Qwen2VLForConditionalGeneration",), vision_rope=_VISION_ROPE,
        note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their QuickGELU "
        "MLPs (fc1/fc2, not gated) stay"),
     _F("qwen3_vl", "Qwen3VL", norm_classes=("Qwen3VLTextRMSNorm", "LayerNorm"),
-       causal_lm=("Qwen3VLForConditionalGeneration",),
+       causal_lm=("Qwen3VLForConditionalGeneration",), vision_rope=_VISION_ROPE,
        note=_VISION_LEFT + ", as do the deepstack mergers (but for their LayerNorms); the vision blocks' LayerNorms "
        "are patched, their GELU MLPs (linear_fc1/linear_fc2, not gated) stay and are listed in the report"),
+    _F("qwen3_vl_moe", "Qwen3VLMoe", norm_classes=("Qwen3VLMoeTextRMSNorm", "LayerNorm"),
+       causal_lm=("Qwen3VLMoeForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       note=_VISION_LEFT + ", as do the deepstack mergers (but for their LayerNorms); the vision blocks' LayerNorms "
+       "are patched, their GELU MLPs (linear_fc1/linear_fc2, not gated) stay and are listed in the report; the text "
+       "stack's experts and dense MLPs are patched as Qwen 3-MoE's, its router stays"),
+    _F("qwen3_5", "Qwen3_5", norm="gemma", norm_classes=("Qwen3_5RMSNorm", "LayerNorm"),
+       causal_lm=("Qwen3_5ForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their GELU MLPs "
+       "(linear_fc1/linear_fc2, not gated) stay and are listed in the report; the text stack as Qwen 3.5's text "
+       "model: the gated linear-attention layers' gated RMSNorm is transformers' own"),
+    _F("qwen3_5_moe", "Qwen3_5Moe", norm="gemma", norm_classes=("Qwen3_5MoeRMSNorm", "LayerNorm"),
+       causal_lm=("Qwen3_5MoeForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their GELU MLPs "
+       "(linear_fc1/linear_fc2, not gated) stay and are listed in the report; the text stack as Qwen 3.5-MoE's text "
+       "model: the gated linear-attention layers' gated RMSNorm and the router are transformers' own"),
     _F("gemma3", "Gemma3", norm="gemma", norm_classes=("Gemma3RMSNorm", "LayerNorm"),
        causal_lm=("Gemma3ForConditionalGeneration",), vision_tower="vision_tower",
        note="the SigLIP vision tower's patch embedding, attention and GELU MLPs (fc1/fc2, not gated) and the "
        "projector's pooling stay transformers' own; its LayerNorms and the projector's RMSNorm are patched; the "
        "multimodal model's logits are not soft-capped (transformers caps only Gemma3ForCausalLM's)"),
+    _F("gemma4", "Gemma4", norm="fp32", logits="softcap", rope_single=True,
+       causal_lm=("Gemma4ForConditionalGeneration",), vision_tower="vision_tower",
+       kept=(("embed_vision", "the vision projector: a weightless RMSNorm and one linear layer, left as it is, once "
+              "per image token"),
+             ("embed_audio", "the audio projector: a weightless RMSNorm and one linear layer, left as it is")),
+       note="the text stack as Gemma 4's text model; the vision tower's patch embedding, attention, 2-D RoPE (through "
+       "the same apply_rotary_pos_emb, routed to liger-gen) and pooling stay transformers' own, its RMSNorms (q/k/v "
+       "norms included) and gated MLPs (their clippable linears called whole) are patched; the audio tower's "
+       "RMSNorms are patched, its convolutions, attention and feed-forward blocks stay"),
     _F("glm4v", "Glm4v", norm_classes=("Glm4vRMSNorm",), causal_lm=("Glm4vForConditionalGeneration",),
-       rope_pairs=True, rope_tables="interleaved", vision_tower="visual",
+       rope_pairs=True, rope_tables="interleaved", vision_tower="visual", vision_rope=_VISION_ROPE,
        kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
               "once per image token"),),
-       note="the vision tower's patch embedding, position embeddings, attention and 2-D RoPE "
-       "(apply_rotary_pos_emb_vision) and its downsampling convolution stay transformers' own; its RMSNorms and "
-       "SwiGLU MLPs are patched; the text stack's M-RoPE tables (sections, each angle twice in a row) rotate "
-       "interleaved pairs of the partial rotary dims, routed to liger-gen like GLM-4's"),
+       note="the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
+       "its patch embedding, position embeddings, attention and downsampling convolution stay transformers' own; its "
+       "RMSNorms and SwiGLU MLPs are patched; the text stack's M-RoPE tables (sections, each angle twice in a row) "
+       "rotate interleaved pairs of the partial rotary dims, routed to liger-gen like GLM-4's"),
+    _F("glm4v_moe", "Glm4vMoe", norm_classes=("Glm4vMoeTextRMSNorm", "Glm4vMoeRMSNorm"),
+       causal_lm=("Glm4vMoeForConditionalGeneration",), vision_tower="visual", vision_rope=_VISION_ROPE,
+       kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
+              "once per image token"),),
+       note="the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
+       "its patch embedding, position embeddings, attention and downsampling convolution stay transformers' own; its "
+       "RMSNorms and SwiGLU MLPs are patched; the text stack's M-RoPE tables (sections, cat(freqs, freqs)) rotate "
+       "the partial rotary dims as halves, like GLM-4-MoE's; its experts, shared experts and dense MLPs are patched, "
+       "its router stays"),
+    _F("llama4", "Llama4", norm_classes=("Llama4TextRMSNorm", "LayerNorm"), experts_gate="batched",
+       causal_lm=("Llama4ForConditionalGeneration", "Llama4ForCausalLM"), causal_lm_inside="language_model",
+       rope_function="apply_rotary_emb", rope_tables="complex", rope_pairs=True, rope_keeps_dtype=True,
+       vision_tower="vision_model",
+       kept=(("vision_model.vision_adapter", "the pixel-shuffle adapter: a pixel shuffle and an fc1/fc2 MLP (GELU, "
+              "not gated), no liger-gen op"),
+             ("multi_modal_projector", "the projector: one linear layer, no liger-gen op")),
+       note="the text stack as Llama 4's text model (llama4_text); the vision tower's patch embedding (unfold), "
+       "attention and 2-D RoPE (vision_apply_rotary_emb) stay transformers' own, its LayerNorms are patched, its "
+       "fc1/fc2 MLPs (not gated) stay and are listed in the report"),
     _F("mllama", "Mllama", norm_classes=("MllamaTextRMSNorm", "LayerNorm"),
        causal_lm=("MllamaForConditionalGeneration", "MllamaForCausalLM"), vision_tower="vision_model",
        kept=(("multi_modal_projector", "the projector: one linear layer, no liger-gen op"),),
@@ -230,8 +287,9 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
 )}
 # model types that are these families under another name in some transformers releases
 # (a multimodal family's text model alone: its base text model, patched as the family's text stack)
-ALIASES = {"llama4": "llama4_text", "qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl",
-           "qwen3_vl_text": "qwen3_vl", "glm4v_text": "glm4v", "mllama_text_model": "mllama"}
+ALIASES = {"qwen2_5_vl_text": "qwen2_5_vl", "qwen2_vl_text": "qwen2_vl",
+           "qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe",
+           "glm4v_text": "glm4v", "glm4v_moe_text": "glm4v_moe", "mllama_text_model": "mllama"}
 
 
 def _is_text_family(family: ModelFamily) -> bool:

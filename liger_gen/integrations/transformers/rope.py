@@ -1,6 +1,6 @@
-"""RoPE routing: a family's ``apply_rotary_pos_emb`` (or its other rotary functions) replaced, in its
-modeling module, by a wrapper of ``liger_gen.functional.rope`` with transformers' signature; process-wide,
-undone by ``restore_rope``. This module owns that state."""
+"""RoPE routing: a family's ``apply_rotary_pos_emb`` (or its other rotary functions, its vision tower's included)
+replaced, in its modeling module, by a wrapper of ``liger_gen.functional.rope`` with transformers' signature;
+process-wide, undone by ``restore_rope``. This module owns that state."""
 
 from __future__ import annotations
 
@@ -174,29 +174,95 @@ def _transformers_rope(original, family: ModelFamily, interleaved: bool = False,
     return apply_rotary_pos_emb
 
 
+_VISION_PARAMETERS = ("q", "k", "cos", "sin")
+_VISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _vision_rope(original, name: str, signature: inspect.Signature):
+    """liger-gen RoPE with the signature of transformers' ``apply_rotary_pos_emb_vision(q, k, cos, sin)``, the
+    vision tower's 2-D RoPE of the Qwen vision-language families and GLM-4V: q and k (seq, heads, head_dim), views
+    of the blocks' fused qkv projection; cos and sin (seq, head_dim) tables of the patches' (height, width)
+    angles, cat(freqs, freqs), rotate_half layout. transformers computes it in fp32 (q, k, cos and sin upcast) and
+    casts the results back to q's and k's dtypes. The op takes q and k as a batch of one in its (batch, seq, heads,
+    head_dim) layout (read in place) with the tables in fp32: its outputs are then fp32, each product and the sum
+    rounded in fp32 as transformers rounds them, and cast back once; its backward sums in fp32 and rounds once to
+    q's dtype, as the backward of transformers' upcast does. On the plain-PyTorch path (CPU tensors without the
+    interpreter) the op is the text formula under PyTorch's promotion, whose backward would round each product's
+    gradient to q's dtype: q and k are upcast there, as transformers upcasts them, so that path is transformers'
+    own, bit for bit. Calls of another form (other ranks or shapes, q and k of different dtypes or float64) go to
+    transformers' function, which computes them, or raises, as it does."""
+    from liger_gen.functional import rope
+    from liger_gen.runtime.ops import uses_triton
+
+    def takes(q, k, cos, sin) -> bool:
+        tensors = all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin))
+        return tensors and q.dim() == k.dim() == 3 and cos.dim() == sin.dim() == 2 and q.dtype == k.dtype \
+            and q.dtype in _VISION_DTYPES and cos.is_floating_point() and sin.is_floating_point() \
+            and cos.shape == sin.shape == (q.shape[0], q.shape[-1]) and k.shape[0] == q.shape[0] \
+            and k.shape[-1] == q.shape[-1]
+
+    @_wraps_rope(original, name, signature)
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):
+        if not takes(q, k, cos, sin):
+            return original(q, k, cos, sin)
+        dtype = q.dtype
+        if not uses_triton(q):
+            q, k = q.float(), k.float()
+        q_out, k_out = rope(q.unsqueeze(0), k.unsqueeze(0), cos.unsqueeze(0).float(), sin.unsqueeze(0).float(),
+                            unsqueeze_dim=2)
+        return q_out.squeeze(0).to(dtype), k_out.squeeze(0).to(dtype)
+
+    apply_rotary_pos_emb_vision.liger_gen = True
+    return apply_rotary_pos_emb_vision
+
+
 def rope_functions(family: ModelFamily) -> tuple[tuple[str, bool], ...]:
-    """(function name, interleaved) of every rotary function of the family that liger-gen replaces."""
+    """(function name, interleaved) of every rotary function of the family's text stack that liger-gen replaces
+    (``vision_rope_function``: its vision tower's)."""
     names = ((family.rope_function, False),) if family.rope else ()
     return names + (((family.interleaved_rope, True),) if family.interleaved_rope else ())
 
 
+def vision_rope_function(family: ModelFamily, modeling) -> str | None:
+    """The name of the family's vision rotary function (``ModelFamily.vision_rope``) where ``modeling`` has it with
+    the (q, k, cos, sin) parameters liger-gen's wrapper takes; None otherwise (it then stays transformers' own)."""
+    name = family.vision_rope
+    function = _original_rope.get((modeling.__name__, name), getattr(modeling, name, None)) if name else None
+    if function is None or not callable(function):
+        return None
+    try:
+        parameters = tuple(_rope_signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return name if parameters == _VISION_PARAMETERS else None
+
+
+def _route(modeling, function: str, make) -> tuple[object, object]:
+    """Put the liger-gen wrapper of ``modeling.<function>`` (made once, by ``make(original)``) in its place;
+    (transformers' function, the wrapper)."""
+    key = (modeling.__name__, function)
+    original = _original_rope.setdefault(key, getattr(modeling, function))
+    patched = _patched_rope.get(key)
+    if patched is None:
+        patched = make(original)
+        if _is_function_module(original):
+            patched = _routed_function_module(original, patched)
+        _patched_rope[key] = patched
+    setattr(modeling, function, patched)
+    return original, patched
+
+
 def patch_rope(model: nn.Module, modeling, family: ModelFamily) -> bool:
-    """Route the family's rotary functions to liger-gen; whether all of them now are."""
+    """Route the family's rotary functions (its vision tower's where ``vision_rope_function`` names one) to
+    liger-gen; whether all of them now are."""
     done = True
     for function, interleaved in rope_functions(family):
-        key = (modeling.__name__, function)
         current = getattr(modeling, function, None)
         if not callable(current):
             raise RuntimeError(f"liger_gen.apply_to: {modeling.__name__} has no {function}; transformers "
                                f"releases tested: {', '.join(TESTED_TRANSFORMERS)}")
-        original = _original_rope.setdefault(key, current)
-        patched = _patched_rope.get(key)
-        if patched is None:
-            patched = _transformers_rope(original, family, interleaved, function)
-            if _is_function_module(original):
-                patched = _routed_function_module(original, patched)
-            _patched_rope[key] = patched
-        setattr(modeling, function, patched)
+        original, patched = _route(modeling, function,
+                                   lambda original: _transformers_rope(original, family, interleaved, function))
         done = done and getattr(modeling, function) is patched
         # transformers 5.0-5.14 keep the function on every attention module too (use_kernelized_func: a
         # ``rotary_fn`` attribute, later a ``_hidden_kernels`` dict); a function pickles by its module's name,
@@ -209,19 +275,26 @@ def patch_rope(model: nn.Module, modeling, family: ModelFamily) -> bool:
                 for key_, value in list(hidden.items()):
                     if value is original:
                         hidden[key_] = patched
+    vision = vision_rope_function(family, modeling)
+    if vision is not None:  # called by name from the vision attention's forward: no module holds it
+        _, patched = _route(modeling, vision, lambda original: _vision_rope(original, vision,
+                                                                            _rope_signature(original)))
+        done = done and getattr(modeling, vision) is patched
     return done
 
 
 def rope_is_patched(family: ModelFamily) -> bool:
-    """Whether every rotary function of the family is routed to liger-gen in this process now."""
-    functions = rope_functions(family)
+    """Whether every rotary function of the family (its vision tower's included, where ``vision_rope_function``
+    names one) is routed to liger-gen in this process now."""
+    functions = [f for f, _ in rope_functions(family)]
     if not functions:
         return False
     try:
         modeling = importlib.import_module(family.modeling_module)
     except ImportError:
         return False
-    return all(getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f, _ in functions)
+    functions += [f for f in (vision_rope_function(family, modeling),) if f is not None]
+    return all(getattr(modeling, f, None) is _patched_rope.get((modeling.__name__, f)) for f in functions)
 
 
 def restore_rope() -> None:

@@ -410,8 +410,9 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offse
         weight = weight.contiguous()
     # (the custom op returns rstd too: a graph records every output)
     y, s, q, d_rows, qt, d_cols = rms_norm_fp8_2d(x2, r2, weight, eps, offset, casting_mode, bool(cols))[:6]
-    return Fp8NormOutput(y.view(shape), s.view(shape) if residual is not None else None, q, d_rows,
-                         qt if cols else None, d_cols if cols else None)
+    # the operands are not differentiable: detached, so autograd keeps no graph through them
+    return Fp8NormOutput(y.view(shape), s.view(shape) if residual is not None else None, q.detach(),
+                         d_rows.detach(), qt.detach() if cols else None, d_cols.detach() if cols else None)
 
 
 def _plain(x, weight, eps, offset, casting_mode, residual, cols) -> Fp8NormOutput:
