@@ -414,13 +414,17 @@ def _model_folder_config(model_name: str) -> str:
                    "cross-entropy), predicted with transformers (without transformers verify refuses to guess: "
                    "name the ops or install it); for a family apply_to does not support, rms_norm,"
                    "fused_add_rms_norm,rope,swiglu,fused_linear_cross_entropy (a Llama-like model).")
+@click.option("--fp8", is_flag=True,
+              help="The model trains with apply_to(model, fp8=True): the default ops include the FP8 quantize ops "
+                   "(at every operand width of the decoder's projections) and the norms that write their "
+                   "operands.")
 @click.option("--allow-heuristic", is_flag=True,
               help="Exit 0 even when some shapes would run the analytic heuristic (no tuned entry).")
 @click.option("--require-compiled", is_flag=True,
               help="Exit 1 unless a compiled kernel store can be used here (for this Triton and GPU), so an image "
                    "whose kernels would all compile at start fails its build.")
 @json_option
-def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled, as_json) -> None:
+def verify(gpu, model_name, rows, dtypes, ops, fp8, allow_heuristic, require_compiled, as_json) -> None:
     """Say which tuned tables this machine would use for a model's shapes, which not and why.
 
     Exits 1 when a table file or entry is unusable, or when a shape would run the heuristic (unless
@@ -453,7 +457,7 @@ def verify(gpu, model_name, rows, dtypes, ops, allow_heuristic, require_compiled
         from liger_gen.models import PRESETS
         from liger_gen.verify import default_ops
 
-        ops, ops_source = default_ops(model_source, from_file=model_source not in PRESETS)
+        ops, ops_source = default_ops(model_source, from_file=model_source not in PRESETS, fp8=fp8)
     else:
         ops_source = "those named by --ops"
     report = check(gpu, model, rows, dtype_list, ops)
@@ -668,14 +672,13 @@ def bench_step(first_step, repeats, as_json, **options) -> None:
 
     if options.get("device") is None and not torch.cuda.is_available():
         given = models_given()
-        models = ",".join(options["models"]) if given else "tiny"
         raise NeedsGPU(
             "no CUDA GPU is visible, and `liger-gen bench-step` trains "
-            + (f"{models}" if given else "the Llama-3.2-1B and Qwen2.5-0.5B shapes")
+            + (",".join(options["models"]) if given else "the Llama-3.2-1B and Qwen2.5-0.5B shapes")
             + " at --batch-size x --seq-len tokens per step (by default 8 x 2048: tens of GB of memory and hours on "
             "a CPU for a real model's shapes). Run it on a machine with a GPU; for a functional run on the CPU name "
-            f"the device{'' if given else ' and a tiny model'}: `TRITON_INTERPRET=1 liger-gen bench-step --device "
-            f"cpu --model {models} --batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0`.")
+            "the device and the tiny model: `TRITON_INTERPRET=1 liger-gen bench-step --device cpu --model tiny "
+            "--batch-size 2 --seq-len 64 --warmup-steps 1 --steps 2 --profile-steps 0`.")
     with bench_out(options.pop("out_dir"), "bench-step") as folder:
         with progress_bar("bench-step", enabled=not as_json) as bar:
             try:

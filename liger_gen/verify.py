@@ -148,11 +148,11 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
         if ops is not None and name not in ops:
             continue
         try:
-            dims = spec.problem.shape(model)
+            shapes = spec.problem.shapes(model)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             report.notices.append(f"{name}: no shape for this model ({type(exc).__name__}: {exc})")
             continue
-        for dtype in dtypes:
+        for dims, dtype in ((d, t) for d in shapes for t in dtypes):
             try:
                 space = spec.space(dims, dtype, limits)
             except ValueError as exc:  # dims this op's kernels do not take: the runtime would refuse the call
@@ -165,9 +165,11 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
 
 #: The ops ``apply_to`` runs on a Llama-like model: what verify checks when the model's family is not known.
 LLAMA_OPS = ("rms_norm", "fused_add_rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+#: The ops ``apply_to(model, fp8=True)`` adds on a Llama-like bf16 model.
+FP8_OPS = ("rms_norm_fp8", "fp8_quantize", "fp8_cast_transpose")
 
 
-def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | None, str]:
+def ops_apply_to_runs(cfg: dict, *, quiet: bool = False, fp8: bool = False) -> tuple[list[str] | None, str]:
     """(the ops ``apply_to`` runs for the model a Hugging Face config's fields describe, why) — or (None, why
     not). The model is built with transformers on the meta device (``AutoModelForCausalLM.from_config``, no
     weights allocated, no remote code), patched by ``apply_to`` and asked (``patched_ops``), so the answer is
@@ -176,7 +178,8 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | No
     fused (in a ``*ForConditionalGeneration`` of a vision-language family too). Attention is built as "eager" whatever the config names (the
     ops do not depend on it, and flash-attention need not be installed where verify runs); a config of more than
     MAX_LAYERS layers is not built. ``quiet``: raise the ``liger_gen`` and ``transformers`` loggers to ERROR
-    while building (process-wide: for the single-threaded command line)."""
+    while building (process-wide: for the single-threaded command line). ``fp8``: as ``apply_to(model,
+    fp8=True)`` on a bf16 model (the FP8 quantize ops, and ``rms_norm_fp8`` where norms write the operands)."""
     import warnings
 
     try:
@@ -209,9 +212,10 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False) -> tuple[list[str] | No
             # as from_pretrained reads a file: releases that write inf/NaN as {"__float__": ...} decode them
             decode = getattr(config_class, "_decode_special_floats", None)
             config = config_class.from_dict(decode(fields) if callable(decode) else fields)
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+            dtype = {"dtype": torch.bfloat16} if fp8 else {}
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", **dtype)
             family = integration.family_of(model)  # ValueError: not a family apply_to supports
-            integration.apply_to(model, rope=False)  # RoPE routing is process-wide: predicted, not done
+            integration.apply_to(model, rope=False, fp8=fp8)  # RoPE routing is process-wide: predicted, not done
     except Exception as exc:  # noqa: BLE001 - any failure to build the model means: no prediction
         return None, f"{model_type}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:
@@ -239,7 +243,7 @@ def ops_for_config(path: str | Path) -> list[str] | None:
     return ops_apply_to_runs(cfg)[0]
 
 
-def default_ops(model_name: str, from_file: bool) -> tuple[list[str], str]:
+def default_ops(model_name: str, from_file: bool, fp8: bool = False) -> tuple[list[str], str]:
     """The ops ``liger-gen verify`` checks without ``--ops``, and where they come from: those ``apply_to`` runs for
     the preset or config file (``from_file``), else the Llama-like ``LLAMA_OPS`` with the reason (a model without
     a family, a family apply_to does not support). Without transformers the ops cannot be predicted, and they are
@@ -259,10 +263,10 @@ def default_ops(model_name: str, from_file: bool) -> tuple[list[str], str]:
         except MissingExtraError as exc:
             raise MissingExtraError(f"liger-gen verify does not guess the ops a model runs: {exc}; or name the "
                                     f"ops to check with --ops") from exc
-        ops, why = ops_apply_to_runs(cfg, quiet=True)
+        ops, why = ops_apply_to_runs(cfg, quiet=True, fp8=fp8)
         if ops:
             return ops, why
-    return list(LLAMA_OPS), f"a Llama-like model's: no prediction for this one, {why}"
+    return list(LLAMA_OPS + (FP8_OPS if fp8 else ())), f"a Llama-like model's: no prediction for this one, {why}"
 
 
 def check_compiled(report: Report, gpu: str, roots, op_templates: dict[str, tuple[str, ...]]) -> None:

@@ -518,6 +518,23 @@ def test_verify_default_ops_of_a_preset_are_its_familys(preset, expected):
     assert ops == expected and "apply_to runs on" in why
 
 
+def test_verify_fp8_checks_the_fp8_ops_at_every_operand_width(monkeypatch):
+    """With --fp8 the predicted ops are those apply_to(model, fp8=True) runs on a bf16 model (the norms that
+    write the operands, both quantize ops), and the quantize ops are checked at each width the projections'
+    operands have (hidden 4096, intermediate 14336, k/v 1024 at Llama-3-8B)."""
+    from liger_gen.verify import default_ops
+
+    monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
+    ops, _ = default_ops("llama3-8b", from_file=False, fp8=True)
+    assert {"rms_norm_fp8", "fp8_quantize", "fp8_cast_transpose"} <= set(ops)
+    assert "fp8_quantize" not in default_ops("llama3-8b", from_file=False)[0]
+    result = _verify("--gpu", "h200", "--model", "llama3-8b", "--fp8", "--rows", "4096", "--allow-heuristic",
+                     "--json")
+    widths = {op: sorted(f["dims"]["n_cols"] for f in json.loads(result.output)["result"]["findings"] if f["op"] == op)
+              for op in ("fp8_quantize", "fp8_cast_transpose")}
+    assert widths == {"fp8_quantize": [1024, 4096, 14336], "fp8_cast_transpose": [1024, 4096, 14336]}
+
+
 def test_verify_says_where_its_ops_come_from(tmp_path, monkeypatch):
     monkeypatch.delenv(tables.ENV_TUNED_DIR, raising=False)
     path = _write_config(tmp_path, "bert", model_type="bert")

@@ -133,6 +133,12 @@ def test_cast_transpose_errors_name_the_tensor(args, exc, words):
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
+def test_outputs_carry_no_graph(cpu_path):
+    """Not differentiable, on every path: an input that requires grad gives outputs without a graph."""
+    x = torch.randn(5, 32, requires_grad=True)
+    assert not any(t.requires_grad or t.grad_fn is not None for t in fp8_cast_transpose(x))
+
+
 def test_the_custom_op_passes_opcheck():
     x = torch.randn(21, 32, generator=seeded("ct-opcheck")).to(torch.bfloat16)
     for fmt in ("e4m3", "e5m2"):

@@ -1,8 +1,9 @@
 """``rms_norm_fp8``: RMSNorm (or the fused residual add + RMSNorm) that also writes the e4m3 operands of its output.
 
 What must hold, bit for bit: y, the sum and the gradients are those of ``rms_norm`` / ``fused_add_rms_norm`` (the
-same arithmetic and the same backward kernels), and the operands are those of ``fp8_cast_transpose(y)`` (the
-recipe applied to the y written), for both fusion splits (``EMIT``), every casting mode, special rows (zeros,
+same arithmetic and the same backward kernels; on the CPU, where the row sums add in one order whatever the
+launch settings: on a GPU the order follows the warps, which each op's table picks), and the operands are those
+of ``fp8_cast_transpose(y)`` (the recipe applied to the y written), for both fusion splits (``EMIT``), every casting mode, special rows (zeros,
 NaN, inf, huge values) and ragged tiles. Plus: its space and heuristic, the tuner's gate, its errors, and a
 patched Llama whose norms hand their operands to the FP8 projections: the projections quantize nothing of the
 norms' outputs and the loss and gradients are unchanged.
@@ -191,7 +192,8 @@ def _loss_and_grads(model, ids):
 def test_a_patched_llamas_norms_hand_their_operands_to_the_projections(monkeypatch):
     """``apply_to(fp8=True)`` marks each layer's two norms (before q/k/v and before gate/up): the projections then
     quantize none of the norms' outputs (4 of the 2-layer model's 11 forward tensors with both operands), and the
-    loss and every gradient are bit for bit those of the same model with the norms unmarked."""
+    loss and every gradient are bit for bit those of the same model with the norms unmarked (on the CPU: see the
+    module docstring)."""
     model = mini_model("llama", dtype=torch.bfloat16, num_hidden_layers=2)
     liger_gen.apply_to(model, fp8=True)
     assert model.liger_gen_report.fp8_norms == 4
@@ -211,9 +213,30 @@ def test_a_patched_llamas_norms_hand_their_operands_to_the_projections(monkeypat
     assert fused[1].keys() == plain[1].keys() and all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())
 
 
-def test_post_norm_layers_are_not_marked():
-    """Gemma 2's post-attention norm normalises the attention's output (its MLP reads the pre-feedforward norm's):
-    such layers keep plain norms."""
-    model = mini_model("gemma2", dtype=torch.bfloat16, num_hidden_layers=1)
+@pytest.mark.parametrize("family", ["gemma2", "falcon_h1"])
+def test_layers_not_built_like_llamas_keep_plain_norms(family):
+    """Gemma 2's post-attention norm normalises the attention's output (its MLP reads the pre-feedforward norm's);
+    Falcon-H1's Mamba mixer reads the input norm's output beside the attention, which reads it scaled: neither
+    layer's norms are marked."""
+    model = mini_model(family, dtype=torch.bfloat16, num_hidden_layers=1)
     liger_gen.apply_to(model, fp8=True)
-    assert model.liger_gen_report.fp8_norms == 0
+    assert model.liger_gen_report.fp8 > 0 and model.liger_gen_report.fp8_norms == 0
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_plain_path_under_compile_and_vmap(residual, monkeypatch):
+    """Without the interpreter, a recorded graph and torch.func transforms take the custom op: torch.compile
+    (fullgraph) gives the eager values, vmap gives each element's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = seeded("plain-compile", residual)
+    x = torch.randn(2, 10, 32, generator=gen).to(torch.bfloat16)
+    r = torch.randn(2, 10, 32, generator=gen).to(torch.bfloat16) if residual else None
+    w = (torch.rand(32, generator=gen) + 0.5).to(torch.bfloat16)
+    eager = rms_norm_fp8(x, w, residual=r)
+    compiled = torch.compile(lambda a, b: tuple(v for v in rms_norm_fp8(a, w, residual=b) if v is not None),
+                             fullgraph=True, backend="aot_eager")(x, r)
+    for got, want in zip(compiled, (v for v in eager if v is not None)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+    mapped = torch.vmap(lambda a, b: rms_norm_fp8(a, w, residual=b).y, in_dims=(0, 0 if residual else None))(x, r)
+    assert torch.equal(mapped, eager.y)

@@ -184,6 +184,12 @@ class Problem:
         raise NotImplementedError
 
     @classmethod
+    def shapes(cls, model) -> list[dict[str, int]]:
+        """Every feature-dims dict the op runs at in ``model`` (``liger-gen verify`` checks each): ``shape``'s one,
+        unless an op runs at several widths in one model."""
+        return [cls.shape(model)]
+
+    @classmethod
     def bench_dims(cls, model, rows: int) -> dict[str, int]:
         """The dims ``make_inputs`` and ``step_bytes`` take: ``{"rows": rows, **shape(model)}``."""
         return {"rows": int(rows), **cls.shape(model)}

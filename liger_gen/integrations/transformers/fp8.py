@@ -26,6 +26,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from liger_gen.nn import Float8Linear
@@ -165,21 +166,31 @@ NORM_CONSUMERS = {"input_layernorm": (("self_attn", ("q_proj", "k_proj", "v_proj
                   "post_attention_layernorm": (("mlp", ("gate_proj", "up_proj")), ("mlp", ("gate_up_proj",)))}
 
 
+#: the children of a plain pre-norm decoder layer (Llama's, and the many families built like it); dropouts aside
+PRE_NORM_CHILDREN = frozenset(("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
+
+
 def mark_fp8_norms(model: nn.Module) -> int:
-    """Give each pre-norm decoder layer's liger-gen ``RMSNorm`` whose output only ``Float8Linear`` projections
+    """Give each pre-norm decoder layer's liger-gen ``RMSNorm`` whose output the ``Float8Linear`` projections
     read (the input norm before q, k and v; the post-attention norm before gate and up) those projections, so
-    its kernel writes their FP8 operands (``RMSNorm.fp8_consumers``). Layers with a ``post_feedforward_layernorm``
-    (Gemma 2/3, OLMo 2 style, where the post-attention norm normalises the attention's output) are left as they
-    are. Returns the number of norms marked."""
+    its kernel writes their FP8 operands (``RMSNorm.fp8_consumers``). Only layers made of attention, MLP and
+    those two norms (and dropouts) are marked: where a layer holds more (Gemma 2/3 and OLMo 2's extra norms,
+    which normalise the attention's output; Falcon-H1's Mamba mixer, which reads the input norm's output beside
+    the attention), its norms stay plain; so do norms whose weights are not bf16 (a float32 model under a bf16
+    autocast: the projections cast the norm's float32 output and quantize it themselves). Returns the number of
+    norms marked."""
     from liger_gen.nn import RMSNorm
 
     marked = 0
     for layer in model.modules():
-        if not type(layer).__name__.endswith("DecoderLayer") or hasattr(layer, "post_feedforward_layernorm"):
+        if not type(layer).__name__.endswith("DecoderLayer") or any(
+                name not in PRE_NORM_CHILDREN and not isinstance(child, nn.Dropout)
+                for name, child in layer.named_children()):
             continue
         for norm_name, layouts in NORM_CONSUMERS.items():
             norm = getattr(layer, norm_name, None)
-            if not isinstance(norm, RMSNorm) or norm.weight is None:
+            # bf16 weights: the norm's output is the projections' bf16 input (an fp32 norm under autocast is not)
+            if not isinstance(norm, RMSNorm) or norm.weight is None or norm.weight.dtype != torch.bfloat16:
                 continue
             for block_name, names in layouts:
                 block = getattr(layer, block_name, None)

@@ -135,6 +135,11 @@ class QuantizeProblem(Problem):
         return {"n_cols": model.hidden_size}
 
     @classmethod
+    def shapes(cls, model) -> list[dict[str, int]]:
+        """Every operand width a decoder's FP8 linear layers quantize (``operand_widths``)."""
+        return [{"n_cols": k} for k in operand_widths(model)]
+
+    @classmethod
     def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
         return Inputs({"x": randn(gen, (dims["rows"], dims["n_cols"]), dtype, device)}, grad_of=(),
                       upstream=dict.fromkeys(cls.OUTPUTS), options={"fp8": options.get("fp8", "e4m3")})
@@ -291,10 +296,11 @@ def fp8_quantize(x: torch.Tensor, axis: str = "rows",
 
 def checked_2d(op: str, x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor]:
     """The checks of a public quantize op: x a 2-D float32 / bfloat16 / float16 tensor and fp8_dtype an FP8
-    format; (x with unit column stride,)."""
+    format; (x detached (the ops are not differentiable, on every path), with unit column stride,)."""
     check_tensor(op, "x", x, dtypes=KERNEL_DTYPES)
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be 2-D (M, K); got {describe('x', x)}")
     if fp8_dtype not in FORMAT_NAMES:
         raise TypeError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    x = x.detach()
     return (x if x.stride(-1) == 1 else x.contiguous(),)

@@ -2,7 +2,7 @@
 decoder layer's FP8 projections (q, k, v after the input norm; gate and up after the post-attention norm) would
 otherwise quantize from the norm's output in a separate op. Search space, tuning problem, custom op and the op.
 
-    y     = RMSNorm(x) or RMSNorm(x + r)             (``rms_norm`` / ``fused_add_rms_norm``, bit for bit)
+    y     = RMSNorm(x) or RMSNorm(x + r)             (``rms_norm`` / ``fused_add_rms_norm``'s arithmetic)
     q, d  = y per row:    rne_e4m3(y · 2^a_i), 2^-a_i,  a_i = floor(log2(448 / max_j |y_ij|))
     qt, e = y per column: rne_e4m3(y · 2^b_j), 2^-b_j,  b_j = floor(log2(448 / max_i |y_ij|)), transposed
 
@@ -11,6 +11,11 @@ work is split is a tuned choice (``EMIT``): the norm kernel writes the rows oper
 registers) and the cast kernel only the columns, or the norm kernel writes both axes' amaxes and the cast kernel
 both operands. The backward is the plain norms' (``rms_norm_bwd``, ``fused_add_rms_norm_bwd``): y and the sum
 are differentiable, the FP8 operands are not. Kernels: ``templates/rms_norm_fp8.py.jinja``.
+
+y and the sum are those of ``rms_norm`` / ``fused_add_rms_norm`` bit for bit where the kernels' row reductions add
+in the same order: always in Triton's CPU interpreter and on the plain-PyTorch path; on a GPU the order follows
+the number of warps, which each op's table chooses, so y may differ from the plain norm's in its last bit (each is
+a correctly computed RMSNorm, and the operands always match the y this op returns).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from liger_gen.ops.norms.row_norm import (DecoderNormProblem, RowNormForwardConf
 from liger_gen.runtime import fp8 as recipe
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
 from liger_gen.runtime.ops import (check_float_arg, check_kernel_dtypes, check_same_device, describe,
-                                   interpreter_enabled, kernel_module, uses_triton)
+                                   interpreter_enabled, kernel_module, transforms_active, use_custom_op, uses_triton)
 
 OP = "rms_norm_fp8"
 EMITS = ("rows", "amax")
@@ -257,10 +262,7 @@ def _fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.T
         rstd = torch.rsqrt(normed.pow(2).mean(-1) + eps) if rows else normed.new_empty((0,))
         q, d_rows = recipe.quantize_reference(y, -1, recipe.E4M3)
         if cols:
-            q_cols, d_cols = recipe.quantize_reference(y, 0, recipe.E4M3)
-            qt = torch.zeros((n_cols, recipe.padded(rows)), dtype=recipe.E4M3, device=x.device)
-            qt[:, :rows] = q_cols.t()
-            d_cols = d_cols.reshape(n_cols, 1)
+            qt, d_cols = _columns_operand(y)
         else:
             qt, d_cols = _empty(x, recipe.E4M3), _empty(x, torch.float32)
         return y.to(y_dtype), s, q, d_rows, qt, d_cols, rstd
@@ -394,10 +396,13 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offse
                              f" and {describe('x', x)}")
     check_same_device(op, x=x, weight=weight, residual=residual)
     check_floating(op, x=x, weight=weight, residual=residual)
-    if not uses_triton(x):  # the plain-PyTorch path: the norms' references (autograd's), then the recipe
+    if not uses_triton(x) and not (use_custom_op() or transforms_active()):
+        # the plain-PyTorch path in eager mode: the norms' references (autograd's), then the recipe; a graph
+        # being recorded or a torch.func transform takes the custom op (whose plain branch computes the same)
         return _plain(x, weight, eps, offset, casting_mode, residual, bool(cols))
-    check_kernel_dtypes(op, x=x, weight=weight, residual=residual)
-    check_row_width(op, RMSNormFp8Space, x)
+    if uses_triton(x):
+        check_kernel_dtypes(op, x=x, weight=weight, residual=residual)
+        check_row_width(op, RMSNormFp8Space, x)
     shape, hidden = x.shape, x.shape[-1]
     rows = math.prod(shape[:-1])
     x2 = x.reshape(rows, hidden)
@@ -423,10 +428,14 @@ def _plain(x, weight, eps, offset, casting_mode, residual, cols) -> Fp8NormOutpu
         y, s = fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
     y2 = y.detach().reshape(-1, x.shape[-1])
     q, d_rows = recipe.quantize_reference(y2, -1, recipe.E4M3)
-    qt = d_cols = None
-    if cols:
-        q_cols, d_cols = recipe.quantize_reference(y2, 0, recipe.E4M3)
-        qt = torch.zeros((y2.shape[1], recipe.padded(y2.shape[0])), dtype=recipe.E4M3, device=x.device)
-        qt[:, : y2.shape[0]] = q_cols.t()
-        d_cols = d_cols.reshape(-1, 1)
+    qt, d_cols = _columns_operand(y2) if cols else (None, None)
     return Fp8NormOutput(y, s, q, d_rows, qt, d_cols)
+
+
+def _columns_operand(y2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe's columns operand of y2 (rows, n_cols) in plain PyTorch: (n_cols, padded rows) FP8 with zero
+    columns past the last row (written without in-place ops), and (n_cols, 1) dequant scales."""
+    q_cols, d_cols = recipe.quantize_reference(y2, 0, recipe.E4M3)
+    rows, n_cols = y2.shape
+    pad = torch.zeros((n_cols, recipe.padded(rows) - rows), dtype=recipe.E4M3, device=y2.device)
+    return torch.cat([q_cols.t(), pad], dim=1), d_cols.reshape(n_cols, 1)
