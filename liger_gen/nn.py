@@ -46,8 +46,8 @@ class RMSNorm(nn.Module):
         self.casting_mode = casting_mode
         # set by liger_gen.apply_to on a decoder layer's post-attention norm whose residual add it fuses
         self.fuse_residual = False
-        # set by liger_gen.apply_to(fp8=...) on a decoder layer's norm whose output only FP8 projections read:
-        # those projections (a plain tuple, not submodules; the norm then writes their FP8 operands with its output)
+        # set by liger_gen.apply_to(fp8=...) on the norms before q/k/v and before gate/up of a layer built like
+        # Llama's: those FP8 projections (a plain tuple, not submodules); the norm then writes their operands
         self.fp8_consumers: tuple = ()
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):

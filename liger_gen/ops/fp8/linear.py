@@ -6,8 +6,8 @@ input gradient; dy and x per feature over the tokens (``axis="cols"``, transpose
 16 tokens, which the GEMM needs) for the weight gradient. The GEMMs are cuBLASLt's (CPU: PyTorch's reference
 kernel); the quantization runs the tuned ``fp8_cast_transpose`` kernels where a tensor needs both of its
 operands (x when its weight has a gradient, dy when x and W both have one) and ``fp8_quantize``'s where it needs
-one (the weights, a frozen layer's x). The outputs, and the gradients
-of x and W, are bf16 GEMM outputs (W's cast to its dtype); the bias gradient is summed in fp32.
+one (the weights, a frozen layer's x). The outputs, and the gradients of x and W, are bf16 GEMM outputs (W's
+cast to its dtype); the bias gradient is summed in fp32.
 """
 
 from __future__ import annotations
@@ -93,19 +93,21 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, xtq: torch.Tensor, xtd: 
     m = dy.shape[0]
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    both = bool(need_dx and need_dw and m and weight.shape[1])
-    if both:  # dy's two operands from one op (fp8_cast_transpose)
+    # dy per token for the input gradient, over the tokens for the weight gradient (none without features: xtq is
+    # empty then, which is not "not kept", and dW is (N, 0)); both from one op where both are needed
+    need_cols = bool(need_dw and m and weight.shape[1])
+    if need_dx and need_cols:
         dyq, dyd, dytq, dytd = cast_transpose_2d(dy, grad_fp8)
+    elif need_dx:
+        dyq, dyd = quantize_2d(dy, "rows", grad_fp8)
+    elif need_cols:
+        dytq, dytd = quantize_2d(dy, "cols", grad_fp8)
     if need_dx:
-        if not both:
-            dyq, dyd = quantize_2d(dy, "rows", grad_fp8)
         wtq, wtd = quantize_2d(weight if weight.stride(-1) == 1 else weight.contiguous(), "cols", "e4m3")
         dx = fp8r.scaled_mm(dyq, dyd, wtq.t(), wtd.t(), OUT_DTYPE)  # (K, N) W: N is a multiple of 16, no padding
     else:
         dx = dy.new_empty((0,), dtype=OUT_DTYPE)
-    if need_dw and m and weight.shape[1]:  # (no features: xtq is empty, which is not "not kept"; dW is (N, 0))
-        if not both:
-            dytq, dytd = quantize_2d(dy, "cols", grad_fp8)
+    if need_cols:
         if xtq.numel() == 0:
             xtq, xtd = quantize_2d(x, "cols", "e4m3")
         dw = fp8r.scaled_mm(dytq, dytd, xtq.t(), xtd.t(), OUT_DTYPE).to(weight.dtype)
@@ -237,8 +239,8 @@ class _LastInput(threading.local):
     """The quantization of the last input ``linear_2d_call`` saw: attention's q, k and v projections (and the
     MLP's gate and up) read one tensor, which is then quantized once, and its token-axis copy saved once for
     the three weight gradients instead of three times. A norm whose kernel wrote those operands with its output
-    (``rms_norm_fp8``) offers them here first (``offer``), and the projections quantize nothing. Eager mode only: under torch.compile and torch.func
-    every call quantizes (a compiled graph's buffers must not alias).
+    (``rms_norm_fp8``) offers them here first (``offer``), and the projections quantize nothing. Eager mode
+    only: under torch.compile and torch.func every call quantizes (a compiled graph's buffers must not alias).
 
     One entry per thread (threads calling concurrently neither read each other's entry nor evict it), read and
     replaced as one tuple. The entry is the input's weak reference, its version counter, data pointer, shape,
