@@ -333,8 +333,9 @@ def _backward(ctx, dy, ds, *_operands_and_rstd):
     return (dx, dr, dw if ctx.needs_input_grad[2] else None) + rest
 
 
-rms_norm_fp8_2d = Differentiable(rms_norm_fp8_fwd, _save, _backward, reference="liger_gen.reference.rms_norm_torch",
-                                 outputs=6)
+rms_norm_fp8_2d = Differentiable(rms_norm_fp8_fwd, _save, _backward, outputs=6,
+                                 reference="liger_gen.reference.rms_norm_torch (with a residual: "
+                                           "liger_gen.reference.fused_add_rms_norm_torch)")
 """(y, s, q, d_rows, qt, d_cols) of 2-D x (and residual) with unit column stride, differentiable in x, residual
 and weight through y and s."""
 
