@@ -251,21 +251,14 @@ def _fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.T
     fused = residual is not None
     s_dtype = torch.promote_types(x.dtype, residual.dtype) if fused else x.dtype
     y_dtype = rms_norm_out_dtype(s_dtype, weight.dtype, casting_mode)
-    s = torch.empty((rows, n_cols), dtype=s_dtype, device=x.device) if fused else _empty(x, x.dtype)
     if not uses_triton(x) or x.numel() == 0:  # the recipe in plain PyTorch (and nothing to launch)
-        if fused:
-            y, s_ref = fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
-            s.copy_(s_ref)
-        else:
-            y = rms_norm_torch(x, weight, eps, offset, casting_mode)
-        normed = (s if fused else x).float()
+        out = _plain(x, weight, eps, offset, casting_mode, residual, cols)
+        normed = (out.sum if fused else x).float()
         rstd = torch.rsqrt(normed.pow(2).mean(-1) + eps) if rows else normed.new_empty((0,))
-        q, d_rows = recipe.quantize_reference(y, -1, recipe.E4M3)
-        if cols:
-            qt, d_cols = _columns_operand(y)
-        else:
-            qt, d_cols = _empty(x, recipe.E4M3), _empty(x, torch.float32)
-        return y.to(y_dtype), s, q, d_rows, qt, d_cols, rstd
+        qt, d_cols = (out.qt, out.dequant_cols) if cols else (_empty(x, recipe.E4M3), _empty(x, torch.float32))
+        return (out.y.to(y_dtype), out.sum if fused else _empty(x, x.dtype), out.q, out.dequant_rows, qt, d_cols,
+                rstd)
+    s = torch.empty((rows, n_cols), dtype=s_dtype, device=x.device) if fused else _empty(x, x.dtype)
     y = torch.empty((rows, n_cols), dtype=y_dtype, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     q = torch.empty((rows, n_cols), dtype=recipe.E4M3, device=x.device)
