@@ -6,6 +6,8 @@ Checks (each must hold; a failure is printed and makes the exit status 1):
     ``quantize_reference`` bit for bit, including rows of zeros, NaN, ±inf, values near the format's max and tiny
     values;
   - ``rms_norm_fp8`` (with and without the residual add) returns the plain norm's y and ``fp8_cast_transpose(y)``;
+  - ``glu_fp8`` returns SwiGLU's y and ``fp8_cast_transpose(y)``; its backward kernels write the GLU's dgate and
+    dup and ``fp8_cast_transpose`` of each;
   - ``fp8_linear``'s output and gradients are within bf16 rounding of the recipe's float64 value.
 
 Times (CUDA events, median of ``--iters`` after warm-up, L2 not flushed; the GEMMs are compute-bound):
@@ -14,7 +16,9 @@ Times (CUDA events, median of ``--iters`` after warm-up, L2 not flushed; the GEM
     installed), and the quantize kernels alone: rows, cols, and both axes in one op (``fp8_cast_transpose``);
   - the quantize against ``torch.compile`` of the plain-PyTorch recipe (the fused casts torchao relies on);
   - the post-attention norm with its output's operands: ``fused_add_rms_norm`` then ``fp8_cast_transpose``,
-    against ``rms_norm_fp8`` (one op).
+    against ``rms_norm_fp8`` (one op);
+  - the MLP's GLU with the operands of h (forward) and of dgate and dup (backward): the GLU then
+    ``fp8_cast_transpose`` of each, against ``glu_fp8``'s kernels.
 
     python benchmarks/fp8_linear_check.py --model llama3-8b --tokens 16384 --out results/fp8
 """
@@ -32,7 +36,9 @@ import torch.nn.functional as F
 
 from liger_gen.bench import _time_reps
 from liger_gen.models import resolve_model
-from liger_gen.functional import fp8_cast_transpose, fused_add_rms_norm, rms_norm, rms_norm_fp8
+from liger_gen.functional import fp8_cast_transpose, fused_add_rms_norm, glu_fp8, rms_norm, rms_norm_fp8, swiglu
+from liger_gen.ops.glu.glu import glu_bwd_into
+from liger_gen.ops.glu.glu_fp8 import glu_fp8_backward_into
 from liger_gen.ops.fp8.linear import fp8_linear, fp8_linear_float64, fp8_linear_grads_float64
 from liger_gen.ops.fp8.quantize import fp8_quantize
 from liger_gen.runtime import fp8 as recipe
@@ -107,6 +113,29 @@ def check_norm(device, failures: list[str]) -> None:
         if not ok:
             failures.append(f"rms_norm_fp8 ({'fused add' if residual is not None else 'rms_norm'}): y or its "
                             "operands differ from the plain norm's and fp8_cast_transpose's")
+
+
+def _same_operands(x: torch.Tensor, operands) -> bool:
+    want = fp8_cast_transpose(x)
+    q, d, qt, dt = operands
+    return (_same_fp8(q, want[0]) and _same_scales(d.view(-1, 1), want[1]) and _same_fp8(qt, want[2])
+            and _same_scales(dt.view(-1, 1), want[3]))
+
+
+def check_glu(device, failures: list[str]) -> None:
+    gen = torch.Generator(device=device).manual_seed(2)
+    gate, up, dy = (torch.randn(4099, 14336, device=device, generator=gen).to(torch.bfloat16) for _ in range(3))
+    out = glu_fp8(gate, up)
+    if not (torch.equal(out.y, swiglu(gate, up)) and _same_operands(out.y, out[1:])):
+        failures.append("glu_fp8: y or its operands differ from swiglu's and fp8_cast_transpose's")
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    operands = glu_fp8_backward_into(dy, gate, up, dgate, dup, None, "silu")
+    want_dgate, want_dup = torch.empty_like(gate), torch.empty_like(up)
+    glu_bwd_into(dy, gate, up, want_dgate, want_dup, "silu")
+    if not (torch.equal(dgate, want_dgate) and torch.equal(dup, want_dup)
+            and all(_same_operands(t, o) for t, o in zip((dgate, dup), operands))):
+        failures.append("glu_fp8 backward: dgate, dup or their operands differ from the GLU's and "
+                        "fp8_cast_transpose's")
 
 
 def check_linear(device, failures: list[str]) -> None:
@@ -192,6 +221,28 @@ def time_norm(model, tokens: int, iters: int, device) -> dict:
     return {"hidden": h, "norm_then_cast_transpose_ms": separate, "rms_norm_fp8_ms": fused}
 
 
+def time_glu(model, tokens: int, iters: int, device) -> dict:
+    """The MLP's GLU with h's operands (forward) and dgate's and dup's (backward): separate ops against one."""
+    n = model.intermediate_size
+    gate, up, dy = (torch.randn(tokens, n, device=device, dtype=torch.bfloat16) for _ in range(3))
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+
+    def fwd_separate():
+        fp8_cast_transpose(swiglu(gate, up))
+
+    def bwd_separate():
+        glu_bwd_into(dy, gate, up, dgate, dup, "silu")
+        fp8_cast_transpose(dgate)
+        fp8_cast_transpose(dup)
+
+    return {"intermediate": n,
+            "fwd_glu_then_cast_transpose_ms": cuda_ms(fwd_separate, iters),
+            "fwd_glu_fp8_ms": cuda_ms(lambda: glu_fp8(gate, up), iters),
+            "bwd_glu_then_cast_transposes_ms": cuda_ms(bwd_separate, iters),
+            "bwd_glu_fp8_ms": cuda_ms(lambda: glu_fp8_backward_into(dy, gate, up, dgate, dup, None, "silu"),
+                                      iters)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -206,13 +257,15 @@ def main() -> int:
     check_quantize(device, failures)
     check_cast_transpose(device, failures)
     check_norm(device, failures)
+    check_glu(device, failures)
     check_linear(device, failures)
     model = resolve_model(args.model)
     rows = time_layer(model, args.tokens, args.iters, device)
     norm = time_norm(model, args.tokens, args.iters, device)
+    glu = time_glu(model, args.tokens, args.iters, device)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "tokens": args.tokens, "failures": failures, "projections": rows, "norm": norm,
+              "tokens": args.tokens, "failures": failures, "projections": rows, "norm": norm, "glu": glu,
               "command": " ".join(sys.argv)}
     (args.out / "fp8_linear_check.json").write_text(json.dumps(result, indent=2))
     print(f"{'proj':6} {'K':>6} {'N':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'torchao':>8} {'q rows':>7} "
@@ -226,6 +279,9 @@ def main() -> int:
     print(f"layer  bf16 {total_bf16:.2f} ms  fp8 {total_fp8:.2f} ms  ({total_bf16 / total_fp8:.2f}x)")
     print(f"norm + operands at {norm['hidden']}: fused_add_rms_norm then fp8_cast_transpose "
           f"{norm['norm_then_cast_transpose_ms']:.3f} ms, rms_norm_fp8 {norm['rms_norm_fp8_ms']:.3f} ms")
+    print(f"GLU + operands at {glu['intermediate']}: forward {glu['fwd_glu_then_cast_transpose_ms']:.3f} ms "
+          f"separate, {glu['fwd_glu_fp8_ms']:.3f} ms glu_fp8; backward {glu['bwd_glu_then_cast_transposes_ms']:.3f} "
+          f"ms separate, {glu['bwd_glu_fp8_ms']:.3f} ms glu_fp8")
     print("checks:", "all passed" if not failures else "\n  ".join(["FAILED"] + failures))
     return 1 if failures else 0
 

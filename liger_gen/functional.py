@@ -13,6 +13,7 @@ from liger_gen.ops.fp8.quantize import fp8_quantize
 from liger_gen.ops.lm_head.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_gen.ops.lm_head.fused_linear_jsd import fused_linear_jsd, fused_linear_kl_div
 from liger_gen.ops.glu.glu import geglu, geglu_gate_up
+from liger_gen.ops.glu.glu_fp8 import glu_fp8
 from liger_gen.ops.divergence.jsd import jsd
 from liger_gen.ops.divergence.kl_div import kl_div
 from liger_gen.ops.norms.layer_norm import layer_norm
@@ -27,8 +28,8 @@ from liger_gen.ops.lm_head.selective_log_softmax import selective_log_softmax
 from liger_gen.ops.glu.glu import swiglu, swiglu_gate_up
 
 __all__ = ["clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fp8_cast_transpose", "fp8_linear",
-           "fp8_quantize", "fused_add_rms_norm", "fused_linear_cpo", "fused_linear_cross_entropy",
-           "fused_linear_dpo", "fused_linear_grpo", "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_kto",
-           "fused_linear_orpo", "fused_linear_simpo", "geglu", "geglu_gate_up", "jsd", "kl_div", "layer_norm",
-           "moe_experts", "moe_permute", "moe_routing", "moe_unpermute", "rms_norm", "rms_norm_fp8", "rope",
-           "selective_log_softmax", "squared_relu", "swiglu", "swiglu_gate_up"]
+           "fp8_quantize", "fused_add_rms_norm", "fused_linear_cpo", "fused_linear_cross_entropy", "fused_linear_dpo",
+           "fused_linear_grpo", "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_kto", "fused_linear_orpo",
+           "fused_linear_simpo", "geglu", "geglu_gate_up", "glu_fp8", "jsd", "kl_div", "layer_norm", "moe_experts",
+           "moe_permute", "moe_routing", "moe_unpermute", "rms_norm", "rms_norm_fp8", "rope", "selective_log_softmax",
+           "squared_relu", "swiglu", "swiglu_gate_up"]

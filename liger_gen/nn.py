@@ -7,11 +7,13 @@ from torch import nn
 
 from liger_gen import functional as F
 from liger_gen.ops.norms.layer_norm import LayerNorm
-from liger_gen.ops.glu.glu import GLUMLP, SwiGLUMLP
+from liger_gen.ops.glu.glu import SwiGLUMLP
+from liger_gen.ops.glu.mlp import GLUMLP
 from liger_gen.ops.glu.squared_relu import SquaredReLUMLP
-from liger_gen.ops.fp8.linear import LAST_INPUT, WEIGHT_DTYPES as FP8_WEIGHT_DTYPES, check_fp8_linear, linear_2d_call
+from liger_gen.ops.fp8.linear import WEIGHT_DTYPES as FP8_WEIGHT_DTYPES, check_fp8_linear, linear_2d_call
 from liger_gen.reference import CASTING_MODES
 from liger_gen.runtime.fp8 import Float8Recipe, fp8_unsupported_reason, gemm_dims_reason
+from liger_gen.runtime.fp8_operands import LAST_INPUT, eager_tensor
 
 
 class RMSNorm(nn.Module):
@@ -72,7 +74,7 @@ class RMSNorm(nn.Module):
         would not take them (then the plain norm runs): not eager, an output that is not bf16 (the FP8 GEMMs
         take bf16), a device without FP8 GEMMs, a projection gone or no longer FP8."""
         weight = self.weight
-        if weight is None or not LAST_INPUT.accepts(x) or x.dtype != torch.bfloat16 or (
+        if weight is None or not eager_tensor(x) or x.dtype != torch.bfloat16 or (
                 residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != x.shape)) or (
                 self.casting_mode == "llama" and weight.dtype != torch.bfloat16) \
                 or fp8_unsupported_reason(x.device) is not None:

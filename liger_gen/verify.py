@@ -166,7 +166,7 @@ def check(gpu: str, model, rows: list[int], dtypes: list[torch.dtype], ops: list
 #: The ops ``apply_to`` runs on a Llama-like model: what verify checks when the model's family is not known.
 LLAMA_OPS = ("rms_norm", "fused_add_rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 #: The ops ``apply_to(model, fp8=True)`` adds on a Llama-like bf16 model.
-FP8_OPS = ("rms_norm_fp8", "fp8_quantize", "fp8_cast_transpose")
+FP8_OPS = ("rms_norm_fp8", "glu_fp8", "fp8_quantize", "fp8_cast_transpose")
 
 
 def ops_apply_to_runs(cfg: dict, *, quiet: bool = False, fp8: bool = False) -> tuple[list[str] | None, str]:
@@ -179,7 +179,8 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False, fp8: bool = False) -> t
     ops do not depend on it, and flash-attention need not be installed where verify runs); a config of more than
     MAX_LAYERS layers is not built. ``quiet``: raise the ``liger_gen`` and ``transformers`` loggers to ERROR
     while building (process-wide: for the single-threaded command line). ``fp8``: as ``apply_to(model,
-    fp8=True)`` on a bf16 model (the FP8 quantize ops, and ``rms_norm_fp8`` where norms write the operands)."""
+    fp8=True)`` on a bf16 model (the FP8 quantize ops, and ``rms_norm_fp8`` and ``glu_fp8`` where norms and MLPs
+    write the operands)."""
     import warnings
 
     try:

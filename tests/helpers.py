@@ -97,3 +97,11 @@ GLU_TEMPLATE_BRANCHES = [
      "BLOCK_N_BWD": 128, "BLOCK_M_BWD": 16, "TILES_BWD": 1, "num_warps_bwd": 8},
 ]
 GLU_TEMPLATE_BRANCH_IDS = ["heuristic", "col-blocks+row-loops", "narrow+wide"]
+
+
+def lm_loss_and_grads(model, ids):
+    """A causal LM's loss on ``ids`` (its own labels) and every parameter's gradient, from zeroed gradients."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

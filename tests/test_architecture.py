@@ -153,16 +153,18 @@ def test_the_family_rule_finds_each_kind_of_violation():
 
 def test_pickles_naming_the_modules_before_the_families_load():
     """``torch.save(model)`` pickles a patched model's ``LayerNorm`` and ``GLUMLP`` by their defining modules, which
-    were ``liger_gen.ops.layer_norm`` and ``liger_gen.ops.glu`` before the ops were grouped by family."""
+    were ``liger_gen.ops.layer_norm`` and ``liger_gen.ops.glu`` before the ops were grouped by family (and
+    ``liger_gen.ops.glu.glu`` for ``GLUMLP`` before it got its own module)."""
     import liger_gen.nn as lnn
 
     linear = torch.nn.Linear
     mlp = lnn.GLUMLP("silu", linear(16, 8), gate_proj=linear(8, 16), up_proj=linear(8, 16))
-    for module, new, old in ((lnn.LayerNorm(8), b"liger_gen.ops.norms.layer_norm\n", b"liger_gen.ops.layer_norm\n"),
-                             (mlp, b"liger_gen.ops.glu.glu\n", b"liger_gen.ops.glu\n")):
+    for module, new, olds in ((lnn.LayerNorm(8), b"liger_gen.ops.norms.layer_norm\n", [b"liger_gen.ops.layer_norm\n"]),
+                              (mlp, b"liger_gen.ops.glu.mlp\n", [b"liger_gen.ops.glu\n", b"liger_gen.ops.glu.glu\n"])):
         data = pickle.dumps(module, protocol=0)  # protocol 0 names modules as text lines
         assert new in data
-        assert type(pickle.loads(data.replace(new, old))) is type(module)
+        for old in olds:
+            assert type(pickle.loads(data.replace(new, old))) is type(module)
 
 
 def test_import_liger_gen_registers_every_custom_op(tmp_path):

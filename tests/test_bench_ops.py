@@ -66,6 +66,11 @@ def _expected_bytes(op, t, up, rows):
         return 2 * per_pass
     if op in ("swiglu", "geglu"):
         return (_nb(t["gate"]) + _nb(t["up"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["gate"]) + 2 * _nb(t["up"]))
+    if op == "glu_fp8":  # SwiGLU, then y read once more and its two e4m3 operands written; the plain backward
+        m, n = t["gate"].shape
+        operands = (m * n + f32_row) + (n * (-(-m // 16) * 16) + 4 * n)
+        fwd = _nb(t["gate"]) + _nb(t["up"]) + _nb(up["y"]) + _nb(up["y"]) + operands
+        return fwd + (_nb(up["y"]) + 2 * _nb(t["gate"]) + 2 * _nb(t["up"]))
     if op == "clamped_swiglu":  # interleaved gate_up in, y out; dy and gate_up in, the interleaved gradient out
         return (_nb(t["gate_up"]) + _nb(up["y"])) + (_nb(up["y"]) + 2 * _nb(t["gate_up"]))
     if op == "squared_relu":  # x in, y out; dy and x in, dx out

@@ -35,6 +35,7 @@ from liger_gen.runtime import fp8 as recipe
 from liger_gen.training import byte_tokens, make_batches
 
 from conftest import seeded
+from helpers import lm_loss_and_grads
 from mini_models import mini_model
 
 # the linear layers' tests run their FP8 GEMMs on the CPU: torch builds before 2.13 take only per-tensor scales there
@@ -495,13 +496,6 @@ def test_apply_to_leaves_moe_routers_and_fused_experts():
     assert "model.layers.*.mlp.gate ×2 (MoE router: stays bfloat16, by design)" in model.liger_gen_report.left
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")
 def test_a_patched_model_runs_the_same_bits_through_the_kernels(monkeypatch):
     """With only the FP8 layers patched, a forward and backward through the Triton kernels (interpreter) and
@@ -518,7 +512,7 @@ def test_a_patched_model_runs_the_same_bits_through_the_kernels(monkeypatch):
     for path in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", path)
         launches.clear()
-        results.append(_loss_and_grads(model, ids))
+        results.append(lm_loss_and_grads(model, ids))
         assert bool(launches) == (path == "1")  # the quantize kernels ran, or none did
     for loss, grads in results[1:]:
         assert torch.equal(loss, results[0][0]) and all(torch.equal(g, results[0][1][n]) for n, g in grads.items())

@@ -104,7 +104,7 @@ def test_amaxes_brought_by_the_caller_skip_the_amax_pass(device, monkeypatch):
     row_bits = _amax_bits(x.float().abs().amax(1).where(~x.isnan().any(1), float("nan")))
     col_bits = _amax_bits(x.float().abs().amax(0).where(~x.isnan().any(0), float("nan")))
     got_rows, got_cols = torch.zeros_like(row_bits), torch.zeros_like(col_bits)
-    module.amax(x, got_rows, got_cols)
+    module.amax(x, got_rows, got_cols, module.BLOCK_M_AMAX, module.BLOCK_K_AMAX, 4)
     assert torch.equal(got_rows, row_bits) and torch.equal(got_cols, col_bits)
     monkeypatch.setattr(module, "amax", lambda *a: pytest.fail("the amax pass ran with the amaxes given"))
     out = (torch.empty(29, 48, dtype=E4M3, device=device), torch.empty(29, device=device),

@@ -25,6 +25,7 @@ from liger_gen.ops.norms.rms_norm_fp8 import RMSNormFp8Problem, RMSNormFp8Space
 from liger_gen.training import byte_tokens, make_batches
 
 from conftest import seeded
+from helpers import lm_loss_and_grads
 from mini_models import mini_model
 from test_fp8 import _assert_same_fp8, _assert_same_scales, needs_cpu_fp8_gemm
 
@@ -180,13 +181,6 @@ def test_zero_rows_and_rows_only():
     assert out.qt is None and out.dequant_cols is None and out.q.shape == (5, 32)
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @needs_cpu_fp8_gemm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")
 def test_a_patched_llamas_norms_hand_their_operands_to_the_projections(monkeypatch):
@@ -201,13 +195,13 @@ def test_a_patched_llamas_norms_hand_their_operands_to_the_projections(monkeypat
     quantized = []
     both = fp8_linear_module.cast_transpose_2d
     monkeypatch.setattr(fp8_linear_module, "cast_transpose_2d", lambda x, f: quantized.append(x) or both(x, f))
-    fused = _loss_and_grads(model, ids)
+    fused = lm_loss_and_grads(model, ids)
     n_fused = len(quantized)
     for module in model.modules():
         if module.__dict__.get("fp8_consumers"):
             module.fp8_consumers = ()
     quantized.clear()
-    plain = _loss_and_grads(model, ids)
+    plain = lm_loss_and_grads(model, ids)
     assert len(quantized) - n_fused == 4
     assert torch.equal(fused[0], plain[0])
     assert fused[1].keys() == plain[1].keys() and all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())

@@ -34,8 +34,8 @@ from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
-                                 fused_linear_jsd_torch, geglu_torch, jsd_torch, kl_div_torch, layer_norm_torch,
-                                 moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
+                                 fused_linear_jsd_torch, geglu_torch, glu_torch, jsd_torch, kl_div_torch,
+                                 layer_norm_torch, moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
                                  selective_log_softmax_torch, squared_relu_torch, swiglu_torch)
 
 # A model small enough for Triton's interpreter on the CPU (``--model tiny``), from the one model registry.
@@ -207,6 +207,19 @@ def _lk_geglu():
     from liger_kernel.ops.geglu import LigerGELUMulFunction
 
     return lambda t, o: (LigerGELUMulFunction.apply(t["gate"], t["up"]),)
+
+
+def _glu_fp8_eager(t, o):
+    from liger_gen.runtime.fp8 import quantize_reference
+
+    y = glu_torch(t["gate"], t["up"], o["activation"])
+    quantize_reference(y, -1)  # the operands the FP8 down projection takes: timed, not compared (they are exact
+    quantize_reference(y, 0)  # functions of y, which is)
+    return (y,)
+
+
+def _glu_fp8_lg(t, o):
+    return (lg.glu_fp8(t["gate"], t["up"], o["activation"]).y,)
 
 
 def _clamped_swiglu_eager(t, o):
@@ -395,6 +408,9 @@ CASES: dict[str, Case] = {c.op: c for c in (
          "LigerSiLUMulFunction: writes dgate and dup into gate and up (in place)"),
     Case("geglu", _geglu_eager, "gelu(gate, approximate='tanh') * up (transformers' GemmaMLP)", _geglu_lg, _lk_geglu,
          "LigerGELUMulFunction (tanh approximation): writes dgate and dup into gate and up (in place)"),
+    Case("glu_fp8", _glu_fp8_eager,
+         "silu(gate) * up, then quantize_reference of y per row and per column (the e4m3 operands of the FP8 "
+         "down projection that reads it)", _glu_fp8_lg),
     Case("clamped_swiglu", _clamped_swiglu_eager,
          "transformers' GptOssExperts._apply_gate on the interleaved gate_up (alpha 1.702, limit 7)",
          _clamped_swiglu_lg),

@@ -207,6 +207,15 @@ class Space:
             problems.append(f"{phase}: {tile / threads:.0f} elements per thread > {max_elems_per_thread} (spills)")
         return problems
 
+    def tile_violations(self, name: str, block_m: int, block_k: int, num_warps: int, n_cols: int,
+                        max_elems_per_thread: int) -> list[str]:
+        """The checks of a 2-D BLOCK_M x BLOCK_K tile over rows of ``n_cols`` (the FP8 cast and amax kernels'):
+        no wider than max(16, next_power_of_2(n_cols)), then threads and registers."""
+        widest = max(16, next_power_of_2(n_cols))
+        problems = [f"{name}: BLOCK_K={block_k} > {widest} (next_power_of_2(n_cols={n_cols}))"] \
+            if block_k > widest else []
+        return problems + self.threads_violations(name, num_warps, block_m * block_k, max_elems_per_thread)
+
     def smem_violations(self, phase: str, smem: int) -> list[str]:
         """The shared-memory check: ``smem`` bytes a program of ``phase`` needs against the device limit."""
         if smem > self.limits.max_shared_memory_per_block:

@@ -3,7 +3,8 @@
     norms/        row_norm (shared) · rms_norm · fused_add_rms_norm · layer_norm · rms_norm_fp8 (with the FP8
                   operands of its output)
     glu/          activations (shared) · glu (swiglu, geglu; + glu_space) · clamped_swiglu · moe (moe_permute)
-                  · squared_relu (Nemotron's non-gated MLP activation)
+                  · squared_relu (Nemotron's non-gated MLP activation) · glu_fp8 (with the FP8 operands of its
+                  output and gradients) · mlp (GLUMLP, the module apply_to installs)
     lm_head/      chunks (shared) · cross_entropy (+ cross_entropy_space, cross_entropy_rows)
                   · fused_linear_cross_entropy (+ fused_linear_cross_entropy_plan) · selective_log_softmax
                   · fused_linear_jsd (distillation) · post_training (preference and RL losses)
@@ -53,6 +54,7 @@ OP_MODULES: dict[str, str] = {
     "geglu": "liger_gen.ops.glu.glu",
     "clamped_swiglu": "liger_gen.ops.glu.clamped_swiglu",
     "squared_relu": "liger_gen.ops.glu.squared_relu",
+    "glu_fp8": "liger_gen.ops.glu.glu_fp8",
     "moe_permute": "liger_gen.ops.glu.moe",
     "cross_entropy": "liger_gen.ops.lm_head.cross_entropy",
     "fused_linear_cross_entropy": "liger_gen.ops.lm_head.fused_linear_cross_entropy",

@@ -134,7 +134,7 @@ class ExpertsGate:
             from liger_gen.ops.glu.clamped_swiglu import clamped_swiglu_gate_up
 
             return clamped_swiglu_gate_up(gate_up_out, self.alpha, self.limit)
-        from liger_gen.ops.glu.glu import glu_gate_up_product
+        from liger_gen.ops.glu.mlp import glu_gate_up_product
 
         return glu_gate_up_product(gate_up_out, self.activation)
 
@@ -153,7 +153,7 @@ class BatchedExpertsForward:
         return BatchedExpertsForward(module, self.activation)
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from liger_gen.ops.glu.glu import glu_gate_up_product
+        from liger_gen.ops.glu.mlp import glu_gate_up_product
 
         m = self.module
         x = hidden_states.view(m.gate_up_proj.shape[0], -1, m.gate_up_proj.shape[1])

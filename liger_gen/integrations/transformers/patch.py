@@ -17,7 +17,7 @@ from liger_gen.integrations.transformers.loss import FusedLossForward
 from liger_gen.integrations.transformers.modules import (BatchedExpertsForward, ExpertsGate, FusedExpertsForward,
                                                          experts_gate, install_forward, is_patched_experts,
                                                          replace_mlp, replace_norm)
-from liger_gen.nn import GLUMLP, LayerNorm, RMSNorm, SquaredReLUMLP
+from liger_gen.nn import Float8Linear, GLUMLP, LayerNorm, RMSNorm, SquaredReLUMLP
 from liger_gen.runtime.fp8 import Float8Recipe
 
 logger = logging.getLogger("liger_gen")
@@ -41,6 +41,7 @@ class PatchReport:
     fp8: int = 0
     fp8_float32: int = 0  # of those, the layers with float32 weights: FP8 GEMMs only under a bf16 autocast
     fp8_norms: int = 0  # norms whose kernel writes the FP8 operands of the projections that read their output
+    fp8_mlps: int = 0  # gated MLPs whose GLU kernels write their FP8 projections' operands (glu_fp8)
     left: list[str] | None = None
     note: str = ""
     text_family: str | None = None  # a vision-language wrapper's (Llava, ...): the family of its language model
@@ -73,6 +74,7 @@ class PatchReport:
         done += [f"{self.fp8} linear layers in FP8" + (f" ({n32} of float32 weights: FP8 under a bf16 torch.autocast, "
                                                        f"F.linear without one)" if n32 else "")] if self.fp8 else []
         done += [f"{self.fp8_norms} norms writing their FP8 operands"] if self.fp8_norms else []
+        done += [f"{self.fp8_mlps} MLPs writing their FP8 operands"] if self.fp8_mlps else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         text = f", text model {self.text_family}" if self.text_family else ""
@@ -324,6 +326,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.loss = isinstance(model.__dict__.get("forward"), FusedLossForward)
     report.fp8 = fp8_swaps.count_fp8(model)
     report.fp8_norms = sum(bool(m.__dict__.get("fp8_consumers")) for m in model.modules())
+    report.fp8_mlps = sum(isinstance(m, GLUMLP) and isinstance(m.down_proj, Float8Linear) for m in model.modules())
     report.fp8_float32 = sum(m.weight.dtype == torch.float32 for m in fp8_plan.convert) if fp8_plan else 0
     report.left = _group(left + kept + (fp8_plan.kept if fp8_plan else []))
     model.liger_gen_report = report
@@ -350,7 +353,8 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
     the experts run ``liger_gen.functional.moe_experts``,
     ``rope`` when the family's rotary function is routed to liger-gen in this process,
     ``fused_linear_cross_entropy`` when its loss is fused, ``fp8_quantize`` and ``fp8_cast_transpose`` where
-    linear layers run in FP8, and ``rms_norm_fp8`` where norms write their FP8 operands. ``[]`` for a model ``apply_to`` has not patched.
+    linear layers run in FP8, ``rms_norm_fp8`` where norms write their FP8 operands, and ``glu_fp8`` where gated
+    MLPs do. ``[]`` for a model ``apply_to`` has not patched.
     ``rope``: whether to count RoPE as routed (None: whether this process routes the family's now)."""
     from liger_gen.ops import all_specs
 
@@ -378,6 +382,8 @@ def patched_ops(model: nn.Module, *, rope: bool | None = None) -> list[str]:
         ops.update(("fp8_quantize", "fp8_cast_transpose"))
     if report.fp8_norms:
         ops.add("rms_norm_fp8")
+    if getattr(report, "fp8_mlps", 0):  # (a report pickled before the field has none)
+        ops.add("glu_fp8")
     family = _report_family(report)
     if rope if rope is not None else (family is not None and routing.rope_is_patched(family)):
         ops.add("rope")

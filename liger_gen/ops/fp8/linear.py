@@ -12,10 +12,7 @@ cast to its dtype); the bias gradient is summed in fp32.
 
 from __future__ import annotations
 
-import functools
 import math
-import threading
-import weakref
 
 import torch
 
@@ -23,7 +20,8 @@ from liger_gen.ops.fp8.cast_transpose import cast_transpose_2d
 from liger_gen.ops.fp8.quantize import FORMAT_NAMES, FORMATS, quantize_2d
 from liger_gen.runtime import fp8 as fp8r
 from liger_gen.runtime.binding import Differentiable, Kernel, saved
-from liger_gen.runtime.ops import check_same_device, check_tensor, describe, transforms_active, use_custom_op
+from liger_gen.runtime.fp8_operands import GRADS, LAST_INPUT, eager_tensor
+from liger_gen.runtime.ops import check_same_device, check_tensor, describe
 
 OUT_DTYPE = torch.bfloat16  # cuBLASLt's axiswise-scaled FP8 GEMM writes bf16
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
@@ -86,17 +84,21 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def _bwd_impl(dy: torch.Tensor, x: torch.Tensor | None, xtq: torch.Tensor, xtd: torch.Tensor, weight: torch.Tensor,
-              grad_fp8: str, need_dx: bool, need_dw: bool,
-              need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              grad_fp8: str, need_dx: bool, need_dw: bool, need_bias: bool,
+              dyq: torch.Tensor | None = None, dyd: torch.Tensor | None = None, dytq: torch.Tensor | None = None,
+              dytd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (M, K) bf16, dW (N, K) in weight's dtype, db (N,) fp32) of dy (M, N), each an empty tensor when not
-    needed; x is the saved input when its FP8 copy was not kept (``xtq`` empty)."""
+    needed; x is the saved input when its FP8 copy was not kept (``xtq`` empty). ``dyq, dyd, dytq, dytd``, when
+    given, are dy's two operands as the kernel that produced dy wrote them (``glu_fp8``'s backward)."""
     m = dy.shape[0]
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     # dy per token for the input gradient, over the tokens for the weight gradient (none without features: xtq is
     # empty then, which is not "not kept", and dW is (N, 0)); both from one op where both are needed
     need_cols = bool(need_dw and m and weight.shape[1])
-    if need_dx and need_cols:
+    if dyq is not None:
+        pass  # both operands came with dy
+    elif need_dx and need_cols:
         dyq, dyd, dytq, dytd = cast_transpose_2d(dy, grad_fp8)
     elif need_dx:
         dyq, dyd = quantize_2d(dy, "rows", grad_fp8)
@@ -126,7 +128,8 @@ def _fwd_fake(x, weight, bias, keep_fp8, grad_fp8, fast_accum, xq=None, xd=None,
             x.new_empty((0,), dtype=torch.float32))
 
 
-def _bwd_fake(dy, x, xtq, xtd, weight, grad_fp8, need_dx, need_dw, need_bias):
+def _bwd_fake(dy, x, xtq, xtd, weight, grad_fp8, need_dx, need_dw, need_bias, dyq=None, dyd=None, dytq=None,
+              dytd=None):
     m, k = dy.shape[0], weight.shape[1]
     return (dy.new_empty((m, k) if need_dx else (0,), dtype=OUT_DTYPE),
             torch.empty_like(weight) if need_dw else weight.new_empty((0,)),
@@ -152,8 +155,10 @@ def _backward(ctx, dy, _dxtq, _dxtd):
         return (None,) * 10
     x, xtq, xtd, weight = ctx.saved_tensors
     need_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    # dy's operands, when the kernel that wrote dy wrote them too (e4m3: the only format those kernels emit)
+    given = GRADS.take(dy) if ctx.eager and ctx.grad_fp8 == "e4m3" else None
     dx, dw, db = fp8_linear_bwd.run(ctx, dy, x, xtq, xtd, weight, ctx.grad_fp8, ctx.needs_input_grad[0],
-                                    ctx.needs_input_grad[1], need_bias)
+                                    ctx.needs_input_grad[1], need_bias, *(given or ()))
     return ((dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None),
             (db.to(ctx.bias_dtype) if need_bias else None), None, None, None, None, None, None, None)
 
@@ -235,74 +240,29 @@ def linear_2d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
-class _LastInput(threading.local):
-    """The quantization of the last input ``linear_2d_call`` saw: attention's q, k and v projections (and the
-    MLP's gate and up) read one tensor, which is then quantized once, and its token-axis copy saved once for
-    the three weight gradients instead of three times. A norm whose kernel wrote those operands with its output
-    (``rms_norm_fp8``) offers them here first (``offer``), and the projections quantize nothing. Eager mode
-    only: under torch.compile and torch.func every call quantizes (a compiled graph's buffers must not alias).
-
-    One entry per thread (threads calling concurrently neither read each other's entry nor evict it), read and
-    replaced as one tuple. The entry is the input's weak reference, its version counter, data pointer, shape,
-    strides and dtype (an in-place write, ``set_`` or a ``.data =`` swap is a miss; writes that bypass the
-    version counter, through ``.data`` or the storage, cannot be seen), and the operands; it is dropped when the
-    input is freed, so the FP8 copies live no longer than the tensor they were made from (and the backward's
-    references). Inference tensors are never cached: they have no version counter."""
-
-    def __init__(self):
-        self.slot: list = [None]  # [entry]: the weakref callback clears this thread's slot from any thread
-
-    @property
-    def operands(self) -> tuple:
-        entry = self.slot[0]
-        return () if entry is None else entry[-1]
-
-    def lookup(self, x: torch.Tensor, x2: torch.Tensor, keep: bool) -> tuple:
-        if not self.accepts(x):
-            return ()
-        slot = self.slot
-        entry = slot[0]
-        if entry is not None:
-            ref, key, operands = entry
-            if ref() is x and key == _key(x) and (not keep or operands[2] is not None):
-                # without the token-axis copy when the caller keeps none (a frozen weight, keep_fp8 False)
-                return operands if keep else (*operands[:2], None, None)
-        with torch.no_grad():
-            if keep:  # both operands from one op (fp8_cast_transpose)
-                xq, xd, xtq, xtd = cast_transpose_2d(x2, "e4m3")
-            else:
-                (xq, xd), xtq, xtd = quantize_2d(x2, "rows", "e4m3"), None, None
-        operands = (xq, xd, xtq, xtd)
-        slot[0] = (weakref.ref(x, functools.partial(_forget, slot)), _key(x), operands)
-        return operands
-
-    def accepts(self, x: torch.Tensor) -> bool:
-        """Whether an entry for ``x`` could be used: eager mode, and a tensor with a version counter."""
-        return not (use_custom_op() or transforms_active() or x.is_inference())
-
-    def offer(self, x: torch.Tensor, operands: tuple) -> None:
-        """Make ``operands`` (rows q, dequant, and the token-axis qt, dequant or two Nones) the entry of ``x``: a
-        kernel that produced x wrote them (``rms_norm_fp8``), and the projections that read x take them."""
-        if self.accepts(x):
-            self.slot[0] = (weakref.ref(x, functools.partial(_forget, self.slot)), _key(x), operands)
-
-    def clear(self) -> None:
-        self.slot[0] = None
+def shared_operands(x: torch.Tensor, x2: torch.Tensor, keep: bool) -> tuple:
+    """x's operands (rows q, dequant, and the token-axis qt, dequant or two Nones), quantized once for the
+    projections that read x: attention's q, k and v projections (and the MLP's gate and up) read one tensor,
+    which is then quantized once, and its token-axis copy saved once for their weight gradients instead of three
+    times. A kernel that produced x and wrote its operands (``rms_norm_fp8``, ``glu_fp8``) has offered them
+    (``liger_gen.runtime.fp8_operands.LAST_INPUT``), and nothing is quantized. ``()`` under torch.compile and
+    torch.func, and for inference tensors: every call quantizes (a compiled graph's buffers must not alias)."""
+    if not eager_tensor(x):
+        return ()
+    operands = LAST_INPUT.get(x)
+    # without the token-axis copy when the caller keeps none (a frozen weight, keep_fp8 False)
+    if operands is not None and (not keep or operands[2] is not None):
+        return operands if keep else (*operands[:2], None, None)
+    with torch.no_grad():
+        if keep:  # both operands from one op (fp8_cast_transpose)
+            xq, xd, xtq, xtd = cast_transpose_2d(x2, "e4m3")
+        else:
+            (xq, xd), xtq, xtd = quantize_2d(x2, "rows", "e4m3"), None, None
+    operands = (xq, xd, xtq, xtd)
+    LAST_INPUT.offer(x, operands)
+    return operands
 
 
-def _key(x: torch.Tensor) -> tuple:
-    return x._version, x.data_ptr(), x.shape, x.stride(), x.dtype
-
-
-def _forget(slot: list, ref: weakref.ref) -> None:
-    """The input of ``slot``'s entry was freed: drop its operands."""
-    entry = slot[0]
-    if entry is not None and entry[0] is ref:
-        slot[0] = None
-
-
-LAST_INPUT = _LastInput()
-shared_operands = LAST_INPUT.lookup
 
 
 DEFAULT_RECIPE = fp8r.Float8Recipe()

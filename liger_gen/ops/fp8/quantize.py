@@ -103,13 +103,8 @@ class QuantizeSpace(Space):
     def tiles_violations(self, tiles) -> list[str]:
         """The checks of (name, BLOCK_M, BLOCK_K, num_warps) tiles: no wider than the row's next power of two,
         threads and registers (``MAX_ELEMS_PER_THREAD``)."""
-        problems = []
-        for name, block_m, block_k, warps in tiles:
-            if block_k > self.max_block_k:
-                problems.append(f"{name}: BLOCK_K={block_k} > {self.max_block_k} (next_power_of_2(n_cols="
-                                f"{self.n_cols}))")
-            problems += self.threads_violations(name, warps, block_m * block_k, self.MAX_ELEMS_PER_THREAD)
-        return problems
+        return [p for name, block_m, block_k, warps in tiles
+                for p in self.tile_violations(name, block_m, block_k, warps, self.n_cols, self.MAX_ELEMS_PER_THREAD)]
 
 
 # ------------------------------------------------------------------------------------------------ tuning

@@ -1,5 +1,6 @@
 """Gated linear units (Shazeer, 2020, "GLU Variants Improve Transformer"): SwiGLU and GeGLU — search space,
-tuning problems, custom ops, the public ops and the ``SwiGLUMLP`` module.
+tuning problems, custom ops, the public ops and the ``SwiGLUMLP`` module (``GLUMLP``, the MLP around existing
+projections that ``apply_to`` installs, is in ``liger_gen.ops.glu.mlp``).
 
     y = act(gate) · up          act = silu (SwiGLU) | gelu, gelu_tanh (GeGLU); elementwise over (..., n_cols)
 
@@ -17,22 +18,20 @@ The references (plain PyTorch and float64) are the family's, in ``activations``.
 
 from __future__ import annotations
 
+import importlib
 import math
-import numbers
 
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module  # the global hook registries
 
 from liger_gen.codegen.problems import REL_TOL, Inputs, Problem, chunk_rows, float64_grads, randn
 from liger_gen.codegen.spec import OpSpec
-from liger_gen.ops.glu.activations import (GLU_ACTIVATIONS, GLUPlan, act_torch, gelu_activation, glu_float64,
+from liger_gen.ops.glu.activations import (GLUPlan, act_torch, gelu_activation, glu_float64,
                                            glu_gate_up_torch, glu_torch)
 from liger_gen.ops.glu.glu_space import GLUConfig, GLUSpace, MLPActivationProblem
 from liger_gen.runtime import plans
 from liger_gen.runtime.binding import Differentiable, Kernel, PlannedOp, saved
-from liger_gen.runtime.ops import (check_kernel_dtypes, check_same_device, describe, kernel_module,
-                                   no_double_backward, transforms_active, use_custom_op, uses_triton)
+from liger_gen.runtime.ops import check_kernel_dtypes, check_same_device, describe, kernel_module, uses_triton
 
 # ------------------------------------------------------------------------------------------------ tuning
 
@@ -138,7 +137,7 @@ _SPACE_OF = {"silu": GLUSpace, "gelu": GeGLUSpace, "gelu_tanh": GeGLUSpace}
 # ------------------------------------------------------------------------------------------------ kernels
 
 
-def _glu_fwd_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: str) -> None:
+def glu_fwd_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: str) -> None:
     """y = act(gate) · up for 2-D gate, up, y with unit column stride (any row strides, views allowed)."""
     rows, n_cols = gate.shape
     if gate.numel() == 0:
@@ -150,7 +149,7 @@ def _glu_fwd_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activat
         y.copy_(glu_torch(gate, up, activation))
 
 
-def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor, dup: torch.Tensor,
+def glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor, dup: torch.Tensor,
                   activation: str) -> None:
     """dgate, dup of y = act(gate) · up, written into the given (rows, n_cols) outputs (views allowed)."""
     rows, n_cols = gate.shape
@@ -179,7 +178,7 @@ def _glu_bwd_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate:
 
 def _fwd_impl(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _glu_fwd_into(gate, up, y, activation)
+    glu_fwd_into(gate, up, y, activation)
     return y
 
 
@@ -187,27 +186,27 @@ def _bwd_impl(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
               activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    _glu_bwd_into(dy, gate, up, dgate, dup, activation)
+    glu_bwd_into(dy, gate, up, dgate, dup, activation)
     return dgate, dup
 
 
-def _split(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up halves of a (rows, 2·n_cols) tensor as views (no copy)."""
     n_cols = gate_up.shape[-1] // 2
     return gate_up[:, :n_cols], gate_up[:, n_cols:]
 
 
 def _gate_up_fwd_impl(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    gate, up = _split(gate_up)
+    gate, up = split_gate_up(gate_up)
     return _fwd_impl(gate, up, activation)
 
 
 def _gate_up_bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """The gradient of the packed input as one (rows, 2·n_cols) tensor: the kernel writes both halves in place."""
     d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    gate, up = _split(gate_up)
-    dgate, dup = _split(d_gate_up)
-    _glu_bwd_into(dy, gate, up, dgate, dup, activation)
+    gate, up = split_gate_up(gate_up)
+    dgate, dup = split_gate_up(d_gate_up)
+    glu_bwd_into(dy, gate, up, dgate, dup, activation)
     return d_gate_up
 
 
@@ -331,7 +330,7 @@ class _GateUpPlan(_Plan):
     PACKED = True
 
     def halves(self, tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        return _split(tensors[0].view(self.rows, 2 * self.n_cols))
+        return split_gate_up(tensors[0].view(self.rows, 2 * self.n_cols))
 
 
 def _op_name(activation: str, packed: bool) -> str:
@@ -370,7 +369,7 @@ def _gate_up_prepare(gate_up, activation) -> _GateUpPlan | None:
     if not check_gate_up_input(_op_name(activation, True), gate_up) or not gate_up.numel():
         return None  # the full path (the plain-PyTorch path, or nothing to launch)
     packed = as_rows(gate_up, gate_up.shape[-1])
-    return _GateUpPlan(_split(packed)[0], activation, gate_up.shape,
+    return _GateUpPlan(split_gate_up(packed)[0], activation, gate_up.shape,
                        (*gate_up.shape[:-1], gate_up.shape[-1] // 2)) if _unit_view(gate_up, packed) else None
 
 
@@ -528,187 +527,9 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def glu_product(gate: torch.Tensor, up: torch.Tensor, activation: str, overwrite: bool = False) -> torch.Tensor:
-    """``act(gate) * up`` for an activation of ``GLU_ACTIVATIONS``: swiglu or geglu. ``overwrite``: the caller owns
-    gate and up (nothing else reads them after this call), so the backward may write the gradients over them
-    (``_GLUOverwrite``); taken only where that is safe to check, else the usual op runs."""
-    op = "swiglu" if activation == "silu" else "geglu"
-    if overwrite and _owned(gate, up) and check_glu_inputs(op, gate, up) and gate.numel():
-        n_cols = gate.shape[-1]
-        return _GLUOverwrite.apply(as_rows(gate, n_cols), as_rows(up, n_cols), activation).view(gate.shape)
-    if activation == "silu":
-        return swiglu(gate, up)
-    return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
-def glu_gate_up_product(gate_up: torch.Tensor, activation: str, overwrite: bool = False) -> torch.Tensor:
-    """``act(gate) * up`` of a packed ``gate_up`` (gate first) for an activation of ``GLU_ACTIVATIONS``;
-    ``overwrite`` as in ``glu_product``."""
-    op = "swiglu_gate_up" if activation == "silu" else "geglu_gate_up"
-    if overwrite and _owned(gate_up) and check_gate_up_input(op, gate_up) and gate_up.numel():
-        width = gate_up.shape[-1]
-        packed = as_rows(gate_up, width)
-        gate, up = _split(packed)
-        return _GLUOverwrite.apply(gate, up, activation, packed).view(*gate_up.shape[:-1], width // 2)
-    if activation == "silu":
-        return swiglu_gate_up(gate_up)
-    return geglu_gate_up(gate_up, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
-def _owned(*tensors) -> bool:
-    """Whether the backward of the GLU may write its gradients over ``tensors`` (the op's own checks come after):
-    eager autograd with gradients wanted (a traced graph uses the custom op, which may not mutate its inputs; a
-    torch.func transform holds wrapped tensors, whose graph is not the one checked here), plain tensors that are
-    not leaves (a leaf's gradient would share its data), made by an op that keeps no reference to its output for
-    its own backward."""
-    if use_custom_op() or not torch.is_grad_enabled() or transforms_active():
-        return False
-    return all(type(t) is torch.Tensor and t.grad_fn is not None and _made_by_an_op_that_keeps_no_output(t.grad_fn)
-               for t in tensors)
-
-
-# autograd nodes of the ops a projection ends with that do not save their own output for their backward (a
-# matmul, a bias or LoRA sum, a scale), and the views between them and the GLU: their output may be overwritten
-# after they ran. Anything else (tanh, sigmoid, exp, an unknown custom Function) keeps the buffered backward.
-_NO_SAVED_OUTPUT = frozenset(("AddmmBackward0", "MmBackward0", "BmmBackward0", "AddBackward0", "AddBackward1",
-                              "SubBackward0", "SubBackward1", "MulBackward0", "MulBackward1", "DivBackward0",
-                              "DivBackward1", "LinearBackward0"))
-_VIEWS = frozenset(("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "SliceBackward0",
-                    "SplitBackward0", "SplitWithSizesBackward0", "AsStridedBackward0", "TransposeBackward0",
-                    "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0"))
-
-
-def _made_by_an_op_that_keeps_no_output(node) -> bool:
-    for _ in range(8):  # a few views deep at most
-        name = type(node).__name__
-        if name in _NO_SAVED_OUTPUT:
-            return True
-        if name not in _VIEWS or not node.next_functions or node.next_functions[0][0] is None:
-            return False
-        node = node.next_functions[0][0]
-    return False
-
-
-class _GLUOverwrite(torch.autograd.Function):
-    """``act(gate) · up`` (2-D views with unit column stride) whose backward writes dgate over gate and dup over up
-    and returns them: no gradient buffers, so a decoder layer's MLP backward needs two (rows × intermediate)
-    buffers less at its peak (Liger-Kernel's SwiGLU does the same). For callers that own gate and up
-    (``GLUMLP``, which made them a line earlier). The write bumps both tensors' version counters, so an autograd
-    node that saved them too, or a second backward through the same graph (``retain_graph=True``), fails with
-    PyTorch's in-place error instead of reading gradients as activations. ``packed``: the (rows, 2·n) tensor
-    gate and up are the halves of (its gradient is returned whole)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, activation, packed=None):
-        y = _fwd_impl(gate, up, activation)
-        ctx.save_for_backward(*((packed,) if packed is not None else (gate, up)))
-        ctx.activation = activation
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        no_double_backward("glu", "liger_gen.reference.glu_torch")
-        try:
-            saved_tensors = ctx.saved_tensors
-        except RuntimeError as e:  # the version bump of an earlier backward through this node
-            raise RuntimeError("liger_gen GLUMLP: a second backward through the same graph (retain_graph=True) "
-                               "cannot run: the first wrote the gradients over the MLP's saved gate and up "
-                               "activations to save memory. Set `in_place_backward = False` on the GLUMLP "
-                               "modules (e.g. for m in model.modules(): if isinstance(m, liger_gen.nn.GLUMLP): "
-                               "m.in_place_backward = False) to keep them.") from e
-        gate, up = saved_tensors if len(saved_tensors) == 2 else _split(saved_tensors[0])
-        _glu_bwd_into(dy, gate, up, gate, up, ctx.activation)
-        for t in saved_tensors:
-            torch.autograd.graph.increment_version(t)
-        if len(saved_tensors) == 1:  # the packed input's gradient, whole (gate and up are its halves)
-            return None, None, None, saved_tensors[0]
-        return gate, up, None, None
-
-
-class GLUMLP(nn.Module):
-    """A gated MLP around existing projections: ``dropout(down_proj(act(gate) * up))`` with the product in one
-    liger-gen kernel, for transformers' MLP modules of every family ``liger_gen.apply_to`` patches.
-
-    Args:
-        activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU), see ``GLU_ACTIVATIONS``.
-        down_proj: the output projection (``nn.Linear``, intermediate → hidden).
-        gate_proj, up_proj: the two input projections (Llama's layout), or
-        gate_up_proj: one packed projection whose output holds gate then up (Phi-3's and GLM-4's layout).
-        dropout: dropout probability after down_proj in training mode (Seed-OSS's residual dropout; 0: none).
-        gate_multiplier, down_multiplier: scale the gate before the activation and the output after down_proj
-            (Falcon-H1's ``mlp_multipliers``: ``down_proj(up · act(gate · g)) · d``; 1: none).
-
-    The projections are the modules given (no new parameters): the state_dict keys and the Parameter objects
-    are the original MLP's. Shape: (..., hidden) → (..., hidden).
-
-    Memory: in eager training on the kernel path the backward writes the gradients of gate and up over those two
-    activations (which only this forward holds) instead of allocating two more (rows × intermediate) buffers.
-    A second backward through the same graph (``retain_graph=True``) then raises RuntimeError saying so; set the
-    attribute ``in_place_backward = False`` to keep the activations. Forward hooks on the projections, and
-    torch.compile (which runs the custom op), switch the in-place backward off by themselves.
-
-    Raises:
-        ValueError: an unknown activation; not exactly one of (gate_proj and up_proj) or gate_up_proj; dropout
-            outside [0, 1]; gate_multiplier with gate_up_proj.
-        TypeError: a projection that is not an nn.Module; dropout or a multiplier not a finite real number.
-    """
-
-    def __init__(self, activation: str, down_proj: nn.Module, *, gate_proj: nn.Module | None = None,
-                 up_proj: nn.Module | None = None, gate_up_proj: nn.Module | None = None, dropout: float = 0.0,
-                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
-        super().__init__()
-        if activation not in GLU_ACTIVATIONS:
-            raise ValueError(f"GLUMLP: activation must be one of {GLU_ACTIVATIONS}, got {activation!r}")
-        packed, separate = gate_up_proj is not None, gate_proj is not None and up_proj is not None
-        if packed == separate or (packed and (gate_proj is not None or up_proj is not None)):
-            raise ValueError("GLUMLP: give gate_proj and up_proj, or gate_up_proj alone")
-        for name, module in (("down_proj", down_proj), ("gate_proj", gate_proj), ("up_proj", up_proj),
-                             ("gate_up_proj", gate_up_proj)):
-            if module is not None and not isinstance(module, nn.Module):
-                raise TypeError(f"GLUMLP: {name} must be an nn.Module, got {type(module).__name__}")
-        if down_proj is None:
-            raise TypeError("GLUMLP: down_proj must be an nn.Module, got None")
-        for name, value in (("dropout", dropout), ("gate_multiplier", gate_multiplier),
-                            ("down_multiplier", down_multiplier)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise TypeError(f"GLUMLP: {name} must be a finite real number, got {value!r}")
-        if not 0.0 <= dropout <= 1.0:
-            raise ValueError(f"GLUMLP: dropout must be a probability in [0, 1], got {dropout}")
-        self.activation, self.dropout = activation, float(dropout)
-        self.gate_multiplier, self.down_multiplier = float(gate_multiplier), float(down_multiplier)
-        if gate_up_proj is not None and self.gate_multiplier != 1.0:
-            raise ValueError("GLUMLP: gate_multiplier needs separate gate_proj and up_proj")
-        if gate_up_proj is not None:
-            self.gate_up_proj = gate_up_proj
-        else:
-            self.gate_proj, self.up_proj = gate_proj, up_proj
-        self.down_proj = down_proj
-        self.in_place_backward = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "gate_up_proj" in self._modules:
-            h = glu_gate_up_product(self.gate_up_proj(x), self.activation, overwrite=self._may_overwrite())
-        else:
-            gate = self.gate_proj(x)
-            if self.gate_multiplier != 1.0:
-                gate = gate * self.gate_multiplier
-            h = glu_product(gate, self.up_proj(x), self.activation, overwrite=self._may_overwrite())
-        y = self.down_proj(h)
-        if self.down_multiplier != 1.0:
-            y = y * self.down_multiplier
-        return nn.functional.dropout(y, p=self.dropout, training=self.training) if self.dropout else y
-
-    def _may_overwrite(self) -> bool:
-        """Whether the backward may write over the projections' outputs: ``in_place_backward`` is on and nothing but
-        this forward sees them (no forward hooks on the projections, module-level or global: a hook could keep the
-        tensors the backward overwrites)."""
-        if not getattr(self, "in_place_backward", True) or nn_module._global_forward_hooks:
-            return False  # (a GLUMLP pickled before the attribute existed has none: the default)
-        names = ("gate_up_proj",) if "gate_up_proj" in self._modules else ("gate_proj", "up_proj")
-        return not any(m._forward_hooks for n in names for m in self._modules[n].modules())
-
-    def extra_repr(self) -> str:
-        extra = [f"activation={self.activation!r}"] + ([f"dropout={self.dropout}"] if self.dropout else [])
-        extra += [f"{n}={v}" for n, v in (("gate_multiplier", self.gate_multiplier),
-                                           ("down_multiplier", self.down_multiplier)) if v != 1.0]
-        return ", ".join(extra)
+def __getattr__(name: str):
+    """``GLUMLP`` was defined here before it moved to ``liger_gen.ops.glu.mlp``, and a pickled model names a class
+    by the module that defined it: it stays reachable here, so such pickles still load."""
+    if name == "GLUMLP":
+        return importlib.import_module("liger_gen.ops.glu.mlp").GLUMLP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -577,7 +577,7 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
             another dtype. ValueError: shapes that do not match, an unknown activation, indices out of range
             (checked on the CPU), tensors on different devices.
     """
-    from liger_gen.ops.glu.glu import glu_gate_up_product
+    from liger_gen.ops.glu.mlp import glu_gate_up_product
 
     op = "moe_experts"
     _check_rows(op, "x", x)

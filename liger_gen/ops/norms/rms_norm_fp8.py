@@ -118,12 +118,8 @@ class RMSNormFp8Space(Space):
         smem = ((config.num_stages_fwd - 1) * self.STREAMS * tile * self.element_size
                 + 2 * config.BLOCK_M_FWD * config.num_warps_fwd * 4)
         problems += self.smem_violations("fwd", smem)
-        if config.BLOCK_K_CAST > max(16, self.block_n):
-            problems.append(f"cast: BLOCK_K_CAST={config.BLOCK_K_CAST} > {max(16, self.block_n)} "
-                            f"(next_power_of_2(n_cols={self.n_cols}))")
-        problems += self.threads_violations("cast", config.num_warps_cast, config.BLOCK_M_CAST * config.BLOCK_K_CAST,
-                                            self.MAX_ELEMS_PER_THREAD_CAST)
-        return problems
+        return problems + self.tile_violations("cast", config.BLOCK_M_CAST, config.BLOCK_K_CAST, config.num_warps_cast,
+                                               self.n_cols, self.MAX_ELEMS_PER_THREAD_CAST)
 
 
 # ------------------------------------------------------------------------------------------------ tuning
