@@ -69,13 +69,15 @@ def model_step(name_or_path: str, batch_size: int, seq_len: int, dtype: torch.dt
     import liger_gen
     from liger_gen.optional import require
 
-    transformers = require("transformers", "liger-gen build --model")
+    require("transformers", "liger-gen build --model")
+    from liger_gen.training import lm_class
+
     config = build_config(name_or_path)
     _cut_layers(config, layers)
     config.use_cache = False
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = lm_class(config).from_config(config)
     model = model.to(dtype=dtype)
     model.train()
     liger_gen.apply_to(model)

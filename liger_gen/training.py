@@ -51,6 +51,17 @@ def _transformers_major() -> int:
     return int(transformers.__version__.split(".")[0])
 
 
+def lm_class(config):
+    """transformers' auto class whose ``from_config(config)`` builds ``config``'s model with its language-modelling
+    head: ``AutoModelForImageTextToText`` for a vision-language config (its ``*ForConditionalGeneration``, images
+    and text in), else ``AutoModelForCausalLM``."""
+    transformers = _transformers()
+    image_text = getattr(transformers, "AutoModelForImageTextToText", None)
+    if image_text is not None and type(config) in image_text._model_mapping:
+        return image_text
+    return transformers.AutoModelForCausalLM
+
+
 def architecture(name: str) -> Architecture:
     """``ARCHITECTURES[name]``; ValueError for an unknown name (listing the known ones)."""
     if name not in ARCHITECTURES:

@@ -171,16 +171,16 @@ FP8_OPS = ("rms_norm_fp8", "glu_fp8", "fp8_quantize", "fp8_cast_transpose")
 
 def ops_apply_to_runs(cfg: dict, *, quiet: bool = False, fp8: bool = False) -> tuple[list[str] | None, str]:
     """(the ops ``apply_to`` runs for the model a Hugging Face config's fields describe, why) — or (None, why
-    not). The model is built with transformers on the meta device (``AutoModelForCausalLM.from_config``, no
-    weights allocated, no remote code), patched by ``apply_to`` and asked (``patched_ops``), so the answer is
-    ``apply_to``'s own: the family's norm, RoPE where the family's rotation is routed, the gated MLPs' and
-    experts' GLU, ``moe_permute`` for fused experts, ``fused_linear_cross_entropy`` where the LM-head loss is
-    fused (in a ``*ForConditionalGeneration`` of a vision-language family too). Attention is built as "eager" whatever the config names (the
-    ops do not depend on it, and flash-attention need not be installed where verify runs); a config of more than
-    MAX_LAYERS layers is not built. ``quiet``: raise the ``liger_gen`` and ``transformers`` loggers to ERROR
-    while building (process-wide: for the single-threaded command line). ``fp8``: as ``apply_to(model,
-    fp8=True)`` on a bf16 model (the FP8 quantize ops, and ``rms_norm_fp8`` and ``glu_fp8`` where norms and MLPs
-    write the operands)."""
+    not). The model is built with transformers on the meta device (``from_config`` of ``AutoModelForCausalLM``,
+    or of ``AutoModelForImageTextToText`` for a vision-language config; no weights allocated, no remote code),
+    patched by ``apply_to`` and asked (``patched_ops``), so the answer is ``apply_to``'s own: the family's norm,
+    RoPE where the family's rotation is routed, the gated MLPs' and experts' GLU, ``moe_permute`` for fused
+    experts, ``fused_linear_cross_entropy`` where the LM-head loss is fused (in a ``*ForConditionalGeneration`` of
+    a vision-language family too). Attention is built as "eager" whatever the config names (the ops do not
+    depend on it, and flash-attention need not be installed where verify runs); a config of more than MAX_LAYERS
+    layers is not built. ``quiet``: raise the ``liger_gen`` and ``transformers`` loggers to ERROR while building
+    (process-wide: for the single-threaded command line). ``fp8``: as ``apply_to(model, fp8=True)`` on a bf16
+    model (the FP8 quantize ops, and ``rms_norm_fp8`` and ``glu_fp8`` where norms and MLPs write the operands)."""
     import warnings
 
     try:
@@ -190,6 +190,7 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False, fp8: bool = False) -> t
     from liger_gen.integrations import transformers as integration
     from liger_gen.integrations.transformers.families import ALIASES
     from liger_gen.integrations.transformers.rope import rope_functions
+    from liger_gen.training import lm_class
 
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
@@ -214,7 +215,7 @@ def ops_apply_to_runs(cfg: dict, *, quiet: bool = False, fp8: bool = False) -> t
             decode = getattr(config_class, "_decode_special_floats", None)
             config = config_class.from_dict(decode(fields) if callable(decode) else fields)
             dtype = {"dtype": torch.bfloat16} if fp8 else {}
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", **dtype)
+            model = lm_class(config).from_config(config, attn_implementation="eager", **dtype)
             family = integration.family_of(model)  # ValueError: not a family apply_to supports
             integration.apply_to(model, rope=False, fp8=fp8)  # RoPE routing is process-wide: predicted, not done
     except Exception as exc:  # noqa: BLE001 - any failure to build the model means: no prediction

@@ -416,3 +416,23 @@ def test_a_patched_wrapper_reports_pickles_and_lists_its_ops(tmp_path, monkeypat
         assert got.logits is None and torch.equal(got.loss, want.loss)
     finally:
         restore_rope()
+
+
+@pytest.mark.parametrize("model_type", sorted(VLM_CONFIGS))
+def test_verify_predicts_a_vision_language_models_ops_from_its_config(model_type, tmp_path, monkeypatch):
+    """``liger-gen verify --model config.json`` (and ``build``) build a vision-language config as its
+    ``*ForConditionalGeneration``: the ops predicted from the mini model's config.json are the ops ``apply_to``
+    runs on the model itself, its vision tower's included."""
+    from liger_gen.integrations.transformers import patched_ops
+    from liger_gen.verify import ops_for_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = mini_vlm(model_type)
+    if model is None:
+        pytest.skip(f"this transformers release has no {model_type}")
+    try:
+        model.config.to_json_file(tmp_path / "config.json")
+        liger_gen.apply_to(model)
+        assert ops_for_config(tmp_path / "config.json") == patched_ops(model)
+    finally:
+        restore_rope()
