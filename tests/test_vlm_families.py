@@ -436,3 +436,21 @@ def test_verify_predicts_a_vision_language_models_ops_from_its_config(model_type
         assert ops_for_config(tmp_path / "config.json") == patched_ops(model)
     finally:
         restore_rope()
+
+
+def test_builds_model_step_patches_a_vision_language_architecture(monkeypatch):
+    """``liger-gen build --model tiny-qwen2.5-vl``'s step: the architecture is built as its
+    ``*ForConditionalGeneration`` (which AutoModelForCausalLM refuses), patched with its fused loss, and runs."""
+    from liger_gen import prebuild
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    built = []
+    apply_to = liger_gen.apply_to
+    monkeypatch.setattr(liger_gen, "apply_to", lambda model, **kw: built.append(model) or apply_to(model, **kw))
+    try:
+        step = prebuild.model_step("tiny-qwen2.5-vl", 1, 16, torch.float32, torch.device("cpu"))
+        step()
+        (model,) = built
+        assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and model.liger_gen_report.loss
+    finally:
+        restore_rope()
