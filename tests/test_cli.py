@@ -435,6 +435,19 @@ def test_first_step_runs_each_provider_in_a_fresh_process(runner, tmp_path, monk
         summary["liger-gen"]["median_s"] - summary["transformers"]["median_s"])
 
 
+def test_a_vision_language_models_first_step_sees_an_image(tmp_path, monkeypatch):
+    """The first step of a vision-language model is an image + text batch, so its vision tower runs (and, on a
+    GPU, its kernels compile) inside the timed step."""
+    from liger_gen.bench.first_step import run_first_step
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    result = run_first_step("tiny-qwen2.5-vl", "liger-gen", device="cpu", batch_size=1, seq_len=64, repeats=1,
+                            warmup_rounds=0, out_dir=tmp_path, dtype="float32")
+    (run,) = result["models"]["tiny-qwen2.5-vl"]["liger-gen"]["runs"]
+    assert run["status"] == "ok", run
+    assert {"input_ids", "labels", "pixel_values", "image_grid_thw"} <= set(run["inputs"])
+
+
 def test_first_step_options_and_a_hung_child_are_reported_not_raised(tmp_path):
     from liger_gen.bench.first_step import run_first_step
 

@@ -2,7 +2,8 @@
 
 Per model and provider, a new Python process (``first_step_child.py``, which imports no liger-gen unless it runs
 liger-gen) with empty Triton, liger-gen kernel and inductor caches builds the model, patches it and trains one
-step; the time holds Python's start, the imports, the build and every compilation. ``liger-gen bench-step
+step; the time holds Python's start, the imports, the build and every compilation. A vision-language model's
+step is an image + text batch (``step_data.step_batches``), so its vision tower's kernels compile too. ``liger-gen bench-step
 --first-step [--repeats N]`` runs it; ``run_first_step`` returns the result, also written to
 ``out_dir/first_step.json``.
 """
@@ -23,7 +24,8 @@ import torch
 from liger_gen.bench.labels import label
 from liger_gen.bench.step import (DEFAULT_MODELS, DEFAULT_PROVIDERS, PROVIDERS, REFERENCE_PROVIDER, finish_run, fmt,
                                   provider_unavailable, run_metadata, split_names)
-from liger_gen.training import DEFAULT_TEXT, FAMILY_CLASSES, architecture, build_config, byte_tokens, make_batches
+from liger_gen.bench.step_data import step_batches
+from liger_gen.training import DEFAULT_TEXT, FAMILY_CLASSES, architecture, build_config, byte_tokens
 
 FIRST_STEP_SCHEMA = "liger-gen/bench-first-step/1"
 FIRST_STEP_CHILD = Path(__file__).resolve().parent / "first_step_child.py"
@@ -87,13 +89,15 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
                                    "kernel-module and inductor caches per run"},
         "models": {}}
     label(result, dev.type)  # on the CPU: a functional run, not performance
-    batch = make_batches(byte_tokens(text), 1, batch_size, seq_len, seed)[0]
+    tokens = byte_tokens(text)
+    # each model's one batch (a vision-language model's: image + text; ValueError if seq_len is too short for it)
+    batches = {m: step_batches(architecture(m), tokens, 1, batch_size, seq_len, seed)[0] for m in models}
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="liger-gen-first-step-") as tmp:
-        batch_path = Path(tmp) / "batch.pt"
-        torch.save(batch, batch_path)
         for model_name in models:
+            batch_path = Path(tmp) / f"{model_name}-batch.pt"
+            torch.save(batches[model_name], batch_path)
             runs: dict[str, list] = {p: [] for p in providers}
             for round_ in range(warmup_rounds + repeats):
                 for provider in providers:
@@ -126,6 +130,7 @@ def run_first_step(models: str | Sequence[str] = DEFAULT_MODELS, providers: str 
                                    "startup_s": stamps["start"] - t0, "imports_s": stamps["imports"] - stamps["start"],
                                    "build_s": stamps["ready"] - stamps["imports"],
                                    "step_s": stamps["end"] - stamps["ready"], "loss": stamps["loss"],
+                                   "inputs": stamps.get("inputs"),
                                    "imported_liger_gen": stamps.get("imported_liger_gen"),
                                    "imported_liger_kernel": stamps.get("imported_liger_kernel"),
                                    "warnings": [line for line in proc.stderr.splitlines() if "Warning" in line][:5]}

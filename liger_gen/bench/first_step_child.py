@@ -2,12 +2,14 @@
 
 Run as ``python first_step_child.py SPEC.json``, never imported: the plain-transformers and Liger-Kernel runs
 must not import liger-gen (its import is part of what liger-gen's first step costs). SPEC holds the provider,
-the transformers config class and fields, dtype, device, seed, lr and the path of the batch (a tensor file).
+the transformers config class and fields, dtype, device, seed, lr and the path of the batch (a tensor file:
+the token ids, or a vision-language model's inputs by name, labels included).
 Prints one JSON line: wall-clock stamps (``time.time()``) at the script's start, after the imports, after the
 model is built and patched, and at the end of the first step (after ``torch.cuda.synchronize()``), plus the
-loss.
+loss and the names of the inputs the model was given.
 """
 
+import inspect
 import json
 import os
 import sys
@@ -45,11 +47,16 @@ def main(spec_path: str) -> None:
     elif provider == "torch-compile":
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=device.type == "cuda")
-    batch = torch.load(spec["batch"]).to(device)
+    batch = torch.load(spec["batch"])
+    if isinstance(batch, dict):  # image + text: the inputs the model's forward takes
+        takes = set(inspect.signature(model.forward).parameters)
+        inputs = {k: v.to(device) for k, v in batch.items() if k in takes}
+    else:
+        inputs = {"input_ids": batch.to(device), "labels": batch.to(device)}
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_ready = time.time()
-    loss = model(input_ids=batch, labels=batch).loss
+    loss = model(**inputs).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -58,6 +65,7 @@ def main(spec_path: str) -> None:
         torch.cuda.synchronize()
     t_end = time.time()
     print(json.dumps({"start": t_start, "imports": t_imports, "ready": t_ready, "end": t_end, "loss": value,
+                      "inputs": sorted(inputs),
                       "imported_liger_gen": "liger_gen" in sys.modules,
                       "imported_liger_kernel": "liger_kernel" in sys.modules}))
 
