@@ -478,7 +478,7 @@ def verify(gpu, model_name, rows, dtypes, ops, fp8, allow_heuristic, require_com
                    "KL, JSD) on CUDA; 64 on the CPU.")
 @click.option("--providers", default=None,
               help="Comma-separated subset of liger-gen, liger-gen-heuristic, torch-eager, torch-compile, "
-                   "liger-kernel, cut-cross-entropy. Default: all.")
+                   "liger-kernel, cut-cross-entropy, torchao. Default: all.")
 @click.option("--dtype", default="bfloat16", show_default=True, help="bfloat16, float16 or float32.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a functional run (Triton's interpreter with TRITON_INTERPRET=1; kernel ms is host time).")

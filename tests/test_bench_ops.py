@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import liger_gen.bench as bench
 from liger_gen.bench import report
 from liger_gen.bench.ops import CASES, TINY, bench_model
+from liger_gen.runtime import fp8 as recipe
 from liger_gen.cli import main
 from liger_gen.models import PRESETS
 from liger_gen.ops import available_ops
@@ -98,6 +99,11 @@ def _expected_bytes(op, t, up, rows):
     if op == "fp8_quantize":  # x read, one byte per value and a fp32 scale per slice written, for each axis; the
         m, k = t["x"].shape  # columns' copy is padded to 16 rows
         return (_nb(t["x"]) + m * k + 4 * m) + (_nb(t["x"]) + k * (-(-m // 16) * 16) + 4 * k)
+    if op == "fp8_linear":  # bf16 x, W, y, dy, dx, dW once each; every FP8 operand written once and read once
+        (m, k), n = t["x"].shape, t["weight"].shape[0]
+        mp = -(-m // 16) * 16
+        bf16 = _nb(t["x"]) + _nb(t["weight"]) + 2 * _nb(up["y"]) + _nb(t["x"]) + _nb(t["weight"])
+        return bf16 + 2 * (m * k + k * mp + 2 * n * k + m * n + n * mp)
     if op == "fp8_cast_transpose":  # as fp8_quantize's two axes, but x read once for both
         m, k = t["x"].shape
         return _nb(t["x"]) + (m * k + 4 * m) + (k * (-(-m // 16) * 16) + 4 * k)
@@ -130,6 +136,27 @@ def test_bytes_and_flops_at_llama3_8b():
     gemms = [(rows, v, h), (rows, h, v), (v, h, rows)]
     assert flce.flops(d) == sum(2 * m * n * k for m, n, k in gemms)
     assert CASES["rms_norm"].flops(CASES["rms_norm"].dims(LLAMA, r)) == 0
+
+
+@pytest.mark.skipif(recipe.fp8_unsupported_reason(torch.device("cpu")) is not None,
+                    reason="this torch build has no CPU torch._scaled_mm with per-row scales")
+def test_fp8_linear_rows_compare_the_same_recipe_across_providers():
+    """``fp8_linear``'s bench rows: liger-gen, the recipe in plain PyTorch and torchao's rowwise Float8Linear
+    compute the same recipe (power-of-two scales, e4m3): every output and gradient within bf16 of the float64
+    truth, and the three equally far from it; bf16 inputs whatever the bench's dtype, and the op's FLOPs are the
+    three GEMMs'."""
+    pytest.importorskip("torchao")
+    data = bench.run_bench(TINY, ops=["fp8_linear"], providers=["liger-gen", "torch-eager", "torchao"], rows=20,
+                           dtype=torch.float32, device="cpu", settings=bench.Settings(iters=1, wall_iters=1, warmup=0),
+                           command="test", log=lambda msg: None)
+    info = data["ops"]["fp8_linear"]
+    assert info["flops"] == 6 * 20 * TINY.hidden_size * TINY.intermediate_size and info["tolerance"] == 3e-2
+    rows = {r["provider"]: r for r in data["results"]}
+    assert set(rows) == {"liger-gen", "torch-eager", "torchao"}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["correct"], r
+        assert r["rel_err"] == rows["liger-gen"]["rel_err"], r["provider"]
+    assert 0 < max(rows["liger-gen"]["rel_err"].values()) < 3e-2
 
 
 def test_bench_model_knows_tiny_and_the_presets():

@@ -68,7 +68,8 @@ from liger_gen.bench.ops import CASES, Case, Inputs, bench_model, get_case
 from liger_gen.console import NO_PROGRESS, ProgressBar
 from liger_gen.optional import installed_version
 
-PROVIDERS = ("liger-gen", "liger-gen-heuristic", "torch-eager", "torch-compile", "liger-kernel", "cut-cross-entropy")
+PROVIDERS = ("liger-gen", "liger-gen-heuristic", "torch-eager", "torch-compile", "liger-kernel", "cut-cross-entropy",
+             "torchao")
 SCHEMA_VERSION = 1
 FLUSH_BYTES = 256 * 1024**2  # > 5x the 50 MiB L2 of an H100/H200
 COPY_BYTES = 2 * 1024**3  # copy-ceiling probe (source tensor; as much is written)
@@ -232,7 +233,7 @@ class Provider:
     status: str = "ok"
     note: str = ""
     context: Callable[[], contextlib.AbstractContextManager] | None = None
-    lookup: bool = False  # record liger-gen's config lookup
+    lookup: bool = False  # record liger-gen's config lookup (an op with a table of its own)
 
 
 def _liger_kernel_provider(case: Case) -> Provider:
@@ -270,19 +271,20 @@ def _compile_provider(case: Case) -> Provider:
 def _heuristic_provider(case: Case) -> Provider:
     from liger_gen.runtime.tables import heuristic_only
 
-    return Provider("liger-gen-heuristic", case.liger_gen, context=heuristic_only, lookup=True,
+    return Provider("liger-gen-heuristic", case.liger_gen, context=heuristic_only, lookup=case.shapes is None,
                     note="liger_gen.functional inside heuristic_only()")
 
 
 # provider name -> builder(case) -> Provider, or None where the provider does not apply to the op
 PROVIDER_BUILDERS: dict[str, Callable[[Case], Provider | None]] = {
-    "liger-gen": lambda case: Provider("liger-gen", case.liger_gen, lookup=True,
+    "liger-gen": lambda case: Provider("liger-gen", case.liger_gen, lookup=case.shapes is None,
                                        note="liger_gen.functional, tuned table"),
     "liger-gen-heuristic": _heuristic_provider,
     "torch-eager": lambda case: Provider("torch-eager", case.eager, note=case.eager_note),
     "torch-compile": _compile_provider,
     "liger-kernel": _liger_kernel_provider,
     "cut-cross-entropy": lambda case: _peer_provider("cut-cross-entropy", case),
+    "torchao": lambda case: _peer_provider("torchao", case),
 }
 
 
@@ -640,14 +642,15 @@ def run_bench(model, *, ops: list[str] | None = None, providers: list[str] | Non
         meta["l2_flush"] = {"bytes": FLUSH_BYTES, **flush}
     timer = _Timer(device, flush_buf, flush)
 
-    tol = REL_TOL[dtype]
     op_info: dict[str, dict] = {}
     results: list[dict] = []
     progress.start(len(cases))
     for case in _advancing(cases, progress):
         r = rows if rows is not None else (case.default_rows if cuda else CPU_ROWS)
         dims = case.dims(model, r)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        op_dtype = case.problem.ACTIVATION_DTYPE or dtype  # an op whose activations have one dtype keeps it
+        tol = REL_TOL[op_dtype]
+        itemsize = torch.empty((), dtype=op_dtype).element_size()
         info: dict[str, Any] = {"dims": dims, "bytes": case.bytes(dims, itemsize), "bytes_formula": case.bytes_formula,
                                 "flops": case.flops(dims), "flops_formula": case.flops_formula, "tolerance": tol}
         op_info[case.op] = info

@@ -33,6 +33,7 @@ from liger_gen import functional as lg
 from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
+from liger_gen.ops.fp8.linear import Fp8LinearProblem
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
                                  fused_linear_jsd_torch, geglu_torch, glu_torch, jsd_torch, kl_div_torch,
                                  layer_norm_torch, moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
@@ -60,11 +61,13 @@ class Case:
     liger_kernel_note: str = ""
     # extra peers for this op only: provider name -> (loader returning a ProviderFn, note)
     peers: dict[str, tuple[Callable[[], ProviderFn], str]] = field(default_factory=dict)
+    # the problem class of an op that has no spec (nothing of its own to tune: fp8_linear's GEMMs are cuBLASLt's)
+    shapes: type[Problem] | None = None
 
     @property
     def problem(self) -> type[Problem]:
         """The op's problem class: dims, inputs, float64 truth, bytes and flops at a model's shape."""
-        return get_spec(self.op).problem
+        return self.shapes if self.shapes is not None else get_spec(self.op).problem
 
     @property
     def default_rows(self) -> int:
@@ -220,6 +223,68 @@ def _glu_fp8_eager(t, o):
 
 def _glu_fp8_lg(t, o):
     return (lg.glu_fp8(t["gate"], t["up"], o["activation"]).y,)
+
+
+class _RecipeLinear(torch.autograd.Function):
+    """``fp8_linear``'s recipe in plain PyTorch: each operand quantized by ``quantize_reference`` (amax, power-of-
+    two scale, e4m3 cast as separate PyTorch ops) and the three GEMMs by ``torch._scaled_mm``."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        from liger_gen.runtime import fp8 as recipe
+
+        ctx.save_for_backward(x, w)
+        xq, xd = recipe.quantize_reference(x, -1)
+        wq, wd = recipe.quantize_reference(w, -1)
+        return recipe.scaled_mm(xq, xd, wq.t(), wd.t(), torch.bfloat16, fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from liger_gen.runtime import fp8 as recipe
+
+        x, w = ctx.saved_tensors
+        pad = recipe.padded(x.shape[0]) - x.shape[0]
+        dyq, dyd = recipe.quantize_reference(dy, -1)
+        wtq, wtd = recipe.quantize_reference(w, 0)  # per input feature
+        dx = recipe.scaled_mm(dyq, dyd, wtq.t().contiguous().t(), wtd, torch.bfloat16)
+        dytq, dytd = recipe.quantize_reference(dy, 0)  # per output feature, over the tokens (padded)
+        xtq, xtd = recipe.quantize_reference(x, 0)
+        a = F.pad(dytq.view(torch.uint8).t(), (0, pad)).view(dytq.dtype)  # (N, Mp), zeros past the tokens
+        b = F.pad(xtq.view(torch.uint8), (0, 0, 0, pad)).view(xtq.dtype)  # (Mp, K)
+        dw = recipe.scaled_mm(a, dytd.reshape(-1, 1), b.t().contiguous().t(), xtd, torch.bfloat16)
+        return dx, dw.to(w.dtype)
+
+
+def _fp8_linear_eager(t, o):
+    return (_RecipeLinear.apply(t["x"], t["weight"]),)
+
+
+def _fp8_linear_lg(t, o):
+    return (lg.fp8_linear(t["x"], t["weight"]),)
+
+
+def _torchao_fp8_linear():
+    """torchao's ``Float8Linear`` with its "rowwise" recipe on the case's weight (``torch.func.functional_call``),
+    under ``torch.compile`` on CUDA (its float8 training relies on the compiler to fuse its casts), eager on the
+    CPU."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    layers: dict = {}
+
+    def fn(t, o):
+        x, w = t["x"], t["weight"]
+        key = (tuple(w.shape), w.device)
+        if key not in layers:
+            holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
+            convert_to_float8_training(holder, config=config)
+            layer = holder[0]
+
+            def call(x, w):
+                return torch.func.functional_call(layer, {"weight": w}, (x,))
+            layers[key] = torch.compile(call, dynamic=False) if w.is_cuda else call
+        return (layers[key](x, w),)
+    return fn
 
 
 def _clamped_swiglu_eager(t, o):
@@ -452,6 +517,11 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("fp8_quantize", _fp8_quantize_eager,
          "quantize_reference per row and per column (amax, power-of-two scale, e4m3 cast in PyTorch); "
          "torch-compile fuses it as torchao's float8 training does", _fp8_quantize_lg),
+    Case("fp8_linear", _fp8_linear_eager,
+         "quantize_reference of x, W and dy on the axes of each GEMM, then torch._scaled_mm (the recipe in "
+         "plain PyTorch)", _fp8_linear_lg, shapes=Fp8LinearProblem,
+         peers={"torchao": (_torchao_fp8_linear, "torchao.float8 Float8Linear, rowwise recipe (power-of-two "
+                                                 "scales, as liger-gen's), under torch.compile on CUDA")}),
     Case("fp8_cast_transpose", _fp8_quantize_eager,
          "quantize_reference per row and per column (amax, power-of-two scale, e4m3 cast in PyTorch); "
          "torch-compile fuses both axes as torchao's float8 training does", _fp8_cast_transpose_lg),

@@ -172,6 +172,9 @@ class Problem:
     DEFAULT_ROWS: ClassVar[int] = 16384  # token count of the bench's default shape
     BYTES_FORMULA: ClassVar[str] = ""  # ``step_bytes`` as a formula (R rows, H hidden, ..., s element size)
     FLOPS_FORMULA: ClassVar[str] = ""
+    # the dtype the op's activations always have, whatever dtype the bench asks for (None: the bench's); the
+    # bench's tolerance and element size follow it (the FP8 linear layer takes and writes bf16)
+    ACTIVATION_DTYPE: ClassVar[torch.dtype | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from liger_gen.codegen.problems import Inputs, Problem, randn
 from liger_gen.ops.fp8.cast_transpose import cast_transpose_2d
 from liger_gen.ops.fp8.quantize import FORMAT_NAMES, FORMATS, quantize_2d
 from liger_gen.runtime import fp8 as fp8r
@@ -53,6 +54,56 @@ def fp8_linear_grads_float64(x: torch.Tensor, weight: torch.Tensor, dy: torch.Te
     xq, xd = fp8r.quantize_reference(x2, 0)
     dw = fp8r.dequantize(dytq, dytd).t() @ fp8r.dequantize(xq, xd)
     return dx.reshape(x.shape), dw
+
+
+# ------------------------------------------------------------------------------------------------ bench shapes
+
+
+class Fp8LinearProblem(Problem):
+    """``fp8_linear`` at a decoder's MLP input projection (gate or up: hidden → intermediate features) for
+    ``liger-gen bench``: its inputs, the recipe's float64 truth, bytes and FLOPs. Not a tuning problem (there is
+    no space): the GEMMs are cuBLASLt's, and the quantize kernels are tuned as their own ops. The activations
+    and the weight are bf16 whatever the bench's dtype: the FP8 GEMMs take and write bf16."""
+
+    op = "fp8_linear"
+    OUTPUTS = ("y",)
+    ACTIVATION_DTYPE = torch.bfloat16
+    # bf16 x, W, y, dy, dx, dW once each; each FP8 operand written once and read once by its GEMM (x and dy:
+    # rows and columns, the token axis padded to 16; W: rows and columns)
+    BYTES_FORMULA = "2·2·(R·K + N·K + R·N) + 2·(R·K + K·⌈R⌉₁₆ + 2·N·K + R·N + N·⌈R⌉₁₆)"
+    FLOPS_FORMULA = "6·R·K·N"
+
+    @classmethod
+    def shape(cls, model) -> dict[str, int]:
+        return {"in_features": model.hidden_size, "out_features": model.intermediate_size}
+
+    @classmethod
+    def space_dims(cls, dims) -> dict[str, int]:
+        return {}  # no table of its own
+
+    @classmethod
+    def make_inputs(cls, dims, dtype, device, gen, options) -> Inputs:
+        r, k, n = dims["rows"], dims["in_features"], dims["out_features"]
+        bf16 = cls.ACTIVATION_DTYPE
+        return Inputs({"x": randn(gen, (r, k), bf16, device), "weight": randn(gen, (n, k), bf16, device, k ** -0.5)},
+                      grad_of=("x", "weight"), upstream={"y": randn(gen, (r, n), bf16, device)})
+
+    @classmethod
+    def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """y, dx and dweight as the recipe defines them, in float64 (``fp8_linear_float64``, ``_grads_float64``)."""
+        x, w, dy = inputs.tensors["x"], inputs.tensors["weight"], inputs.upstream["y"]
+        dx, dw = fp8_linear_grads_float64(x, w, dy)
+        return {"y": fp8_linear_float64(x, w), "dx": dx, "dweight": dw}
+
+    @classmethod
+    def step_bytes(cls, dims, s: int) -> int:
+        r, k, n = dims["rows"], dims["in_features"], dims["out_features"]
+        rp = fp8r.padded(r)
+        return 2 * 2 * (r * k + n * k + r * n) + 2 * (r * k + k * rp + 2 * n * k + r * n + n * rp)
+
+    @classmethod
+    def step_flops(cls, dims) -> int:
+        return 6 * dims["rows"] * dims["in_features"] * dims["out_features"]
 
 
 # ------------------------------------------------------------------------------------------------ binding
