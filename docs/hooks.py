@@ -49,6 +49,8 @@ def _rope(family) -> str:
         parts.append("interleaved pairs")
     if family.interleaved_rope:
         parts.append(f"and `{family.interleaved_rope}` (de-interleaved)")
+    if family.vision_rope:
+        parts.append(f"and the vision tower's `{family.vision_rope}`")
     detail = ", ".join(p for p in parts if p)
     return f"✓ ({detail})" if detail else "✓"
 
