@@ -15,7 +15,7 @@ import click
 from liger_gen import cli_output
 from liger_gen._version import __version__
 from liger_gen.bench.step import DEFAULT_MODELS, DEFAULT_PROVIDERS, PROVIDERS, STEP_MODELS, split_names
-from liger_gen.cli_options import (BENCH_OUT_HELP, OPS, bench_out, csv_devices, csv_dtypes, csv_ints,
+from liger_gen.cli_options import (BENCH_OUT_HELP, OPS, bench_out, csv_bench_ops, csv_devices, csv_dtypes, csv_ints,
                                    csv_items, csv_ops, gpu_name, json_option, model_option, models_given, out_folder,
                                    writable_out)
 from liger_gen.cli_output import NeedsGPU, files_in, finish
@@ -472,7 +472,8 @@ def verify(gpu, model_name, rows, dtypes, ops, fp8, allow_heuristic, require_com
 @main.command()
 @model_option("llama3-8b", "Model preset, a Hugging Face config.json, or 'tiny' (a toy model for --device cpu).",
               single=True)
-@click.option("--ops", default=",".join(OPS), show_default=True, callback=csv_ops, help="Comma-separated ops.")
+@click.option("--ops", default=None, callback=csv_bench_ops,
+              help="Comma-separated ops. Default: every op with a benchmark case.")
 @click.option("--rows", default=None, type=click.IntRange(1),
               help="Token count of every op. Default: 16384 (norms, RoPE, GLUs), 8192 (cross-entropy, FLCE, "
                    "KL, JSD) on CUDA; 64 on the CPU.")

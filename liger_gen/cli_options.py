@@ -53,6 +53,20 @@ def csv_ops(ctx, param, value: str) -> list[str]:
     return ops
 
 
+def csv_bench_ops(ctx, param, value: str | None) -> list[str] | None:
+    """``liger-gen bench --ops``: names of benchmark cases (every op, and ``fp8_linear``, whose GEMMs are
+    cuBLASLt's: it has a case but nothing to tune); None, every case."""
+    if value is None:
+        return None
+    from liger_gen.bench.ops import CASES
+
+    ops = csv_items(value, "op names")
+    unknown = [o for o in ops if o not in CASES]
+    if unknown or not ops:
+        raise click.BadParameter(f"unknown op(s) {unknown or value!r}; available: {', '.join(CASES)}")
+    return ops
+
+
 def csv_dtypes(ctx, param, value: str) -> str:
     """The --dtype text, unchanged once it has no empty item (the command reads the names)."""
     csv_items(value, "dtype names")

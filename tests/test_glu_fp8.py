@@ -212,9 +212,11 @@ def test_errors_name_the_tensor(call, exc, words):
     assert all(word in str(info.value) for word in words), str(info.value)
 
 
-def test_zero_rows_and_rows_only():
+def test_zero_rows_zero_columns_and_rows_only(cpu_path):
     out = glu_fp8(torch.randn(0, 32, dtype=torch.bfloat16), torch.randn(0, 32, dtype=torch.bfloat16))
     assert out.y.shape == (0, 32) and out.q.shape == (0, 32) and out.qt.shape == (32, 0)
+    out = glu_fp8(torch.randn(2, 3, 0, dtype=torch.bfloat16), torch.randn(2, 3, 0, dtype=torch.bfloat16))
+    assert out.y.shape == (2, 3, 0) and out.q.shape == (6, 0) and out.qt.shape == (0, 16)
     out = glu_fp8(torch.randn(5, 32, dtype=torch.bfloat16), torch.randn(5, 32, dtype=torch.bfloat16), cols=False)
     assert out.qt is None and out.dequant_cols is None and out.q.shape == (5, 32)
 
@@ -282,12 +284,68 @@ def test_a_patched_models_mlps_hand_their_operands_to_the_projections(family, ha
     fused = lm_loss_and_grads(model, ids)
     n_fused = len(quantized)
     assert overwrites == [True, True] and fp8_operands.GRADS.entries == []
-    monkeypatch.setattr(GLUMLP, "_fp8_plan", lambda self, gate: None)
+    monkeypatch.setattr(GLUMLP, "_fp8_plan", lambda self, *tensors: None)
     quantized.clear()
     plain = lm_loss_and_grads(model, ids)
     assert len(quantized) - n_fused == 2 * handed
     assert torch.equal(fused[0], plain[0])
     assert fused[1].keys() == plain[1].keys() and all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())
+
+
+@needs_cpu_fp8_gemm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")
+def test_a_hook_that_writes_a_gradient_through_data_is_not_bypassed(monkeypatch):
+    """A forward hook on the gate projections registers a gradient hook that doubles the gradient through
+    ``.data`` (no version bump, so a handed-over operand could not tell): with hooks around, the MLPs hand over
+    no gradient operands, and every gradient is the plain GLU path's."""
+    model = mini_model("llama", dtype=torch.bfloat16, num_hidden_layers=2)
+    liger_gen.apply_to(model, fp8=True)
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_forward_hook(
+            lambda m, args, out: out.register_hook(lambda g: g.data.mul_(2)) and None)
+    ids = make_batches(byte_tokens(), 1, 2, 24, seed=1)[0]
+    offered = []
+    offer = fp8_operands.GRADS.offer
+    monkeypatch.setattr(fp8_operands.GRADS, "offer", lambda g, ops: offered.append(g) or offer(g, ops))
+    fused = lm_loss_and_grads(model, ids)
+    assert offered == []
+    monkeypatch.setattr(GLUMLP, "_fp8_plan", lambda self, *tensors: None)
+    plain = lm_loss_and_grads(model, ids)
+    assert all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())
+
+
+def test_operands_nobody_took_are_dropped_when_the_backward_ends():
+    """An offer inside a backward pass lives until that pass ends, taken or not."""
+    class Offers(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            fp8_operands.GRADS.offer(g.contiguous(), ("untaken",))
+            seen.append(len(fp8_operands.GRADS.entries))
+            return g
+
+    seen = []
+    x = torch.randn(4, 16, requires_grad=True)
+    Offers.apply(x).sum().backward()
+    assert seen == [1] and fp8_operands.GRADS.entries == []
+
+
+@needs_cpu_fp8_gemm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")
+def test_a_second_backward_through_an_fp8_mlp_says_what_to_do():
+    mlp = _fp8_mlp()
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = mlp(x).float().square().sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"GLUMLP: a second backward .* `in_place_backward = False`"):
+        y.backward()
+    mlp.in_place_backward = False
+    y = mlp(x).float().square().sum()
+    y.backward(retain_graph=True)
+    y.backward()
 
 
 def _fp8_mlp(recipe=None, **options):

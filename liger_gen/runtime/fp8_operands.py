@@ -82,17 +82,19 @@ class InputOperands(threading.local):
 
 class GradOperands(threading.local):
     """The operands of the last ``SIZE`` gradients a backward kernel offered (one list per thread), each taken at
-    most once by the projection whose output gradient it is.
+    most once by the projection whose output gradient it is, and all dropped when the backward pass that offered
+    them ends (so an entry nobody took, a gradient a hook replaced, is not kept into the next step).
 
     An entry holds the gradient itself (so its memory cannot be reused while the entry lives), its memory's key
     (data pointer, element count, last dim, dtype, version counter: a view of it with the same elements in the
-    same order, as autograd passes on, matches; an in-place write between offer and take does not) and the
-    operands (rows q, dequant, the token-axis qt, dequant). A newer offer evicts the oldest entry."""
+    same order, as autograd passes on, matches; an in-place write between offer and take does not; a write
+    through ``.data`` or the storage cannot be seen, which is why the GLU offers nothing where a hook could make
+    one) and the operands (rows q, dequant, the token-axis qt, dequant). A newer offer evicts the oldest entry."""
 
     SIZE = 2  # a GLU backward offers dgate's and dup's
 
     def __init__(self):
-        self.entries: list = []
+        self.entries: list = []  # changed in place: the end-of-backward callback holds this thread's list
 
     @staticmethod
     def _key(g: torch.Tensor) -> tuple | None:
@@ -103,8 +105,15 @@ class GradOperands(threading.local):
     def offer(self, grad: torch.Tensor, operands: tuple) -> None:
         """Keep ``operands`` for ``grad`` (contiguous, eager; else nothing)."""
         key = self._key(grad) if eager_tensor(grad) else None
-        if key is not None:
-            self.entries = [*self.entries[-(self.SIZE - 1):], (grad, key, operands)]
+        if key is None:
+            return
+        entries = self.entries
+        if not entries:  # the first of this backward pass: drop them all when it ends
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(entries.clear)
+            except RuntimeError:  # not inside a backward pass: later offers evict it
+                pass
+        entries[:] = [*entries[-(self.SIZE - 1):], (grad, key, operands)]
 
     def take(self, dy: torch.Tensor) -> tuple | None:
         """The operands offered for ``dy``'s memory, removed, or None."""
@@ -118,7 +127,7 @@ class GradOperands(threading.local):
         return None
 
     def clear(self) -> None:
-        self.entries = []
+        self.entries.clear()
 
 
 LAST_INPUT = InputOperands()

@@ -366,7 +366,7 @@ def glu_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", cols
     if not kernel and not (use_custom_op() or transforms_active()):
         # the plain-PyTorch path in eager mode: autograd of the reference, then the recipe
         y = glu_torch(gate, up, activation)
-        return Fp8GLUOutput(y, *_plain_operands(y.detach().reshape(-1, n_cols), bool(cols)))
+        return Fp8GLUOutput(y, *_plain_operands(y.detach().reshape(gate2.shape), bool(cols)))
     y, q, d_rows, qt, d_cols = glu_fp8_2d(gate2, up2, activation, bool(cols))
     return Fp8GLUOutput(y.view(gate.shape), q.detach(), d_rows.detach(), qt.detach() if cols else None,
                         d_cols.detach() if cols else None)
@@ -394,7 +394,7 @@ class GLUFp8Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *_operands):
         no_double_backward(OP, "liger_gen.reference.glu_torch")
-        saved_tensors = ctx.saved_tensors
+        saved_tensors = overwritten_saved_tensors(ctx)
         packed = saved_tensors[0] if len(saved_tensors) == 1 else None
         gate, up = saved_tensors if packed is None else split_gate_up(packed)
         if ctx.overwrite:
@@ -415,6 +415,19 @@ class GLUFp8Function(torch.autograd.Function):
         if grad is not None:
             return None, None, None, None, None, None, grad
         return dgate, dup, None, None, None, None, None
+
+
+def overwritten_saved_tensors(ctx) -> tuple:
+    """``ctx.saved_tensors`` of a GLU backward that writes its gradients over its saved gate and up; a second
+    backward through the same graph finds them bumped and gets this error instead of PyTorch's."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:  # the version bump of an earlier backward through this node
+        raise RuntimeError("liger_gen GLUMLP: a second backward through the same graph (retain_graph=True) "
+                           "cannot run: the first wrote the gradients over the MLP's saved gate and up "
+                           "activations to save memory. Set `in_place_backward = False` on the GLUMLP "
+                           "modules (e.g. for m in model.modules(): if isinstance(m, liger_gen.nn.GLUMLP): "
+                           "m.in_place_backward = False) to keep them.") from e
 
 
 def glu_fp8_product(gate: torch.Tensor, up: torch.Tensor | None, activation: str, *, cols: bool, grads: bool,

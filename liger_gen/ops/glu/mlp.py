@@ -17,7 +17,7 @@ from torch.nn.modules import module as nn_module  # the global hook registries
 from liger_gen.ops.glu.activations import GLU_ACTIVATIONS
 from liger_gen.ops.glu.glu import (as_rows, check_gate_up_input, check_glu_inputs, geglu, geglu_gate_up,
                                    glu_bwd_into, glu_fwd_into, split_gate_up, swiglu, swiglu_gate_up)
-from liger_gen.ops.glu.glu_fp8 import glu_fp8_product
+from liger_gen.ops.glu.glu_fp8 import glu_fp8_product, overwritten_saved_tensors
 from liger_gen.runtime.fp8 import E4M3, Float8Recipe, fp8_unsupported_reason
 from liger_gen.runtime.fp8_operands import LAST_INPUT, eager_tensor
 from liger_gen.runtime.ops import no_double_backward, transforms_active, use_custom_op
@@ -60,6 +60,18 @@ def _owned(*tensors) -> bool:
         return False
     return all(type(t) is torch.Tensor and t.grad_fn is not None and _made_by_an_op_that_keeps_no_output(t.grad_fn)
                for t in tensors)
+
+
+def _hooked(modules, tensors) -> bool:
+    """Whether a hook could see the gradients of ``tensors`` (the projections' outputs) before ``modules``'
+    backward does: a tensor hook on them, a forward or backward hook on the modules (a forward hook can register
+    tensor hooks on their output), or a global module hook."""
+    if nn_module._global_forward_hooks or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks:
+        return True
+    if any(getattr(t, "_backward_hooks", None) for t in tensors):
+        return True
+    return any(m._forward_hooks or m._backward_hooks or m._backward_pre_hooks for module in modules
+               for m in module.modules())
 
 
 # autograd nodes of the ops a projection ends with that do not save their own output for their backward (a
@@ -105,14 +117,7 @@ class _GLUOverwrite(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         no_double_backward("glu", "liger_gen.reference.glu_torch")
-        try:
-            saved_tensors = ctx.saved_tensors
-        except RuntimeError as e:  # the version bump of an earlier backward through this node
-            raise RuntimeError("liger_gen GLUMLP: a second backward through the same graph (retain_graph=True) "
-                               "cannot run: the first wrote the gradients over the MLP's saved gate and up "
-                               "activations to save memory. Set `in_place_backward = False` on the GLUMLP "
-                               "modules (e.g. for m in model.modules(): if isinstance(m, liger_gen.nn.GLUMLP): "
-                               "m.in_place_backward = False) to keep them.") from e
+        saved_tensors = overwritten_saved_tensors(ctx)
         gate, up = saved_tensors if len(saved_tensors) == 2 else split_gate_up(saved_tensors[0])
         glu_bwd_into(dy, gate, up, gate, up, ctx.activation)
         for t in saved_tensors:
@@ -194,7 +199,7 @@ class GLUMLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
             if self.gate_multiplier != 1.0:
                 gate = gate * self.gate_multiplier
-        plan = self._fp8_plan(gate)
+        plan = self._fp8_plan(gate, up)
         if plan is not None:
             cols, grads = plan
             overwrite = self._may_overwrite() and _owned(*((gate,) if up is None else (gate, up)))
@@ -209,13 +214,15 @@ class GLUMLP(nn.Module):
             y = y * self.down_multiplier
         return nn.functional.dropout(y, p=self.dropout, training=self.training) if self.dropout else y
 
-    def _fp8_plan(self, gate: torch.Tensor) -> tuple[bool, bool] | None:
+    def _fp8_plan(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple[bool, bool] | None:
         """(cols, grads) when the product should write FP8 operands, else None: eager autograd (or no grad), a
         non-empty bf16 product on a device with FP8 GEMMs, and an FP8 down projection (``Float8Linear``, which has
         a ``Float8Recipe``). ``cols``: also h's columns operand, which the down projection keeps for its weight
         gradient. ``grads``: the backward also writes the gate and up projections' gradient operands, when
-        those are FP8 layers whose weights take a gradient with e4m3 gradients, and the gate is theirs as is
-        (no ``gate_multiplier``)."""
+        those are FP8 layers whose weights take a gradient with e4m3 gradients, the gate is theirs as is (no
+        ``gate_multiplier``), and no hook could change a gradient between the GLU's backward and theirs (a
+        tensor hook on gate or up, a hook on those projections or a global one: an in-place write through
+        ``.data`` would not be seen, and the operands would be stale)."""
         recipe = getattr(self.down_proj, "recipe", None)
         if not isinstance(recipe, Float8Recipe) or gate.dtype != torch.bfloat16 or not gate.numel() \
                 or not eager_tensor(gate) or fp8_unsupported_reason(gate.device) is not None:
@@ -227,7 +234,8 @@ class GLUMLP(nn.Module):
         producers = [self._modules[n] for n in names]
         grads = grad and gate.requires_grad and self.gate_multiplier == 1.0 and all(
             isinstance(getattr(m, "recipe", None), Float8Recipe) and m.recipe.grad_dtype == E4M3
-            and getattr(m, "weight", None) is not None and m.weight.requires_grad for m in producers)
+            and getattr(m, "weight", None) is not None and m.weight.requires_grad for m in producers) \
+            and not _hooked(producers, (gate,) if up is None else (gate, up))
         return bool(cols), bool(grads)
 
     def _may_overwrite(self) -> bool:
