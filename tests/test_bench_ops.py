@@ -432,14 +432,17 @@ def test_bench_bad_arguments_are_usage_errors():
 
 def test_bench_cpu_end_to_end(tmp_path):
     result = CliRunner().invoke(main, [
-        "bench", "--device", "cpu", "--model", "tiny", "--ops", "swiglu,kl_div", "--rows", "8",
+        "bench", "--device", "cpu", "--model", "tiny", "--ops", "swiglu,kl_div,fp8_linear", "--rows", "8",
         "--providers", "liger-gen,liger-gen-heuristic,torch-eager", "--dtype", "float32", "--iters", "2",
         "--wall-iters", "2", "--warmup", "1", "--out", str(tmp_path)], terminal_width=200)
     assert result.exit_code == 0, result.output
     data = report.load_json(tmp_path / "bench_tiny_cpu.json")
-    assert [(r["op"], r["provider"]) for r in data["results"]] == [
-        (op, p) for op in ("swiglu", "kl_div") for p in ("liger-gen", "liger-gen-heuristic", "torch-eager")]
-    assert all(r["status"] == "ok" and r["correct"] for r in data["results"])
+    ops = ("swiglu", "kl_div") + (("fp8_linear",) if recipe.fp8_unsupported_reason(torch.device("cpu")) is None
+                                  else ())
+    results = [r for r in data["results"] if r["op"] in ops]
+    assert [(r["op"], r["provider"]) for r in results] == [
+        (op, p) for op in ops for p in ("liger-gen", "liger-gen-heuristic", "torch-eager")]
+    assert all(r["status"] == "ok" and r["correct"] for r in results)
     assert data["ops"]["swiglu"]["bytes"] == 8 * 8 * TINY.intermediate_size * 4
     assert data["config"]["dtype"] == "float32" and data["config"]["rows"] == 8
     assert "liger-gen-heuristic" in result.output and "kl_div" in result.output
