@@ -314,6 +314,32 @@ def test_a_hook_that_writes_a_gradient_through_data_is_not_bypassed(monkeypatch)
     assert all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())
 
 
+@needs_cpu_fp8_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_model_under_a_bf16_autocast_trains_through_the_fused_operands(dtype, cpu_path, monkeypatch):
+    """Under ``torch.autocast(bfloat16)`` (fp32 weights, as docs/fp8.md names beside bf16 models; or bf16 ones),
+    on both CPU paths: the MLPs hand over their operands (the products are bf16 under autocast), the bf16
+    model's norms too; loss and gradients are those of the same model with every fusion off."""
+    model = mini_model("llama", dtype=dtype, num_hidden_layers=2)
+    liger_gen.apply_to(model, fp8=True)
+    assert model.liger_gen_report.fp8_mlps == 2
+    assert model.liger_gen_report.fp8_norms == (4 if dtype == torch.bfloat16 else 0)
+    ids = make_batches(byte_tokens(), 1, 2, 24, seed=2)[0]
+    offered = []
+    offer = fp8_operands.GRADS.offer
+    monkeypatch.setattr(fp8_operands.GRADS, "offer", lambda g, ops: offered.append(g) or offer(g, ops))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = lm_loss_and_grads(model, ids)
+        assert len(offered) == 4 and torch.isfinite(fused[0])
+        monkeypatch.setattr(GLUMLP, "_fp8_plan", lambda self, *tensors: None)
+        for module in model.modules():
+            if module.__dict__.get("fp8_consumers"):
+                module.fp8_consumers = ()
+        plain = lm_loss_and_grads(model, ids)
+    assert torch.equal(fused[0], plain[0])
+    assert all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())
+
+
 def test_operands_nobody_took_are_dropped_when_the_backward_ends():
     """An offer inside a backward pass lives until that pass ends, taken or not."""
     class Offers(torch.autograd.Function):

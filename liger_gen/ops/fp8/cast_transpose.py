@@ -134,13 +134,9 @@ def _impl(x: torch.Tensor, fp8: str) -> tuple[torch.Tensor, torch.Tensor, torch.
     x (M, K) with unit column stride."""
     m, k = x.shape
     dtype = FORMATS[fp8]
-    qt = (torch.zeros if not uses_triton(x) or x.numel() == 0 else torch.empty)(
-        (k, recipe.padded(m)), dtype=dtype, device=x.device)
-    if not uses_triton(x) or x.numel() == 0:
-        q, d_rows = recipe.quantize_reference(x, -1, dtype)
-        q_cols, d_cols = recipe.quantize_reference(x, 0, dtype)
-        qt[:, :m] = q_cols.t()
-        return q, d_rows, qt, d_cols.view(k, 1)  # (an empty slice's amax counts as 0: an all-zero slice's scale)
+    if not uses_triton(x) or x.numel() == 0:  # (an empty slice's amax counts as 0: an all-zero slice's scale)
+        return (*recipe.quantize_reference(x, -1, dtype), *recipe.columns_reference(x, dtype))
+    qt = torch.empty((k, recipe.padded(m)), dtype=dtype, device=x.device)
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     d_rows = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     d_cols = torch.empty((k, 1), dtype=torch.float32, device=x.device)

@@ -229,12 +229,8 @@ def _impl(x: torch.Tensor, axis: str, fp8: str) -> tuple[torch.Tensor, torch.Ten
     dtype = FORMATS[fp8]
     shape = (m, k) if axis == "rows" else (k, recipe.padded(m))
     if not uses_triton(x) or x.numel() == 0:
-        q, dequant = recipe.quantize_reference(x, -1 if axis == "rows" else 0, dtype)
-        if axis == "rows":
-            return q, dequant
-        out = torch.zeros(shape, dtype=dtype, device=x.device)
-        out[:, :m] = q.t()
-        return out, dequant.view(k, 1)  # (an empty column's amax counts as 0: the scale of an all-zero slice)
+        # (an empty slice's amax counts as 0: the scale of an all-zero slice)
+        return recipe.quantize_reference(x, -1, dtype) if axis == "rows" else recipe.columns_reference(x, dtype)
     q = torch.empty(shape, dtype=dtype, device=x.device)
     dequant = torch.empty((shape[0], 1), dtype=torch.float32, device=x.device)
     module, _, _ = kernel_module(QuantizeSpace, x, k, m, fp8=fp8)

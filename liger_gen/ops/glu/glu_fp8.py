@@ -238,12 +238,7 @@ def _launch(operands: tuple) -> tuple:
 def _plain_operands(x: torch.Tensor, cols: bool) -> tuple:
     """The recipe's operands of 2-D x in plain PyTorch (the columns: (n_cols, padded rows), zeros past the rows)."""
     q, d_rows = recipe.quantize_reference(x, -1, recipe.E4M3)
-    if not cols:
-        return q, d_rows, None, None
-    m, n = x.shape
-    q_cols, d_cols = recipe.quantize_reference(x, 0, recipe.E4M3)
-    pad = torch.zeros((n, recipe.padded(m) - m), dtype=recipe.E4M3, device=x.device)
-    return q, d_rows, torch.cat([q_cols.t(), pad], dim=1), d_cols.reshape(n, 1)
+    return (q, d_rows, *(recipe.columns_reference(x) if cols else (None, None)))
 
 
 def glu_fp8_forward_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: str,

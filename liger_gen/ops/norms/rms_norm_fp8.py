@@ -418,14 +418,5 @@ def _plain(x, weight, eps, offset, casting_mode, residual, cols) -> Fp8NormOutpu
         y, s = fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
     y2 = y.detach().reshape(-1, x.shape[-1])
     q, d_rows = recipe.quantize_reference(y2, -1, recipe.E4M3)
-    qt, d_cols = _columns_operand(y2) if cols else (None, None)
+    qt, d_cols = recipe.columns_reference(y2) if cols else (None, None)
     return Fp8NormOutput(y, s, q, d_rows, qt, d_cols)
-
-
-def _columns_operand(y2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recipe's columns operand of y2 (rows, n_cols) in plain PyTorch: (n_cols, padded rows) FP8 with zero
-    columns past the last row (written without in-place ops), and (n_cols, 1) dequant scales."""
-    q_cols, d_cols = recipe.quantize_reference(y2, 0, recipe.E4M3)
-    rows, n_cols = y2.shape
-    pad = torch.zeros((n_cols, recipe.padded(rows) - rows), dtype=recipe.E4M3, device=y2.device)
-    return torch.cat([q_cols.t(), pad], dim=1), d_cols.reshape(n_cols, 1)
