@@ -6,7 +6,8 @@ pairs training will ask for:
 * ``model_step``: a whole transformers model (a name of ``liger_gen.models.ARCHITECTURES`` or a Hugging Face
   ``config.json``), cut to the first layers that cover each distinct layer type (every layer of one type runs the
   same kernels), patched with ``liger_gen.apply_to`` and run for one forward and backward at the training batch
-  shape (``batch_size`` x ``seq_len``) in ``dtype``;
+  shape (``batch_size`` x ``seq_len``) in ``dtype`` (a vision-language architecture on an image + text batch, so
+  its vision tower's kernels compile too);
 * ``op_steps``: each op's benchmark case (one forward and backward) at a model preset's shapes for each token
   count in ``rows`` (what ``liger-gen tune`` runs after tuning, for the shapes it tuned).
 
@@ -81,12 +82,24 @@ def model_step(name_or_path: str, batch_size: int, seq_len: int, dtype: torch.dt
     model = model.to(dtype=dtype)
     model.train()
     liger_gen.apply_to(model)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    vocab = int(config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size)
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(device)
+    from liger_gen.models import ARCHITECTURES
+
+    spec = ARCHITECTURES.get(name_or_path)
+    if spec is not None and spec.vision is not None:
+        # a vision-language architecture: an image + text batch, so its vision tower's kernels compile too
+        from liger_gen.bench.step_data import batches_to, step_batches
+        from liger_gen.training import byte_tokens
+
+        inputs = batches_to(step_batches(spec, byte_tokens(), 1, batch_size, seq_len, seed), device,
+                            model.forward)[0]
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        vocab = int(config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size)
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(device)
+        inputs = {"input_ids": ids, "labels": ids}
 
     def step():
-        out = model(input_ids=ids, labels=ids)
+        out = model(**inputs)
         out.loss.backward()
         model.zero_grad(set_to_none=True)
     return step

@@ -440,7 +440,8 @@ def test_verify_predicts_a_vision_language_models_ops_from_its_config(model_type
 
 def test_builds_model_step_patches_a_vision_language_architecture(monkeypatch):
     """``liger-gen build --model tiny-qwen2.5-vl``'s step: the architecture is built as its
-    ``*ForConditionalGeneration`` (which AutoModelForCausalLM refuses), patched with its fused loss, and runs."""
+    ``*ForConditionalGeneration`` (which AutoModelForCausalLM refuses), patched with its fused loss, and runs
+    on an image + text batch."""
     from liger_gen import prebuild
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -448,9 +449,12 @@ def test_builds_model_step_patches_a_vision_language_architecture(monkeypatch):
     apply_to = liger_gen.apply_to
     monkeypatch.setattr(liger_gen, "apply_to", lambda model, **kw: built.append(model) or apply_to(model, **kw))
     try:
-        step = prebuild.model_step("tiny-qwen2.5-vl", 1, 16, torch.float32, torch.device("cpu"))
-        step()
+        step = prebuild.model_step("tiny-qwen2.5-vl", 1, 64, torch.float32, torch.device("cpu"))
         (model,) = built
         assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and model.liger_gen_report.loss
+        images = []
+        model.model.visual.register_forward_hook(lambda m, args, out: images.append(args[0].shape))
+        step()
+        assert len(images) == 1  # an image + text batch: the vision tower (and its kernels) ran
     finally:
         restore_rope()
