@@ -496,15 +496,17 @@ def _write_config(tmp_path, name, **fields):
     (dict(model_type="llama", hidden_act="relu"), ["rms_norm", "fused_add_rms_norm", "rope", "fused_linear_cross_entropy"]),
     (dict(model_type="qwen3_moe", num_experts=128), ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "moe_permute",
                                                       "fused_linear_cross_entropy"]),
-    # multimodal Gemma 3: AutoModelForCausalLM builds Gemma3ForConditionalGeneration: its SigLIP tower's
-    # LayerNorms and its fused loss too
+    # multimodal Gemma 3: built as Gemma3ForConditionalGeneration: its SigLIP tower's LayerNorms and its fused
+    # loss too
     (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=512,
                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                                 hidden_activation="gelu_pytorch_tanh")),
      ["rms_norm", "fused_add_rms_norm", "layer_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
+    # a vision-language config is built as its *ForConditionalGeneration (AutoModelForImageTextToText)
+    (dict(model_type="paligemma", text_config=dict(model_type="gemma2", hidden_size=256)),
+     ["rms_norm", "fused_add_rms_norm", "layer_norm", "rope", "geglu", "fused_linear_cross_entropy"]),
     (dict(model_type="bert"), None),
     (dict(model_type=["llama"]), None),
-    (dict(model_type="paligemma", text_config=dict(model_type="gemma2", hidden_size=256)), None),
 ])
 def test_verify_default_ops_follow_the_config_family(tmp_path, fields, expected):
     """Without --ops, verify checks the ops apply_to runs for a config.json's family; a family apply_to does
