@@ -316,7 +316,8 @@ def table_rows(data: dict) -> list[dict[str, str]]:
 def title(data: dict) -> str:
     meta, cfg = data.get("meta", {}), data.get("config", {})
     ceil = meta.get("ceilings", {})
-    return (f"{cfg.get('model', {}).get('name', '?')} ops, forward + backward, {cfg.get('dtype', '?')}, "
+    return (f"{cfg.get('model', {}).get('name', '?')} ops, forward + backward (forward alone where no gradient "
+            f"flows), {cfg.get('dtype', '?')}, "
             f"{meta.get('gpu', '?')} (copy {_rate((ceil.get('copy') or {}).get('gbps'))} GB/s, matmul "
             f"{_rate((ceil.get('matmul') or {}).get('tflops'))} TFLOP/s)")
 
