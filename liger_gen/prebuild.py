@@ -6,8 +6,9 @@ pairs training will ask for:
 * ``model_step``: a whole transformers model (a name of ``liger_gen.models.ARCHITECTURES`` or a Hugging Face
   ``config.json``), cut to the first layers that cover each distinct layer type (every layer of one type runs the
   same kernels), patched with ``liger_gen.apply_to`` and run for one forward and backward at the training batch
-  shape (``batch_size`` x ``seq_len``) in ``dtype`` (a vision-language architecture on an image + text batch, so
-  its vision tower's kernels compile too);
+  shape (``batch_size`` x ``seq_len``) in ``dtype`` (a vision-language architecture of ``ARCHITECTURES`` on an
+  image + text batch, so its vision tower's kernels compile too; a vision-language ``config.json`` on text alone,
+  for want of the processor's image layout: its vision tower's kernels compile in training);
 * ``op_steps``: each op's benchmark case (one forward and backward) at a model preset's shapes for each token
   count in ``rows`` (what ``liger-gen tune`` runs after tuning, for the shapes it tuned).
 

@@ -143,3 +143,36 @@ def test_the_custom_op_passes_opcheck():
     x = torch.randn(21, 32, generator=seeded("ct-opcheck")).to(torch.bfloat16)
     for fmt in ("e4m3", "e5m2"):
         torch.library.opcheck(fp8_cast_transpose_op.op, (x, fmt))
+
+
+@pytest.mark.parametrize("rows", [16, 17, 32])
+def test_the_columns_operand_is_row_major_on_every_path(rows, cpu_path):
+    """qt is (K, Mp) row-major whether or not the token axis needed padding, as the custom ops' fake
+    implementations say (torch.compile's inductor lays out its buffers from them, and cuBLAS needs the
+    row-major operand): checked on the returned tensors and by opcheck's fake-tensor test."""
+    from liger_gen.ops.fp8.quantize import fp8_quantize
+
+    x = torch.randn(rows, 48, generator=seeded("ct-layout", rows, cpu_path)).to(torch.bfloat16)
+    padded = recipe.padded(rows)
+    qt, d_cols = fp8_quantize(x, "cols")
+    both = fp8_cast_transpose(x)
+    for q in (qt, both[2]):
+        assert q.shape == (48, padded) and q.stride() == (padded, 1)
+    torch.library.opcheck(torch.ops.liger_gen.fp8_quantize.default, (x, "cols", "e4m3"), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.liger_gen.fp8_cast_transpose.default, (x, "e4m3"), test_utils=("test_faketensor",))
+
+
+def test_vmap_quantizes_each_element_on_every_path(cpu_path):
+    """Under torch.vmap (whose wrapped tensors the kernels cannot read) the ops take their custom ops, which run
+    once per element."""
+    from liger_gen.ops.fp8.quantize import fp8_quantize
+
+    x = torch.randn(3, 20, 32, generator=seeded("ct-vmap", cpu_path)).to(torch.bfloat16)
+    mapped = torch.vmap(lambda t: fp8_cast_transpose(t))(x)
+    rows = torch.vmap(lambda t: fp8_quantize(t, "rows"))(x)
+    for i in range(3):
+        want = fp8_cast_transpose(x[i])
+        for got, ref in zip(mapped, want):
+            assert torch.equal(got[i].view(torch.uint8) if got.dtype == E4M3 else got[i],
+                               ref.view(torch.uint8) if ref.dtype == E4M3 else ref)
+        assert torch.equal(rows[0][i].view(torch.uint8), want[0].view(torch.uint8))

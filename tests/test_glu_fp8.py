@@ -341,7 +341,8 @@ def test_a_model_under_a_bf16_autocast_trains_through_the_fused_operands(dtype, 
 
 
 def test_operands_nobody_took_are_dropped_when_the_backward_ends():
-    """An offer inside a backward pass lives until that pass ends, taken or not."""
+    """An offer inside a backward pass lives until that pass ends, taken or not; what a pass that raised (or an
+    offer outside any pass) left is dropped by the next pass's first offer."""
     class Offers(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -357,6 +358,22 @@ def test_operands_nobody_took_are_dropped_when_the_backward_ends():
     x = torch.randn(4, 16, requires_grad=True)
     Offers.apply(x).sum().backward()
     assert seen == [1] and fp8_operands.GRADS.entries == []
+
+    class Raises(torch.autograd.Function):  # a pass that offers, then fails before its end
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("out of memory")
+
+    fp8_operands.GRADS.offer(torch.randn(2, 16), ("outside a backward",))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        Offers.apply(Raises.apply(x)).sum().backward()  # Offers' backward runs first
+    assert [e[-1] for e in fp8_operands.GRADS.entries] == [("untaken",)]
+    Offers.apply(x).sum().backward()  # the next pass's first offer drops what the failed one left
+    assert seen == [1, 1, 1] and fp8_operands.GRADS.entries == []
 
 
 @needs_cpu_fp8_gemm

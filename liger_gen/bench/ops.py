@@ -249,7 +249,7 @@ class _RecipeLinear(torch.autograd.Function):
         dx = recipe.scaled_mm(dyq, dyd, wtq.t().contiguous().t(), wtd, torch.bfloat16)
         dytq, dytd = recipe.quantize_reference(dy, 0)  # per output feature, over the tokens (padded)
         xtq, xtd = recipe.quantize_reference(x, 0)
-        a = F.pad(dytq.view(torch.uint8).t(), (0, pad)).view(dytq.dtype)  # (N, Mp), zeros past the tokens
+        a = F.pad(dytq.view(torch.uint8).t().contiguous(), (0, pad)).view(dytq.dtype)  # (N, Mp) row-major, zeros past
         b = F.pad(xtq.view(torch.uint8), (0, 0, 0, pad)).view(xtq.dtype)  # (Mp, K)
         dw = recipe.scaled_mm(a, dytd.reshape(-1, 1), b.t().contiguous().t(), xtd, torch.bfloat16)
         return dx, dw.to(w.dtype)

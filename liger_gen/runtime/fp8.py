@@ -143,11 +143,11 @@ def quantize_reference(x: torch.Tensor, dim: int, fp8_dtype: torch.dtype = E4M3)
 
 def columns_reference(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """The columns operand of 2-D x (M, K) laid out as the kernels write it, in plain PyTorch: (K, Mp) ``fp8_dtype``
-    with Mp = ``padded(M)`` and zeros past the M tokens (the weight gradient's GEMM needs the multiple), and the
-    (K, 1) dequant scales. No in-place write and no FP8 ``cat`` (which ``torch.autocast`` cannot take)."""
+    with Mp = ``padded(M)`` and zeros past the M tokens (the weight gradient's GEMM needs the multiple), row-major,
+    and the (K, 1) dequant scales. No in-place write and no FP8 ``cat`` (which ``torch.autocast`` cannot take)."""
     q, dequant = quantize_reference(x, 0, fp8_dtype)
     m, k = x.shape
-    qt = torch.nn.functional.pad(q.t().view(torch.uint8), (0, padded(m) - m)).view(fp8_dtype)
+    qt = torch.nn.functional.pad(q.view(torch.uint8).t().contiguous(), (0, padded(m) - m)).view(fp8_dtype)
     return qt, dequant.reshape(k, 1)
 
 

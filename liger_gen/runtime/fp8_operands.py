@@ -95,6 +95,7 @@ class GradOperands(threading.local):
 
     def __init__(self):
         self.entries: list = []  # changed in place: the end-of-backward callback holds this thread's list
+        self.task = -1  # the backward pass (autograd graph task) the entries were offered in
 
     @staticmethod
     def _key(g: torch.Tensor) -> tuple | None:
@@ -107,12 +108,12 @@ class GradOperands(threading.local):
         key = self._key(grad) if eager_tensor(grad) else None
         if key is None:
             return
-        entries = self.entries
-        if not entries:  # the first of this backward pass: drop them all when it ends
-            try:
+        entries, task = self.entries, torch._C._current_graph_task_id()
+        if task != self.task:  # the first offer of this backward pass (-1: none is running)
+            entries.clear()  # what an earlier pass left (one that raised before its end)
+            self.task = task
+            if task != -1:  # dropped when this pass ends, taken or not
                 torch.autograd.Variable._execution_engine.queue_callback(entries.clear)
-            except RuntimeError:  # not inside a backward pass: later offers evict it
-                pass
         entries[:] = [*entries[-(self.SIZE - 1):], (grad, key, operands)]
 
     def take(self, dy: torch.Tensor) -> tuple | None:

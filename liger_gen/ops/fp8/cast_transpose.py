@@ -25,7 +25,7 @@ from liger_gen.ops.fp8.quantize import (FORMAT_NAMES, FORMATS, QuantizeProblem, 
                                         operand_widths)
 from liger_gen.runtime import fp8 as recipe
 from liger_gen.runtime.binding import Kernel
-from liger_gen.runtime.ops import interpreter_enabled, kernel_module, use_custom_op, uses_triton
+from liger_gen.runtime.ops import interpreter_enabled, kernel_module, transforms_active, use_custom_op, uses_triton
 
 # ------------------------------------------------------------------------------------------------ space
 
@@ -157,7 +157,9 @@ fp8_cast_transpose_op = Kernel("fp8_cast_transpose", _impl, _fake)
 
 def cast_transpose_2d(x: torch.Tensor, fp8: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp8_cast_transpose`` without the checks, for callers that made x 2-D with unit column stride."""
-    return fp8_cast_transpose_op.op(x, fp8) if use_custom_op() else _impl(x, fp8)
+    # a graph being recorded, or a torch.func transform (whose wrapped tensors the kernels cannot read), takes the
+    # custom op
+    return fp8_cast_transpose_op.op(x, fp8) if use_custom_op() or transforms_active() else _impl(x, fp8)
 
 
 # ------------------------------------------------------------------------------------------------ public op

@@ -23,7 +23,7 @@ from liger_gen.codegen.spec import OpSpec
 from liger_gen.runtime import fp8 as recipe
 from liger_gen.runtime.binding import Kernel
 from liger_gen.runtime.ops import (KERNEL_DTYPES, check_tensor, describe, interpreter_enabled, kernel_module,
-                                   use_custom_op, uses_triton)
+                                   transforms_active, use_custom_op, uses_triton)
 
 AXES = ("rows", "cols")
 FORMATS = {"e4m3": recipe.E4M3, "e5m2": recipe.E5M2}
@@ -250,7 +250,9 @@ fp8_quantize_op = Kernel("fp8_quantize", _impl, _fake)
 
 def quantize_2d(x: torch.Tensor, axis: str, fp8: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_quantize`` without the checks, for callers that made x 2-D with unit column stride."""
-    return fp8_quantize_op.op(x, axis, fp8) if use_custom_op() else _impl(x, axis, fp8)
+    # a graph being recorded, or a torch.func transform (whose wrapped tensors the kernels cannot read), takes the
+    # custom op
+    return fp8_quantize_op.op(x, axis, fp8) if use_custom_op() or transforms_active() else _impl(x, axis, fp8)
 
 
 # ------------------------------------------------------------------------------------------------ public op
