@@ -23,7 +23,8 @@ from liger_gen.functional import fp8_cast_transpose, geglu, glu_fp8, swiglu
 from liger_gen.integrations import transformers as integration
 from liger_gen.nn import Float8Linear, GLUMLP
 from liger_gen.ops.fp8 import linear as fp8_linear_module
-from liger_gen.ops.glu.glu_fp8 import GLUFp8Problem, GLUFp8Space, operand_mismatch
+from liger_gen.ops.glu.glu_fp8 import GLUFp8Problem, GLUFp8Space
+from liger_gen.runtime.fp8 import operand_mismatch
 from liger_gen.runtime import fp8_operands
 from liger_gen.runtime.fp8_operands import GradOperands
 from liger_gen.training import byte_tokens, make_batches

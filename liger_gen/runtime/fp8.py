@@ -151,6 +151,33 @@ def columns_reference(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> tuple[t
     return qt, dequant.reshape(k, 1)
 
 
+def operands_reference(x: torch.Tensor, cols: bool = True, fp8_dtype: torch.dtype = E4M3) -> tuple:
+    """Both operands of 2-D x as the kernels lay them out, in plain PyTorch: (q (M, K), dequant_rows (M, 1), qt
+    (K, Mp), dequant_cols (K, 1)) (``quantize_reference`` per row, ``columns_reference``); the last two None
+    unless ``cols``."""
+    return (*quantize_reference(x, -1, fp8_dtype), *(columns_reference(x, fp8_dtype) if cols else (None, None)))
+
+
+def operand_mismatch(x: torch.Tensor, q, d_rows, qt, d_cols, fp8_dtype: torch.dtype = E4M3) -> str | None:
+    """Why operands a kernel wrote for 2-D x (M, K) differ from the recipe's quantization of x, or None: every
+    dequantized value exactly (NaN where the recipe's is NaN) and the columns operand's padding past M zero. An
+    axis given as None is not checked; the scales may be vectors or columns. The tuning problems' gate."""
+    for axis, qq, dd in (("rows", q, d_rows), ("cols", qt, d_cols)):
+        if qq is None:
+            continue
+        want_q, want_d = quantize_reference(x, -1 if axis == "rows" else 0, fp8_dtype)
+        got = dequantize(qq, dd.reshape(-1, 1)).cpu()
+        want = dequantize(want_q, want_d).cpu()
+        if axis == "cols":
+            if bool((got[:, x.shape[0]:] != 0).any()):
+                return "the columns operand's padding past the last row is not zero"
+            got, want = got[:, : x.shape[0]], want.t()
+        same = (got == want) | (got.isnan() & want.isnan())
+        if not bool(same.all()):
+            return f"{int((~same).sum())} of {same.numel()} values of the {axis} operand differ from the recipe's"
+    return None
+
+
 def dequantize(q: torch.Tensor, dequant_scale: torch.Tensor) -> torch.Tensor:
     """``q`` (FP8) times its dequant scale (broadcast), in float64: the value the recipe's GEMMs multiply."""
     return q.to(torch.float64) * dequant_scale.to(torch.float64)

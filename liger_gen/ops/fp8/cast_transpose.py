@@ -135,7 +135,7 @@ def _impl(x: torch.Tensor, fp8: str) -> tuple[torch.Tensor, torch.Tensor, torch.
     m, k = x.shape
     dtype = FORMATS[fp8]
     if not uses_triton(x) or x.numel() == 0:  # (an empty slice's amax counts as 0: an all-zero slice's scale)
-        return (*recipe.quantize_reference(x, -1, dtype), *recipe.columns_reference(x, dtype))
+        return recipe.operands_reference(x, fp8_dtype=dtype)
     qt = torch.empty((k, recipe.padded(m)), dtype=dtype, device=x.device)
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     d_rows = torch.empty((m, 1), dtype=torch.float32, device=x.device)

@@ -137,68 +137,32 @@ class GLUFp8Problem(GLUProblem):
                  seed: int = 0, limits=None):
         super().__init__(dtype, dims, rows, device, activation=activation, seed=seed, limits=limits)
         self.variant["fp8"] = "e4m3"
-        m, n = self.rows, self.dims["n_cols"]
-        for name in ("y", "dgate", "dup"):
-            self.buffers[f"q_{name}"], self.buffers[f"d_{name}"] = _operand_buffers(m, n, self.device, cols=False)
-            self.buffers[f"qt_{name}"], self.buffers[f"dt_{name}"] = _operand_buffers(m, n, self.device, rows=False)
-
-    def operands(self, name: str) -> tuple:
-        b = self.buffers
-        return b[f"q_{name}"], b[f"d_{name}"], b[f"qt_{name}"], b[f"dt_{name}"]
+        # the operands of y, dgate and dup: (q, d_rows, qt, d_cols) each
+        self.operand_buffers = {name: _new_operands(self.buffers[name]) for name in ("y", "dgate", "dup")}
 
     def launcher(self, module, phase: str):
-        b, exact = self.buffers, interpreter_enabled()
+        b, ops, exact = self.buffers, self.operand_buffers, interpreter_enabled()
         if phase == "fwd":
-            return lambda: module.forward_fp8(b["gate"], b["up"], b["y"], *self.operands("y"), exact)
+            return lambda: module.forward_fp8(b["gate"], b["up"], b["y"], *_launch(ops["y"]), exact)
         if phase == "bwd":
-            ops = [self.operands("dgate"), self.operands("dup")]
-            return lambda: module.backward_fp8(b["dy"], b["gate"], b["up"], b["dgate"], b["dup"], None, ops, exact)
+            grads = [_launch(ops["dgate"]), _launch(ops["dup"])]
+            return lambda: module.backward_fp8(b["dy"], b["gate"], b["up"], b["dgate"], b["dup"], None, grads, exact)
         raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
 
     def check(self, module, phase: str) -> str | None:
         """The GLU's outputs against float64, then each operand against the recipe's quantization of the tensor
         written: every value and scale exactly, the columns' padding zero."""
         for name in self.OPERANDS[phase]:
-            for buffer in self.operands(name)[1::2]:
-                buffer.fill_(float("nan"))
+            for scales in self.operand_buffers[name][1::2]:
+                scales.fill_(float("nan"))
         error = super().check(module, phase)
         if error is not None:
             return error
         for name in self.OPERANDS[phase]:
-            error = operand_mismatch(self.buffers[name], *self.operands(name))
+            error = recipe.operand_mismatch(self.buffers[name], *self.operand_buffers[name])
             if error is not None:
                 return f"{name}: {error}"
         return None
-
-
-def _operand_buffers(m: int, n: int, device, rows: bool = True, cols: bool = True) -> tuple:
-    """(q (m, n), dequant (m,)) when ``rows``, else (qt (n, padded m), dequant (n,)): FP8 and fp32 buffers."""
-    if rows and cols:
-        raise ValueError("one axis at a time")
-    if rows:
-        return (torch.empty((m, n), dtype=recipe.E4M3, device=device),
-                torch.empty((m,), dtype=torch.float32, device=device))
-    return (torch.empty((n, recipe.padded(m)), dtype=recipe.E4M3, device=device),
-            torch.empty((n,), dtype=torch.float32, device=device))
-
-
-def operand_mismatch(x: torch.Tensor, q, d_rows, qt, d_cols) -> str | None:
-    """Why the operands of x (any of them None: not checked) differ from the recipe's quantization of x, or None:
-    every dequantized value exactly (NaN where the recipe's is NaN), the columns' padding zero."""
-    for axis, qq, dd in (("rows", q, d_rows), ("cols", qt, d_cols)):
-        if qq is None:
-            continue
-        want_q, want_d = recipe.quantize_reference(x, -1 if axis == "rows" else 0, recipe.E4M3)
-        got = recipe.dequantize(qq, dd.reshape(-1, 1)).cpu()
-        want = recipe.dequantize(want_q, want_d).cpu()
-        if axis == "cols":
-            if bool((got[:, x.shape[0]:] != 0).any()):
-                return "the columns operand's padding past the last row is not zero"
-            got, want = got[:, : x.shape[0]], want.t()
-        same = (got == want) | (got.isnan() & want.isnan())
-        if not bool(same.all()):
-            return f"{int((~same).sum())} of {same.numel()} values of the {axis} operand differ from the recipe's"
-    return None
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
@@ -235,19 +199,13 @@ def _launch(operands: tuple) -> tuple:
     return q, None if d_rows is None else d_rows.view(-1), qt, None if d_cols is None else d_cols.view(-1)
 
 
-def _plain_operands(x: torch.Tensor, cols: bool) -> tuple:
-    """The recipe's operands of 2-D x in plain PyTorch (the columns: (n_cols, padded rows), zeros past the rows)."""
-    q, d_rows = recipe.quantize_reference(x, -1, recipe.E4M3)
-    return (q, d_rows, *(recipe.columns_reference(x) if cols else (None, None)))
-
-
 def glu_fp8_forward_into(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: str,
                          cols: bool) -> tuple:
     """y = act(gate) · up (2-D, unit column stride; gate and up may be halves of one packed buffer) and y's
     operands (q, d_rows (rows, 1), qt, d_cols (n_cols, 1); the last two None unless ``cols``)."""
     if not uses_triton(gate) or not gate.numel():  # the recipe in plain PyTorch (and nothing to launch)
         y.copy_(glu_torch(gate, up, activation))
-        return _plain_operands(y, cols)
+        return recipe.operands_reference(y, cols)
     operands = _new_operands(y, cols=cols)
     module = kernel_module(GLUFp8Space, gate, gate.shape[1], gate.shape[0], activation=activation, fp8="e4m3")[0]
     module.forward_fp8(gate, up, y, *_launch(operands), interpreter_enabled())
@@ -261,7 +219,7 @@ def glu_fp8_backward_into(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     targets = [dgate, dup] if packed is None else [packed]
     if not uses_triton(gate) or not gate.numel():
         glu_bwd_into(dy, gate, up, dgate, dup, activation)
-        return [_plain_operands(t, True) for t in targets]
+        return [recipe.operands_reference(t) for t in targets]
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     operands = [_new_operands(t) for t in targets]
@@ -361,7 +319,7 @@ def glu_fp8(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", cols
     if not kernel and not (use_custom_op() or transforms_active()):
         # the plain-PyTorch path in eager mode: autograd of the reference, then the recipe
         y = glu_torch(gate, up, activation)
-        return Fp8GLUOutput(y, *_plain_operands(y.detach().reshape(gate2.shape), bool(cols)))
+        return Fp8GLUOutput(y, *recipe.operands_reference(y.detach().reshape(gate2.shape), bool(cols)))
     y, q, d_rows, qt, d_cols = glu_fp8_2d(gate2, up2, activation, bool(cols))
     return Fp8GLUOutput(y.view(gate.shape), q.detach(), d_rows.detach(), qt.detach() if cols else None,
                         d_cols.detach() if cols else None)

@@ -198,18 +198,9 @@ class RMSNormFp8Problem(DecoderNormProblem):
         if error is not None:
             return error
         b = self.buffers
-        y = b["y"]
-        for axis, q, d in (("rows", b["q_rows"], b["d_rows"]), ("cols", b["q_cols"], b["d_cols"])):
-            want_q, want_d = recipe.quantize_reference(y, -1 if axis == "rows" else 0, recipe.E4M3)
-            got = recipe.dequantize(q, d[:, None]).cpu()
-            want = recipe.dequantize(want_q, want_d).cpu()
-            if axis == "cols":
-                if bool((got[:, self.rows:] != 0).any()):
-                    return "q_cols: the padding past the last row is not zero"
-                got, want = got[:, : self.rows], want.t()
-            same = (got == want) | (got.isnan() & want.isnan())
-            if not bool(same.all()):
-                return f"q_{axis}: {int((~same).sum())} of {same.numel()} values differ from the recipe's of y"
+        error = recipe.operand_mismatch(b["y"], b["q_rows"], b["d_rows"], b["q_cols"], b["d_cols"])
+        if error is not None:
+            return f"y: {error}"
         normed = (b["s"] if self.fused_add else b["x"]).double()
         err = rel_l2(b["rstd"], torch.rsqrt(normed.pow(2).mean(-1) + self.eps))
         if not err <= FP32_OUT_TOL:
@@ -416,7 +407,4 @@ def _plain(x, weight, eps, offset, casting_mode, residual, cols) -> Fp8NormOutpu
         y, s = rms_norm_torch(x, weight, eps, offset, casting_mode), None
     else:
         y, s = fused_add_rms_norm_torch(x, residual, weight, eps, offset, casting_mode)
-    y2 = y.detach().reshape(-1, x.shape[-1])
-    q, d_rows = recipe.quantize_reference(y2, -1, recipe.E4M3)
-    qt, d_cols = recipe.columns_reference(y2) if cols else (None, None)
-    return Fp8NormOutput(y, s, q, d_rows, qt, d_cols)
+    return Fp8NormOutput(y, s, *recipe.operands_reference(y.detach().reshape(-1, x.shape[-1]), cols))
