@@ -122,19 +122,19 @@ def main() -> int:
     seq_len = min(args.seq_len, 128) if args.tiny else args.seq_len
     batches = make_batches(byte_tokens(), args.steps, args.batch_size, seq_len, seed=args.seed)
     curves, seconds = {}, {}
-    for provider in providers:
-        curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, args.warmup, device,
-                                                            args.seed)
     tail = min(args.tail, args.steps)
-    means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
-    args.out.mkdir(parents=True, exist_ok=True)
     title = (f"Llama {fields['num_hidden_layers']}x{fields['hidden_size']}, {args.steps} steps of "
              f"{args.batch_size}x{seq_len} bytes, AdamW lr {args.lr} (warm-up {args.warmup}, cosine)")
-    result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else "cpu", "torch": torch.__version__, "model": fields, "steps": args.steps, "tail": tail,
-              "losses": curves, "tail_mean": means, "seconds": seconds}
-    (args.out / "fp8_convergence.json").write_text(json.dumps(result, indent=1))
-    plot(curves, args.out / "curves.png", title)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for provider in providers:  # the results so far are written after each provider (a cut run keeps them)
+        curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, args.warmup, device,
+                                                    args.seed)
+        means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
+        result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device)
+                  if device.type == "cuda" else "cpu", "torch": torch.__version__, "model": fields,
+                  "steps": args.steps, "tail": tail, "losses": curves, "tail_mean": means, "seconds": seconds}
+        (args.out / "fp8_convergence.json").write_text(json.dumps(result, indent=1))
+        plot(curves, args.out / "curves.png", title)
     base = means.get("bf16")
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'finite':>7} {'s':>7}")
     ok = True
