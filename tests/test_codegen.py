@@ -170,3 +170,40 @@ def test_the_target_check_kernel_compiles_with_its_assertion_for_sm90():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "assertfail" in done.stdout, (done.stdout, done.stderr[-3000:])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")
+@pytest.mark.parametrize("at_import", [True, False])
+def test_the_interpreter_switched_on_after_import_is_a_clear_error(at_import):
+    """Triton decides at its import whether its own library functions are interpreted; TRITON_INTERPRET=1 set
+    after `import liger_gen` gets liger-gen's RuntimeError naming the variable, not Triton's "Cannot call
+    @triton.jit'd outside of the scope of a kernel"; set before, the kernel runs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f'''
+        import os
+        if {at_import}:
+            os.environ["TRITON_INTERPRET"] = "1"
+        import torch, liger_gen
+        os.environ["TRITON_INTERPRET"] = "1"
+        x = torch.randn(5, 48, dtype=torch.float64).float()
+        try:
+            y = liger_gen.functional.rms_norm(x, torch.ones(48))
+        except RuntimeError as exc:
+            print("RuntimeError:", exc)
+        else:
+            want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+            print("max error", float((y.double() - want).abs().max()))
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if at_import:
+        assert float(done.stdout.split("max error")[1]) < 4 * torch.finfo(torch.float32).eps, done.stdout
+    else:
+        assert "set after Triton was imported" in done.stdout and "TRITON_INTERPRET=1 python" in done.stdout, \
+            done.stdout

@@ -32,6 +32,7 @@ from typing import Any
 
 from liger_gen.bench.labels import functional_run_reason
 from liger_gen.files import read_capped_text, write_results
+from liger_gen.optional import install_hint
 
 SCHEMA_VERSION = 1
 MAX_RESULT_BYTES = 16 * 2**20  # a result file is ~100 kB (the committed H200 runs of every op: 90 to 120 kB)
@@ -446,8 +447,8 @@ def plot(data: dict, path: str | Path, normalise: str = "ceiling") -> Path | Non
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warnings.warn("matplotlib is not installed: no PNG written (pip install 'liger-gen[bench]', or matplotlib "
-                      "alone)", stacklevel=2)
+        warnings.warn(f"matplotlib is not installed: no PNG written; {install_hint('matplotlib')}, or pip install "
+                      "matplotlib", stacklevel=2)
         return None
     ops = list(data.get("ops", {}))
     providers = [p for p in data.get("config", {}).get("providers", [])

@@ -96,6 +96,19 @@ def _warn_cache_unusable(exc: OSError) -> None:
                   f"cannot write to use a cache.", KernelCacheWarning, stacklevel=3)
 
 
+def _check_interpreter_set_at_import() -> None:
+    """Raise RuntimeError when ``TRITON_INTERPRET=1`` was set after Triton was imported: Triton decides whether its
+    own library functions (``tl.sum``, ``tl.max``, ...) are interpreted when it is imported, and a kernel defined
+    later in the interpreter fails inside them with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    import triton.language.standard as standard
+
+    if type(getattr(standard, "sum", None)).__name__ == "JITFunction":
+        raise RuntimeError(
+            "liger_gen: TRITON_INTERPRET=1 was set after Triton was imported (`import liger_gen` imports it), and "
+            "Triton reads it at import: set it in the environment before Python starts (`TRITON_INTERPRET=1 "
+            "python train.py`), or leave it unset to run CPU tensors on the plain-PyTorch path.")
+
+
 def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:
     """Render, cache and import one variant of ``op``; returns the module (kernels and launchers).
 
@@ -114,6 +127,8 @@ def load_variant(op: str, params: Mapping[str, Any]) -> ModuleType:
         module = _modules.get(name)
         if module is not None:
             return module
+        if interpreted:
+            _check_interpreter_set_at_import()
         code = compile(source, str(path), "exec", dont_inherit=True)
         module = ModuleType(name)
         module.__file__ = str(path)
