@@ -121,7 +121,7 @@ def main() -> int:
     fields = TINY if args.tiny else MODEL
     seq_len = min(args.seq_len, 128) if args.tiny else args.seq_len
     batches = make_batches(byte_tokens(), args.steps, args.batch_size, seq_len, seed=args.seed)
-    curves, seconds = {}, {}
+    curves, seconds, means = {}, {}, {}
     tail = min(args.tail, args.steps)
     title = (f"Llama {fields['num_hidden_layers']}x{fields['hidden_size']}, {args.steps} steps of "
              f"{args.batch_size}x{seq_len} bytes, AdamW lr {args.lr} (warm-up {args.warmup}, cosine)")
