@@ -144,12 +144,21 @@ def test_an_unusable_cache_falls_back_to_memory_with_one_warning(problem, tmp_pa
     assert path.parent == build.IN_MEMORY and not path.exists()
 
 
+def run_without_interpreter(script: str):
+    """``script`` in a fresh Python with this checkout on the path and TRITON_INTERPRET unset (CompletedProcess)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests launch the check for real")
 def test_the_target_check_kernel_compiles_with_its_assertion_for_sm90():
     """The interpreter ignores device_assert, so compile the check kernel to sm_90 (in a process without
     TRITON_INTERPRET) and look for the assertion call in the PTX: ``debug=True`` keeps it without TRITON_DEBUG."""
-    import subprocess
-    import sys
     import textwrap
 
     script = textwrap.dedent('''
@@ -165,10 +174,7 @@ def test_the_target_check_kernel_compiles_with_its_assertion_for_sm90():
                                   options=dict(num_warps=4, debug=fn.debug))
         print("assertfail" if "__assertfail" in compiled.asm["ptx"] else "no assertion")
     ''')
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = run_without_interpreter(script)
     assert done.returncode == 0 and "assertfail" in done.stdout, (done.stdout, done.stderr[-3000:])
 
 
@@ -178,8 +184,6 @@ def test_the_interpreter_switched_on_after_import_is_a_clear_error(at_import):
     """Triton decides at its import whether its own library functions are interpreted; TRITON_INTERPRET=1 set
     after `import liger_gen` gets liger-gen's RuntimeError naming the variable, not Triton's "Cannot call
     @triton.jit'd outside of the scope of a kernel"; set before, the kernel runs."""
-    import subprocess
-    import sys
     import textwrap
 
     script = textwrap.dedent(f'''
@@ -197,10 +201,7 @@ def test_the_interpreter_switched_on_after_import_is_a_clear_error(at_import):
             want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
             print("max error", float((y.double() - want).abs().max()))
     ''')
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = run_without_interpreter(script)
     assert done.returncode == 0, done.stderr[-3000:]
     if at_import:
         assert float(done.stdout.split("max error")[1]) < 4 * torch.finfo(torch.float32).eps, done.stdout
