@@ -132,8 +132,12 @@ def main() -> int:
         means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
         result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", "torch": torch.__version__, "model": fields,
-                  "steps": args.steps, "tail": tail, "losses": curves, "tail_mean": means, "seconds": seconds}
-        (args.out / "fp8_convergence.json").write_text(json.dumps(result, indent=1))
+                  "steps": args.steps, "tail": tail, "providers": providers,
+                  "complete": len(curves) == len(providers),  # False: a cut run, some providers missing
+                  "losses": curves, "tail_mean": means, "seconds": seconds}
+        partial = args.out / "fp8_convergence.json.partial"  # replaced in one step: never a half-written file
+        partial.write_text(json.dumps(result, indent=1))
+        partial.replace(args.out / "fp8_convergence.json")
         plot(curves, args.out / "curves.png", title)
     base = means.get("bf16")
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'finite':>7} {'s':>7}")
