@@ -168,6 +168,9 @@ def test_the_gate_catches_operands_of_another_format(device):
     """The gate holds the operands to e4m3's recipe exactly: a module rendered for e5m2 fails both phases."""
     problem = GLUFp8Problem(torch.bfloat16, {"n_cols": 64}, 20, device)
     wrong = load_variant("glu_fp8", {**problem.template_params(problem.space.heuristic()), "fp8": "e5m2"})
+    # e5m2 buffers: Triton compiles no e5m2-to-e4m3 store for the GPU
+    for name, (q, d_rows, qt, d_cols) in problem.operand_buffers.items():
+        problem.operand_buffers[name] = (q.to(torch.float8_e5m2), d_rows, qt.to(torch.float8_e5m2), d_cols)
     assert "differ" in problem.check(wrong, "fwd") and "differ" in problem.check(wrong, "bwd")
 
 

@@ -48,10 +48,12 @@ EMITS = ("rows", "amax")
 
 @dataclass(frozen=True)
 class RMSNormFp8Config(RowNormForwardConfig):
-    """Launch settings: the norm kernel's (``RowNormForwardConfig``, as ``rms_norm``'s forward); ``EMIT``, the
-    fusion choice ("rows": the norm kernel writes the rows operand, the cast kernel the columns; "amax": the
+    """Launch settings: the norm kernel's (``RowNormForwardConfig``, as ``rms_norm``'s forward, BLOCK_M_FWD rows
+    per tile) and ``TILES_FWD``, the row tiles each program walks (its columns' amaxes kept in registers over
+    them, one atomic per column per program); ``EMIT``, the fusion choice ("rows": the norm kernel writes the rows operand, the cast kernel the columns; "amax": the
     norm kernel writes both axes' amaxes, the cast kernel both operands); the cast kernel's tile and warps."""
 
+    TILES_FWD: int = 1
     EMIT: str = "rows"
     BLOCK_M_CAST: int = 64
     BLOCK_K_CAST: int = 64
@@ -71,11 +73,13 @@ class RMSNormFp8Space(Space):
     # fp32 values one thread holds per live tile: the norm's (x, y) and the operand's (the scaled row, its FP8)
     MAX_ELEMS_PER_THREAD_FWD = 64
     MAX_ELEMS_PER_THREAD_CAST = 64
+    FUSED_ROWS = 32  # rows per program of the heuristic
     STREAMS = 2  # x and r (pipelined loads of the fused add; one stream without it, counted as two: an upper bound)
     PARAMS = (
         Param("BLOCK_M_FWD", (1, 2, 4, 8, 16, 32), "fwd"),
         Param("num_warps_fwd", (1, 2, 4, 8, 16, 32), "fwd"),
         Param("num_stages_fwd", (1, 2, 3), "fwd"),
+        Param("TILES_FWD", (1, 2, 4, 8, 16, 32), "fwd"),
         Param("EMIT", EMITS, "fwd"),
         Param("BLOCK_M_CAST", (8, 16, 32, 64, 128), "fwd"),
         Param("BLOCK_K_CAST", (16, 32, 64, 128, 256), "fwd"),
@@ -89,9 +93,9 @@ class RMSNormFp8Space(Space):
         self.block_n = next_power_of_2(self.n_cols)
 
     def heuristic(self) -> RMSNormFp8Config:
-        """``rms_norm``'s forward tile and warps (halving the rows per program while the registers do not allow
-        them), the rows operand written by the norm kernel, and 64 x 64 cast tiles at 4 warps (narrower where the
-        row is narrower)."""
+        """``rms_norm``'s forward tile and warps (halving the rows per tile while the registers do not allow
+        them), each program walking ``FUSED_ROWS`` rows (one column atomic per 32 rows, as the GLU's), the rows
+        operand written by the norm kernel, and 64 x 64 cast tiles at 4 warps (narrower where the row is)."""
         base = RMSNormSpace(self.dims, self.dtype, self.limits).heuristic()
         cast_k = min(64, max(16, self.block_n))
         block_m = base.BLOCK_M_FWD
@@ -99,7 +103,7 @@ class RMSNormFp8Space(Space):
             config = RMSNormFp8Config(
                 BLOCK_N=self.block_n, BLOCK_M_FWD=block_m,
                 num_warps_fwd=self.fit_warps(base.num_warps_fwd, block_m * self.block_n), num_stages_fwd=1,
-                EMIT="rows", BLOCK_M_CAST=64, BLOCK_K_CAST=cast_k, num_warps_cast=self.fit_warps(4, 64 * cast_k, 8))
+                TILES_FWD=max(1, self.FUSED_ROWS // block_m), EMIT="rows", BLOCK_M_CAST=64, BLOCK_K_CAST=cast_k, num_warps_cast=self.fit_warps(4, 64 * cast_k, 8))
             problems = self.violations(config)
             if not problems:
                 return config
