@@ -5,7 +5,7 @@ Checks (each must hold; a failure is printed and makes the exit status 1):
   - ``fp8_quantize`` (rows and cols, e4m3 and e5m2) and ``fp8_cast_transpose`` (both axes) equal
     ``quantize_reference`` bit for bit, including rows of zeros, NaN, ±inf, values near the format's max and tiny
     values;
-  - ``rms_norm_fp8`` (with and without the residual add) returns the add's sum, the plain norm's y (up to one ulp,
+  - ``rms_norm_fp8`` (with and without the residual add) returns the add's sum, the plain norm's y (up to two ulp,
     as two kernels with different tiles may sum the squares in another order) and ``fp8_cast_transpose(y)``;
   - ``glu_fp8`` returns SwiGLU's y and ``fp8_cast_transpose(y)``; its backward kernels write the GLU's dgate and
     dup and ``fp8_cast_transpose`` of each;
@@ -108,8 +108,10 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def check_norm(device, failures: list[str]) -> None:
-    """The sum exactly the add's, y the plain norm's up to one ulp (the mean square may be reduced in another
-    order when the two kernels' tiles differ), the operands exactly ``fp8_cast_transpose(y)`` of the y returned."""
+    """The sum exactly the add's, y the plain norm's up to two ulp (the mean square may be reduced in another order
+    when the two kernels' tiles differ: rstd one fp32 ulp apart can move the rounded x·rstd to its neighbour, which
+    the weight (up to 1.5 here) scales to two ulp of y), the operands exactly ``fp8_cast_transpose(y)`` of the y
+    returned."""
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(4099, 4096, device=device, generator=gen).to(torch.bfloat16)
     r = torch.randn(4099, 4096, device=device, generator=gen).to(torch.bfloat16)
@@ -124,7 +126,7 @@ def check_norm(device, failures: list[str]) -> None:
             differ, ulps = int((out.y != plain[0]).sum()), _ulps(out.y, plain[0])
             print(f"{name}: {differ} of {out.y.numel()} values of y differ from the plain norm's, by up to {ulps} "
                   "ulp")
-            if ulps > 1:
+            if ulps > 2:
                 failures.append(f"{name}: y differs from the plain norm's by {ulps} ulp")
         want = fp8_cast_transpose(out.y)
         for part, ok in (("q", _same_fp8(out.q, want[0])), ("dequant_rows", _same_scales(out.dequant_rows, want[1])),

@@ -209,6 +209,7 @@ def test_a_patched_llamas_norms_hand_their_operands_to_the_projections(monkeypat
     assert fused[1].keys() == plain[1].keys() and all(torch.equal(g, plain[1][n]) for n, g in fused[1].items())
 
 
+@needs_cpu_fp8_gemm
 @pytest.mark.parametrize("family", ["gemma2", "falcon_h1"])
 def test_layers_not_built_like_llamas_keep_plain_norms(family):
     """Gemma 2's post-attention norm normalises the attention's output (its MLP reads the pre-feedforward norm's);
