@@ -20,7 +20,7 @@ gradients' operands are handed to the projections only by the eager Function (``
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -39,6 +39,7 @@ from liger_gen.runtime.ops import (interpreter_enabled, kernel_module, no_double
 
 OP = "glu_fp8"
 EMITS = ("amax", "none")
+FUSED_TILES = (1, 2, 4, 8, 16, 32, 64)  # row tiles per program (the plain GLU's space stops at 8)
 
 # ------------------------------------------------------------------------------------------------ space
 
@@ -67,11 +68,14 @@ class GLUFp8Space(GLUSpace):
     template = "glu_fp8"
     config_cls = GLUFp8Config
     MAX_ELEMS_PER_THREAD_CAST = 64
-    FUSED_ROWS = 32  # rows per program of the heuristic's fused kernels: one column atomic per 32 rows
+    # rows per program of the heuristic's fused kernels: a program writes one column atomic per column of its
+    # tile, so the column atomics number rows x n_cols / FUSED_ROWS (the amax atomics bound those kernels)
+    FUSED_ROWS = 256
     _CAST_M = (8, 16, 32, 64, 128)
     _CAST_K = (16, 32, 64, 128, 256)
     _WARPS = (1, 2, 4, 8, 16)
-    PARAMS = GLUSpace.PARAMS + (
+    PARAMS = tuple(replace(p, choices=FUSED_TILES) if p.name.startswith("TILES_") else p
+                   for p in GLUSpace.PARAMS) + (
         Param("EMIT_FWD", EMITS, "fwd"), Param("BLOCK_M_CAST_FWD", _CAST_M, "fwd"),
         Param("BLOCK_K_CAST_FWD", _CAST_K, "fwd"), Param("num_warps_cast_fwd", _WARPS, "fwd"),
         Param("EMIT_BWD", EMITS, "bwd"), Param("BLOCK_M_CAST_BWD", _CAST_M, "bwd"),
@@ -79,8 +83,8 @@ class GLUFp8Space(GLUSpace):
     )
 
     def heuristic(self) -> GLUFp8Config:
-        """Fused amaxes both ways on tiles of up to 256 columns, each program walking 32 rows (as many column
-        atomics as the standalone amax pass's 32 x 256 tiles); 64 x 64 cast tiles at 4 warps (narrower where the
+        """Fused amaxes both ways on tiles of up to 256 columns, each program walking ``FUSED_ROWS`` rows (an
+        eighth of the standalone amax pass's column atomics); 64 x 64 cast tiles at 4 warps (narrower where the
         row is)."""
         block_n = min(self.max_block_n, 256)
         block_m = max(1, min(16, self.TILE_TARGET // block_n))
