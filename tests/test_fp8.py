@@ -242,6 +242,31 @@ def test_fp8_linear_matches_float64(case, cpu_path):
 
 
 @needs_cpu_fp8_gemm
+def test_fp8_linear_is_torchaos_rowwise_recipe_bit_for_bit(cpu_path):
+    """The recipe is torchao's "rowwise" float8 training recipe: y, dx and dW of a bias-free layer equal those of
+    torchao's Float8Linear bit for bit (the same scales, casts and GEMM operands; both GEMMs on the CPU)."""
+    float8 = pytest.importorskip("torchao.float8")
+    gen = seeded("torchao", cpu_path)
+    m, k, n = 16 * int(torch.randint(2, 9, (), generator=gen)), 64, 48
+    layer = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) * float(torch.rand((), generator=gen) + 0.1))
+    x = (torch.randn(m, k, generator=gen) * 4).to(torch.bfloat16)
+    dy = (torch.randn(m, n, generator=gen) * 1e-3).to(torch.bfloat16)
+    ours_x, ours_w = x.clone().requires_grad_(), layer.weight.detach().clone().requires_grad_()
+    ours = fp8_linear(ours_x, ours_w)
+    ours.backward(dy)
+    peer = nn.Sequential(layer)
+    float8.convert_to_float8_training(peer, config=float8.Float8LinearConfig.from_recipe_name("rowwise"))
+    peer_x = x.clone().requires_grad_()
+    theirs = peer(peer_x)
+    theirs.backward(dy)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours_x.grad, peer_x.grad)
+    assert torch.equal(ours_w.grad, peer[0].weight.grad)
+
+
+@needs_cpu_fp8_gemm
 def test_fp8_linear_propagates_nan_and_inf(cpu_path):
     """A NaN or inf in a token of x makes that token's outputs NaN and, through the token-axis scales of the
     weight gradient, the dW columns of its features; an inf in a row of W makes that output column NaN; a NaN in
