@@ -50,11 +50,12 @@ EMITS = ("rows", "amax")
 class RMSNormFp8Config(RowNormForwardConfig):
     """Launch settings: the norm kernel's (``RowNormForwardConfig``, as ``rms_norm``'s forward, BLOCK_M_FWD rows
     per tile) and ``TILES_FWD``, the row tiles each program walks (its columns' amaxes kept in registers over
-    them, one atomic per column per program); ``EMIT``, the fusion choice ("rows": the norm kernel writes the rows operand, the cast kernel the columns; "amax": the
-    norm kernel writes both axes' amaxes, the cast kernel both operands); the cast kernel's tile and warps."""
+    them, one atomic per column per program); ``EMIT``, the fusion choice ("rows": the norm kernel writes the rows
+    operand, the cast kernel the columns; "amax": the norm kernel writes both axes' amaxes, the cast kernel both
+    operands); the cast kernel's tile and warps."""
 
-    TILES_FWD: int = 1
     EMIT: str = "rows"
+    TILES_FWD: int = 1
     BLOCK_M_CAST: int = 64
     BLOCK_K_CAST: int = 64
     num_warps_cast: int = 4
