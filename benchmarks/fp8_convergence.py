@@ -120,11 +120,14 @@ def main() -> int:
     device = torch.device(args.device)
     fields = TINY if args.tiny else MODEL
     seq_len = min(args.seq_len, 128) if args.tiny else args.seq_len
-    batches = make_batches(byte_tokens(), args.steps, args.batch_size, seq_len, seed=args.seed)
+    tokens = byte_tokens()
+    batches = make_batches(tokens, args.steps, args.batch_size, seq_len, seed=args.seed)
+    passes = args.steps * args.batch_size * seq_len / tokens.numel()  # how often the run reads the text, on average
     curves, seconds, means = {}, {}, {}
     tail = min(args.tail, args.steps)
     title = (f"Llama {fields['num_hidden_layers']}x{fields['hidden_size']}, {args.steps} steps of "
-             f"{args.batch_size}x{seq_len} bytes, AdamW lr {args.lr} (warm-up {args.warmup}, cosine)")
+             f"{args.batch_size}x{seq_len} bytes ({passes:.2f} passes over the text), AdamW lr {args.lr} "
+             f"(warm-up {args.warmup}, cosine)")
     args.out.mkdir(parents=True, exist_ok=True)
     for provider in providers:  # the results so far are written after each provider (a cut run keeps them)
         curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, args.warmup, device,
@@ -132,7 +135,7 @@ def main() -> int:
         means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
         result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", "torch": torch.__version__, "model": fields,
-                  "steps": args.steps, "tail": tail, "providers": providers,
+                  "steps": args.steps, "passes_over_text": passes, "tail": tail, "providers": providers,
                   "complete": len(curves) == len(providers),  # False: a cut run, some providers missing
                   "losses": curves, "tail_mean": means, "seconds": seconds}
         partial = args.out / "fp8_convergence.json.partial"  # replaced in one step: never a half-written file
@@ -140,6 +143,7 @@ def main() -> int:
         partial.replace(args.out / "fp8_convergence.json")
         plot(curves, args.out / "curves.png", title)
     base = means.get("bf16")
+    print(f"{args.steps} steps, {passes:.2f} passes over the text")
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'finite':>7} {'s':>7}")
     ok = True
     for p in providers:
