@@ -95,7 +95,7 @@ class RMSNormFp8Space(Space):
 
     def heuristic(self) -> RMSNormFp8Config:
         """``rms_norm``'s forward tile and warps (halving the rows per tile while the registers do not allow
-        them), each program walking ``FUSED_ROWS`` rows (one column atomic per 32 rows, as the GLU's), the rows
+        them), each program walking ``FUSED_ROWS`` rows (one atomic per column per program), the rows
         operand written by the norm kernel, and 64 x 64 cast tiles at 4 warps (narrower where the row is)."""
         base = RMSNormSpace(self.dims, self.dtype, self.limits).heuristic()
         cast_k = min(64, max(16, self.block_n))
@@ -104,7 +104,8 @@ class RMSNormFp8Space(Space):
             config = RMSNormFp8Config(
                 BLOCK_N=self.block_n, BLOCK_M_FWD=block_m,
                 num_warps_fwd=self.fit_warps(base.num_warps_fwd, block_m * self.block_n), num_stages_fwd=1,
-                TILES_FWD=max(1, self.FUSED_ROWS // block_m), EMIT="rows", BLOCK_M_CAST=64, BLOCK_K_CAST=cast_k, num_warps_cast=self.fit_warps(4, 64 * cast_k, 8))
+                TILES_FWD=max(1, self.FUSED_ROWS // block_m), EMIT="rows", BLOCK_M_CAST=64, BLOCK_K_CAST=cast_k,
+                num_warps_cast=self.fit_warps(4, 64 * cast_k, 8))
             problems = self.violations(config)
             if not problems:
                 return config
