@@ -8,12 +8,17 @@ relative difference from bf16's, and whether any loss was not finite; the curves
 loss to ``fp8_convergence.json`` under ``--out``.
 
     python benchmarks/fp8_convergence.py --steps 400 --out results/fp8_convergence      # the H200 run
-    python benchmarks/fp8_convergence.py --tiny --steps 30 --device cpu --providers bf16,liger-gen-fp8
+    python benchmarks/fp8_convergence.py --tiny --steps 30 --device cpu --providers bf16,liger-gen-fp8   # CPU smoke run
+
+On the CPU, leave ``TRITON_INTERPRET`` unset: the ops then run plain PyTorch (the interpreter is minutes slower).
+The plot needs matplotlib (``pip install -e '.[bench]'``) and ``torchao-fp8`` needs torchao; without them the
+plot, or that provider, is skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -23,6 +28,7 @@ from pathlib import Path
 import torch
 
 import liger_gen
+from liger_gen.optional import install_hint
 from liger_gen.training import byte_tokens, make_batches, make_optimizer, sync
 
 PROVIDERS = ("bf16", "liger-gen-fp8", "torchao-fp8")
@@ -85,8 +91,12 @@ def train(provider: str, fields: dict, batches: torch.Tensor, lr: float, warmup:
     return [float(v) for v in torch.stack(losses).float().cpu()], time.perf_counter() - start
 
 
-def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
-    import matplotlib
+def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
+    """Draw the curves to ``path``; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -100,6 +110,8 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main() -> int:
@@ -117,6 +129,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/fp8_convergence"))
     args = parser.parse_args()
     providers = [p for p in args.providers.split(",") if p]
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        parser.error(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(PROVIDERS)}")
+    if "torchao-fp8" in providers and importlib.util.find_spec("torchao") is None:
+        print("torchao-fp8: skipped, torchao is not installed (pip install torchao)")
+        providers.remove("torchao-fp8")
     device = torch.device(args.device)
     fields = TINY if args.tiny else MODEL
     seq_len = min(args.seq_len, 128) if args.tiny else args.seq_len
@@ -141,7 +159,8 @@ def main() -> int:
         partial = args.out / "fp8_convergence.json.partial"  # replaced in one step: never a half-written file
         partial.write_text(json.dumps(result, indent=1))
         partial.replace(args.out / "fp8_convergence.json")
-        plot(curves, args.out / "curves.png", title)
+        if not plot(curves, args.out / "curves.png", title) and len(curves) == 1:
+            print(f"matplotlib is not installed: no curves.png; {install_hint('matplotlib')}")
     base = means.get("bf16")
     print(f"{args.steps} steps, {passes:.2f} passes over the text")
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'finite':>7} {'s':>7}")
