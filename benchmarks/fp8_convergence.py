@@ -133,7 +133,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(PROVIDERS)}")
     if "torchao-fp8" in providers and importlib.util.find_spec("torchao") is None:
-        print("torchao-fp8: skipped, torchao is not installed (pip install torchao)")
+        print(f"torchao-fp8: skipped, torchao is not installed ({install_hint('torchao')})")
         providers.remove("torchao-fp8")
     device = torch.device(args.device)
     fields = TINY if args.tiny else MODEL
