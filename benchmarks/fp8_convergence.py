@@ -1,6 +1,7 @@
 """Does FP8 training converge like bf16? A small Llama trained on tinyshakespeare in bf16, with liger-gen's FP8
 linear layers and with torchao's rowwise float8 training (under torch.compile), from the same weights on the same
-batches.
+batches. Each FP8 run is compared with the bf16 run of its own stack: ``liger-gen-fp8`` with ``bf16`` (liger-gen's
+kernels), ``torchao-fp8`` with ``compile-bf16`` (transformers' modules under torch.compile) where that ran.
 
 Each provider starts from the same float32-drawn weights (cast to bf16) and sees the same batches of byte tokens
 in the same order (``liger_gen.training``). Reported per provider: the mean loss of the last ``--tail`` steps, its
@@ -31,7 +32,9 @@ import liger_gen
 from liger_gen.optional import install_hint
 from liger_gen.training import byte_tokens, make_batches, make_optimizer, sync
 
-PROVIDERS = ("bf16", "liger-gen-fp8", "torchao-fp8")
+PROVIDERS = ("bf16", "liger-gen-fp8", "compile-bf16", "torchao-fp8")
+# the bf16 run each provider is compared with (its own stack's, where it ran; else bf16)
+BASELINE = {"torchao-fp8": "compile-bf16"}
 # 136 M parameters with a byte vocabulary (12 layers of 1024 / 2816): big enough that the projections dominate
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=256, max_position_embeddings=4096)
@@ -50,12 +53,14 @@ def build(fields: dict, device: torch.device, seed: int):
 
 
 def prepare(provider: str, model):
-    """The model as ``provider`` trains it: liger-gen's kernels (bf16), plus its FP8 linear layers, or torchao's
-    float8 linear layers and torch.compile of the model."""
+    """The model as ``provider`` trains it: liger-gen's kernels (bf16), plus its FP8 linear layers; transformers'
+    modules under torch.compile, plus torchao's float8 linear layers."""
     if provider == "bf16":
         return liger_gen.apply_to(model)
     if provider == "liger-gen-fp8":
         return liger_gen.apply_to(model, fp8=True)
+    if provider == "compile-bf16":
+        return torch.compile(model)
     if provider == "torchao-fp8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -163,13 +168,18 @@ def main() -> int:
             print(f"matplotlib is not installed: no curves.png; {install_hint('matplotlib')}")
     base = means.get("bf16")
     print(f"{args.steps} steps, {passes:.2f} passes over the text")
-    print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'finite':>7} {'s':>7}")
+    print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'vs own':>8} {'own bf16':>13} "
+          f"{'finite':>7} {'s':>7}")
     ok = True
     for p in providers:
         finite = all(math.isfinite(v) for v in curves[p])
         rel = (means[p] - base) / base if base else float("nan")
-        ok &= finite and (base is None or abs(rel) <= 0.01)
-        print(f"{p:15} {means[p]:14.4f} {rel:+8.2%} {str(finite):>7} {seconds[p]:7.1f}")
+        own_name = BASELINE.get(p) if BASELINE.get(p) in means else "bf16"
+        own = means.get(own_name)
+        own_rel = (means[p] - own) / own if own else float("nan")
+        ok &= finite and (own is None or abs(own_rel) <= 0.01)
+        print(f"{p:15} {means[p]:14.4f} {rel:+8.2%} {own_rel:+8.2%} {own_name:>13} {str(finite):>7} "
+              f"{seconds[p]:7.1f}")
     return 0 if ok else 1
 
 
