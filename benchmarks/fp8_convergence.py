@@ -119,6 +119,23 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
     return True
 
 
+def compare(curves: dict[str, list[float]], tail: int) -> tuple[list[dict], bool]:
+    """One row per provider: the mean of its last ``tail`` losses, its relative difference from bf16's and from
+    its own stack's bf16 run (``BASELINE``, bf16 where that did not run; NaN without it), and whether every loss is
+    finite; then whether every provider passes: finite and within 1% of its own baseline."""
+    means = {p: sum(c[-tail:]) / len(c[-tail:]) for p, c in curves.items()}
+    rows, ok = [], True
+    for p, curve in curves.items():
+        own = BASELINE.get(p) if BASELINE.get(p) in means else "bf16"
+        rel = {name: (means[p] - means[name]) / means[name] if means.get(name) else float("nan")
+               for name in ("bf16", own)}
+        finite = all(math.isfinite(v) for v in curve)
+        ok &= finite and (own not in means or abs(rel[own]) <= 0.01)
+        rows.append({"provider": p, "mean": means[p], "vs_bf16": rel["bf16"], "own": own, "vs_own": rel[own],
+                     "finite": finite})
+    return rows, ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--providers", default=",".join(PROVIDERS))
@@ -166,20 +183,13 @@ def main() -> int:
         partial.replace(args.out / "fp8_convergence.json")
         if not plot(curves, args.out / "curves.png", title) and len(curves) == 1:
             print(f"matplotlib is not installed: no curves.png; {install_hint('matplotlib')}")
-    base = means.get("bf16")
+    rows, ok = compare(curves, tail)
     print(f"{args.steps} steps, {passes:.2f} passes over the text")
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'vs own':>8} {'own bf16':>13} "
           f"{'finite':>7} {'s':>7}")
-    ok = True
-    for p in providers:
-        finite = all(math.isfinite(v) for v in curves[p])
-        rel = (means[p] - base) / base if base else float("nan")
-        own_name = BASELINE.get(p) if BASELINE.get(p) in means else "bf16"
-        own = means.get(own_name)
-        own_rel = (means[p] - own) / own if own else float("nan")
-        ok &= finite and (own is None or abs(own_rel) <= 0.01)
-        print(f"{p:15} {means[p]:14.4f} {rel:+8.2%} {own_rel:+8.2%} {own_name:>13} {str(finite):>7} "
-              f"{seconds[p]:7.1f}")
+    for r in rows:
+        print(f"{r['provider']:15} {r['mean']:14.4f} {r['vs_bf16']:+8.2%} {r['vs_own']:+8.2%} {r['own']:>13} "
+              f"{str(r['finite']):>7} {seconds[r['provider']]:7.1f}")
     return 0 if ok else 1
 
 

@@ -3,6 +3,7 @@ sweeps' own kernels in Triton's interpreter: no GPU."""
 
 import importlib.util
 import json
+import math
 import random
 import statistics
 import sys
@@ -149,3 +150,47 @@ def test_benchmark_pages_link_only_to_files_that_exist():
     broken = [f"{page.relative_to(ROOT)}: {m.group(1)}" for page in pages
               for m in link.finditer(page.read_text(encoding="utf-8")) if not (page.parent / m.group(1)).exists()]
     assert not broken, broken
+
+
+def test_fp8_convergence_compares_each_fp8_run_with_its_own_stacks_bf16_run():
+    """torchao-fp8 is measured against compile-bf16 where that ran, else against bf16; the run passes only when
+    every provider is finite and within 1% of its own baseline."""
+    conv = _load("fp8_convergence")
+    rng = random.Random()
+    tail = rng.randint(3, 9)
+    base = [rng.uniform(1.0, 3.0) for _ in range(tail + 5)]
+    compiled = [v * (1 + rng.uniform(0.02, 0.05)) for v in base]  # the compiled stack's bf16 is 2-5% higher
+    near = [v * (1 + rng.uniform(-0.004, 0.004)) for v in compiled]  # torchao-fp8 within 0.4% of it, 1.6%+ of bf16
+    rows, ok = conv.compare({"bf16": base, "compile-bf16": compiled, "torchao-fp8": near}, tail)
+    by = {r["provider"]: r for r in rows}
+    mean = lambda c: statistics.fmean(c[-tail:])  # noqa: E731
+    assert by["torchao-fp8"]["own"] == "compile-bf16"
+    assert by["torchao-fp8"]["vs_own"] == pytest.approx((mean(near) - mean(compiled)) / mean(compiled), rel=1e-12)
+    assert by["torchao-fp8"]["vs_bf16"] == pytest.approx((mean(near) - mean(base)) / mean(base), rel=1e-12)
+    assert by["compile-bf16"]["own"] == "bf16" and not ok  # compile-bf16 itself is over 1% from bf16
+    rows, ok = conv.compare({"bf16": base, "torchao-fp8": near}, tail)  # no compiled run: bf16 is the baseline
+    assert rows[1]["own"] == "bf16" and not ok
+    rows, ok = conv.compare({"compile-bf16": compiled, "torchao-fp8": near, "liger-gen-fp8": base}, tail)
+    assert ok and math.isnan(rows[2]["vs_own"])  # without bf16 the liger-gen run has nothing to be held to
+    nan = near[:-1] + [float("nan")]
+    rows, ok = conv.compare({"bf16": base, "compile-bf16": base, "torchao-fp8": nan}, tail)
+    assert not ok and not rows[2]["finite"]
+
+
+def test_fp8_convergence_tiny_cpu_run_writes_its_curves(tmp_path, monkeypatch, capsys):
+    """The FP8 page's CPU smoke run: every provider trains the same batches, and the JSON holds every loss, the
+    tail means the printed table shows, and the complete flag."""
+    conv = _load("fp8_convergence")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    steps = random.randint(3, 5)
+    monkeypatch.setattr(sys, "argv", ["fp8_convergence.py", "--tiny", "--steps", str(steps), "--warmup", "1",
+                                      "--device", "cpu", "--providers", "bf16,liger-gen-fp8", "--tail", "2",
+                                      "--batch-size", "2", "--seq-len", "64", "--out", str(tmp_path)])
+    assert conv.main() in (0, 1)
+    result = json.loads((tmp_path / "fp8_convergence.json").read_text())
+    assert result["complete"] and result["providers"] == ["bf16", "liger-gen-fp8"]
+    for provider, losses in result["losses"].items():
+        assert len(losses) == steps and all(math.isfinite(v) for v in losses)
+        assert result["tail_mean"][provider] == pytest.approx(statistics.fmean(losses[-2:]), rel=1e-12)
+    out = capsys.readouterr().out
+    assert f"{result['tail_mean']['liger-gen-fp8']:.4f}" in out
