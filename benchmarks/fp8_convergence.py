@@ -184,6 +184,7 @@ def main() -> int:
         if not plot(curves, args.out / "curves.png", title) and len(curves) == 1:
             print(f"matplotlib is not installed: no curves.png; {install_hint('matplotlib')}")
     rows, ok = compare(curves, tail)
+    print(f"losses and curves: {args.out}")
     print(f"{args.steps} steps, {passes:.2f} passes over the text")
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'vs own':>8} {'own bf16':>13} "
           f"{'finite':>7} {'s':>7}")
