@@ -1,12 +1,16 @@
 """Does FP8 training converge like bf16? A small Llama trained on tinyshakespeare in bf16, with liger-gen's FP8
 linear layers and with torchao's rowwise float8 training (under torch.compile), from the same weights on the same
 batches. Each FP8 run is compared with the bf16 run of its own stack: ``liger-gen-fp8`` with ``bf16`` (liger-gen's
-kernels), ``torchao-fp8`` with ``compile-bf16`` (transformers' modules under torch.compile) where that ran.
+kernels), ``torchao-fp8`` with ``compile-bf16`` (transformers' modules under torch.compile), or with ``bf16``
+where ``compile-bf16`` did not run.
 
 Each provider starts from the same float32-drawn weights (cast to bf16) and sees the same batches of byte tokens
 in the same order (``liger_gen.training``). Reported per provider: the mean loss of the last ``--tail`` steps, its
-relative difference from bf16's, and whether any loss was not finite; the curves go to ``curves.png`` and every
-loss to ``fp8_convergence.json`` under ``--out``.
+relative difference from bf16's and from its own baseline's, whether any loss was not finite, and the run's wall
+seconds (model building and compilation included); the curves go to ``curves.png`` and every loss to
+``fp8_convergence.json`` under ``--out`` (a loss that is not finite as null). The exit status is 1 when a loss is
+not finite or an FP8 run's tail mean is more than 1% from its baseline's (an FP8 run without its baseline is
+judged on finiteness alone).
 
     python benchmarks/fp8_convergence.py --steps 400 --out results/fp8_convergence      # the H200 run
     python benchmarks/fp8_convergence.py --tiny --steps 30 --device cpu --providers bf16,liger-gen-fp8   # CPU smoke run
@@ -33,8 +37,8 @@ from liger_gen.optional import install_hint
 from liger_gen.training import byte_tokens, make_batches, make_optimizer, sync
 
 PROVIDERS = ("bf16", "liger-gen-fp8", "compile-bf16", "torchao-fp8")
-# the bf16 run each provider is compared with (its own stack's, where it ran; else bf16)
-BASELINE = {"torchao-fp8": "compile-bf16"}
+# the bf16 runs each FP8 run is compared with, first the one of its own stack (the bf16 runs are their own)
+BASELINE = {"liger-gen-fp8": ("bf16",), "torchao-fp8": ("compile-bf16", "bf16")}
 # 136 M parameters with a byte vocabulary (12 layers of 1024 / 2816): big enough that the projections dominate
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=256, max_position_embeddings=4096)
@@ -119,18 +123,26 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
     return True
 
 
+def tail_means(curves: dict[str, list[float]], tail: int) -> dict[str, float]:
+    """The mean of each curve's last ``tail`` values (``tail`` >= 1; all of a shorter curve)."""
+    if tail < 1:
+        raise ValueError(f"tail must be at least 1, got {tail}")
+    return {p: sum(c[-tail:]) / len(c[-tail:]) for p, c in curves.items()}
+
+
 def compare(curves: dict[str, list[float]], tail: int) -> tuple[list[dict], bool]:
-    """One row per provider: the mean of its last ``tail`` losses, its relative difference from bf16's and from
-    its own stack's bf16 run (``BASELINE``, bf16 where that did not run; NaN without it), and whether every loss is
-    finite; then whether every provider passes: finite and within 1% of its own baseline."""
-    means = {p: sum(c[-tail:]) / len(c[-tail:]) for p, c in curves.items()}
+    """One row per provider: the mean of its last ``tail`` losses (``tail`` >= 1), its relative difference from
+    bf16's and from its baseline's (an FP8 run's: the first of ``BASELINE`` that ran, else None and NaN; a bf16
+    run is its own), and whether every loss is finite; then whether the run passes: every loss finite and every
+    FP8 run with a baseline within 1% of it."""
+    means = tail_means(curves, tail)
     rows, ok = [], True
     for p, curve in curves.items():
-        own = BASELINE.get(p) if BASELINE.get(p) in means else "bf16"
+        own = next((b for b in BASELINE[p] if b in means), None) if p in BASELINE else p
         rel = {name: (means[p] - means[name]) / means[name] if means.get(name) else float("nan")
                for name in ("bf16", own)}
         finite = all(math.isfinite(v) for v in curve)
-        ok &= finite and (own not in means or abs(rel[own]) <= 0.01)
+        ok &= finite and (own is None or abs(rel[own]) <= 0.01)
         rows.append({"provider": p, "mean": means[p], "vs_bf16": rel["bf16"], "own": own, "vs_own": rel[own],
                      "finite": finite})
     return rows, ok
@@ -154,6 +166,11 @@ def main() -> int:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(PROVIDERS)}")
+    if not providers or len(set(providers)) != len(providers):
+        parser.error(f"--providers must name each provider once (of {', '.join(PROVIDERS)}), got {args.providers!r}")
+    for name in ("steps", "tail", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if "torchao-fp8" in providers and importlib.util.find_spec("torchao") is None:
         print(f"torchao-fp8: skipped, torchao is not installed ({install_hint('torchao')})")
         providers.remove("torchao-fp8")
@@ -172,14 +189,16 @@ def main() -> int:
     for provider in providers:  # the results so far are written after each provider (a cut run keeps them)
         curves[provider], seconds[provider] = train(provider, fields, batches, args.lr, args.warmup, device,
                                                     args.seed)
-        means = {p: sum(c[-tail:]) / tail for p, c in curves.items()}
+        means = tail_means(curves, tail)
         result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", "torch": torch.__version__, "model": fields,
                   "steps": args.steps, "passes_over_text": passes, "tail": tail, "providers": providers,
                   "complete": len(curves) == len(providers),  # False: a cut run, some providers missing
-                  "losses": curves, "tail_mean": means, "seconds": seconds}
+                  # a loss that is not finite as null (strict JSON has no NaN or inf)
+                  "losses": {p: [v if math.isfinite(v) else None for v in c] for p, c in curves.items()},
+                  "tail_mean": {p: v if math.isfinite(v) else None for p, v in means.items()}, "seconds": seconds}
         partial = args.out / "fp8_convergence.json.partial"  # replaced in one step: never a half-written file
-        partial.write_text(json.dumps(result, indent=1))
+        partial.write_text(json.dumps(result, indent=1, allow_nan=False))
         partial.replace(args.out / "fp8_convergence.json")
         if not plot(curves, args.out / "curves.png", title) and len(curves) == 1:
             print(f"matplotlib is not installed: no curves.png; {install_hint('matplotlib')}")
@@ -189,7 +208,7 @@ def main() -> int:
     print(f"{'provider':15} {'last-' + str(tail) + ' mean':>14} {'vs bf16':>8} {'vs own':>8} {'own bf16':>13} "
           f"{'finite':>7} {'s':>7}")
     for r in rows:
-        print(f"{r['provider']:15} {r['mean']:14.4f} {r['vs_bf16']:+8.2%} {r['vs_own']:+8.2%} {r['own']:>13} "
+        print(f"{r['provider']:15} {r['mean']:14.4f} {r['vs_bf16']:+8.2%} {r['vs_own']:+8.2%} {r['own'] or '-':>13} "
               f"{str(r['finite']):>7} {seconds[r['provider']]:7.1f}")
     return 0 if ok else 1
 

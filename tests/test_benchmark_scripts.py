@@ -153,8 +153,8 @@ def test_benchmark_pages_link_only_to_files_that_exist():
 
 
 def test_fp8_convergence_compares_each_fp8_run_with_its_own_stacks_bf16_run():
-    """torchao-fp8 is measured against compile-bf16 where that ran, else against bf16; the run passes only when
-    every provider is finite and within 1% of its own baseline."""
+    """torchao-fp8 is measured against compile-bf16 where that ran, else against bf16; the bf16 runs are their own
+    baselines; the run passes only when every loss is finite and every FP8 run with a baseline is within 1%."""
     conv = _load("fp8_convergence")
     rng = random.Random()
     tail = rng.randint(3, 9)
@@ -164,17 +164,32 @@ def test_fp8_convergence_compares_each_fp8_run_with_its_own_stacks_bf16_run():
     rows, ok = conv.compare({"bf16": base, "compile-bf16": compiled, "torchao-fp8": near}, tail)
     by = {r["provider"]: r for r in rows}
     mean = lambda c: statistics.fmean(c[-tail:])  # noqa: E731
-    assert by["torchao-fp8"]["own"] == "compile-bf16"
+    assert by["torchao-fp8"]["own"] == "compile-bf16" and ok
     assert by["torchao-fp8"]["vs_own"] == pytest.approx((mean(near) - mean(compiled)) / mean(compiled), rel=1e-12)
     assert by["torchao-fp8"]["vs_bf16"] == pytest.approx((mean(near) - mean(base)) / mean(base), rel=1e-12)
-    assert by["compile-bf16"]["own"] == "bf16" and not ok  # compile-bf16 itself is over 1% from bf16
+    assert by["compile-bf16"]["own"] == "compile-bf16" and by["compile-bf16"]["vs_own"] == 0
     rows, ok = conv.compare({"bf16": base, "torchao-fp8": near}, tail)  # no compiled run: bf16 is the baseline
     assert rows[1]["own"] == "bf16" and not ok
     rows, ok = conv.compare({"compile-bf16": compiled, "torchao-fp8": near, "liger-gen-fp8": base}, tail)
-    assert ok and math.isnan(rows[2]["vs_own"])  # without bf16 the liger-gen run has nothing to be held to
+    assert ok and rows[2]["own"] is None and math.isnan(rows[2]["vs_own"])  # no bf16: finiteness alone
     nan = near[:-1] + [float("nan")]
     rows, ok = conv.compare({"bf16": base, "compile-bf16": base, "torchao-fp8": nan}, tail)
     assert not ok and not rows[2]["finite"]
+    with pytest.raises(ValueError, match="tail"):
+        conv.compare({"bf16": base}, 0)
+
+
+@pytest.mark.parametrize("argv,words", [(["--providers", ","], "each provider once"),
+                                        (["--providers", "bf16,bf16"], "each provider once"),
+                                        (["--providers", "bf16,fp4"], "unknown provider"),
+                                        (["--steps", "0"], "--steps"), (["--tail", "-2"], "--tail")])
+def test_fp8_convergence_refuses_bad_arguments_before_training(argv, words, monkeypatch, capsys):
+    conv = _load("fp8_convergence")
+    monkeypatch.setattr(conv, "train", lambda *a: pytest.fail("trained with bad arguments"))
+    monkeypatch.setattr(sys, "argv", ["fp8_convergence.py", "--tiny", "--device", "cpu", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        conv.main()
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_fp8_convergence_tiny_cpu_run_writes_its_curves(tmp_path, monkeypatch, capsys):
