@@ -180,7 +180,7 @@ def main() -> int:
     tokens = byte_tokens()
     batches = make_batches(tokens, args.steps, args.batch_size, seq_len, seed=args.seed)
     passes = args.steps * args.batch_size * seq_len / tokens.numel()  # how often the run reads the text, on average
-    curves, seconds, means = {}, {}, {}
+    curves, seconds = {}, {}
     tail = min(args.tail, args.steps)
     title = (f"Llama {fields['num_hidden_layers']}x{fields['hidden_size']}, {args.steps} steps of "
              f"{args.batch_size}x{seq_len} bytes ({passes:.2f} passes over the text), AdamW lr {args.lr} "
