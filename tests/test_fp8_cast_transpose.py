@@ -59,15 +59,21 @@ def _module(problem: CastTransposeProblem, **changes):
     return load_variant("fp8_cast_transpose", problem.template_params(config))
 
 
-# several programs per row and per column (the atomic amaxes meet), one program per row, one-row tiles
-BRANCHES = [dict(BLOCK_M_AMAX=8, BLOCK_K_AMAX=16, num_warps_amax=1, BLOCK_M=8, BLOCK_K=16, num_warps=1),
-            dict(BLOCK_M_AMAX=1, BLOCK_K_AMAX=128, num_warps_amax=1, BLOCK_M=64, BLOCK_K=128, num_warps=4),
-            dict(BLOCK_M_AMAX=64, BLOCK_K_AMAX=32, num_warps_amax=2, BLOCK_M=16, BLOCK_K=32, num_warps=1)]
+# several programs per row and per column (the atomic amaxes meet), one program per row, one-row tiles; programs
+# walking several tiles, the last one past the end of x (37 rows: 16-row programs), and one program per column
+BRANCHES = [dict(BLOCK_M_AMAX=8, BLOCK_K_AMAX=16, TILES_AMAX=1, num_warps_amax=1, BLOCK_M=8, BLOCK_K=16, num_warps=1),
+            dict(BLOCK_M_AMAX=1, BLOCK_K_AMAX=128, TILES_AMAX=1, num_warps_amax=1, BLOCK_M=64, BLOCK_K=128,
+                 num_warps=4),
+            dict(BLOCK_M_AMAX=64, BLOCK_K_AMAX=32, TILES_AMAX=1, num_warps_amax=2, BLOCK_M=16, BLOCK_K=32,
+                 num_warps=1),
+            dict(BLOCK_M_AMAX=4, BLOCK_K_AMAX=32, TILES_AMAX=4, num_warps_amax=1, BLOCK_M=8, BLOCK_K=16, num_warps=1),
+            dict(BLOCK_M_AMAX=1, BLOCK_K_AMAX=16, TILES_AMAX=64, num_warps_amax=1, BLOCK_M=8, BLOCK_K=16,
+                 num_warps=1)]
 
 
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("changes", BRANCHES, ids=["atomics", "whole-rows", "tall"])
+@pytest.mark.parametrize("changes", BRANCHES, ids=["atomics", "whole-rows", "tall", "walk", "walk-all-rows"])
 def test_every_kernel_branch_passes_the_tuners_gate(changes, dtype, fp8, device):
     problem = CastTransposeProblem(dtype, {"n_cols": 100}, 37, device, fp8=fp8,
                                    seed=int(torch.randint(0, 1 << 30, ())))
@@ -106,7 +112,11 @@ def test_amaxes_brought_by_the_caller_skip_the_amax_pass(device, monkeypatch):
     got_rows, got_cols = torch.zeros_like(row_bits), torch.zeros_like(col_bits)
     module.amax(x, got_rows, got_cols, module.BLOCK_M_AMAX, module.BLOCK_K_AMAX, 4)
     assert torch.equal(got_rows, row_bits) and torch.equal(got_cols, col_bits)
-    monkeypatch.setattr(module, "amax", lambda *a: pytest.fail("the amax pass ran with the amaxes given"))
+    for tiles in (2, 3, 8):  # the walking pass leaves the same bits (NaN and -inf rows and columns among them)
+        got_rows, got_cols = torch.zeros_like(row_bits), torch.zeros_like(col_bits)
+        module.amax_tiles(x, got_rows, got_cols, 4, 16, tiles, 1)
+        assert torch.equal(got_rows, row_bits) and torch.equal(got_cols, col_bits)
+    monkeypatch.setattr(module, "amax_tiles", lambda *a: pytest.fail("the amax pass ran with the amaxes given"))
     out = (torch.empty(29, 48, dtype=E4M3, device=device), torch.empty(29, device=device),
            torch.empty(48, 32, dtype=E4M3, device=device), torch.empty(48, device=device))
     module.cast_transpose(x, *out, exact, row_bits=row_bits, col_bits=col_bits)

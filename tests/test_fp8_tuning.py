@@ -43,6 +43,16 @@ def test_the_space_refuses_what_cannot_run(op):
     assert space.violations(dataclasses.replace(base, **{first[0]: 3}))  # not one of the choices
 
 
+def test_walking_amax_tiles_count_their_column_accumulator():
+    """A program walking several amax tiles keeps an int32 accumulator of the tile's size: the register check
+    counts it (a tile at the limit alone is refused when walked)."""
+    space = CastTransposeSpace({"n_cols": 4096}, torch.bfloat16)
+    at_limit = dataclasses.replace(space.heuristic(), BLOCK_M_AMAX=64, BLOCK_K_AMAX=256, num_warps_amax=8,
+                                   TILES_AMAX=1)
+    assert not space.violations(at_limit)
+    assert any("amax" in p and "per thread" in p for p in space.violations(dataclasses.replace(at_limit, TILES_AMAX=2)))
+
+
 # one- and two-pass rows, and the two-kernel column path, at odd sizes (rows not a multiple of the tile or of 16)
 BRANCHES = [("fwd", {"BLOCK_K_ROWS": 128, "BLOCK_M_ROWS": 4, "num_warps_rows": 1}),
             ("fwd", {"BLOCK_K_ROWS": 32, "BLOCK_M_ROWS": 2, "num_warps_rows": 1}),

@@ -32,12 +32,13 @@ from liger_gen.runtime.ops import interpreter_enabled, kernel_module, transforms
 
 @dataclass(frozen=True)
 class CastTransposeConfig(KernelConfig):
-    """Launch settings of the two kernels: the amax pass's BLOCK_M_AMAX x BLOCK_K_AMAX tile and warps (one atomic
-    max per tile row and per tile column), and the cast's BLOCK_M x BLOCK_K tile and warps (read once, written in
-    place and transposed)."""
+    """Launch settings of the two kernels: the amax pass's BLOCK_M_AMAX x BLOCK_K_AMAX tile, the TILES_AMAX tiles
+    each program walks down its column block (one atomic max per tile row, one per column per program) and its
+    warps, and the cast's BLOCK_M x BLOCK_K tile and warps (read once, written in place and transposed)."""
 
     BLOCK_M_AMAX: int
     BLOCK_K_AMAX: int
+    TILES_AMAX: int
     num_warps_amax: int
     BLOCK_M: int
     BLOCK_K: int
@@ -56,25 +57,31 @@ class CastTransposeSpace(QuantizeSpace):
     DIMS = ("n_cols",)
     phases = ("fwd",)
     AMAX_TILE = (32, 256)  # the heuristic's amax tile: 32 values per thread at 8 warps
+    AMAX_ROWS = 256  # the rows a program of the heuristic's amax pass walks: an eighth of one tile's column atomics
     CAST_TILE = (64, 64)  # the heuristic's cast tile, as the single-axis cols quantize's
     _BLOCK_M_AMAX = (1, 2, 4, 8, 16, 32, 64, 128)
     _BLOCK_K_AMAX = tuple(2 ** k for k in range(4, 15))  # 16 .. 16384
+    _TILES_AMAX = (1, 2, 4, 8, 16, 32, 64)
     _BLOCK_M = (8, 16, 32, 64, 128)  # the transposed store writes BLOCK_M consecutive bytes per column
     _BLOCK_K = (16, 32, 64, 128, 256)
     _WARPS = (1, 2, 4, 8, 16)
     PARAMS = (
         Param("BLOCK_M_AMAX", _BLOCK_M_AMAX, "fwd"), Param("BLOCK_K_AMAX", _BLOCK_K_AMAX, "fwd"),
-        Param("num_warps_amax", _WARPS, "fwd"),
+        Param("TILES_AMAX", _TILES_AMAX, "fwd"), Param("num_warps_amax", _WARPS, "fwd"),
         Param("BLOCK_M", _BLOCK_M, "fwd"), Param("BLOCK_K", _BLOCK_K, "fwd"), Param("num_warps", _WARPS, "fwd"),
     )
 
     def heuristic(self) -> CastTransposeConfig:
-        """Analytic default, valid for every n_cols: 32 x 256 amax tiles at 8 warps, 64 x 64 cast tiles at 4
-        (narrower where the row is narrower)."""
-        return self.checked(CastTransposeConfig(*self.tile(*self.AMAX_TILE, 8), *self.tile(*self.CAST_TILE, 4)))
+        """Analytic default, valid for every n_cols: 32 x 256 amax tiles at 8 warps, each program walking
+        ``AMAX_ROWS`` rows; 64 x 64 cast tiles at 4 warps (narrower where the row is narrower)."""
+        block_m, block_k, warps = self.tile(*self.AMAX_TILE, 8)
+        return self.checked(CastTransposeConfig(block_m, block_k, self.AMAX_ROWS // block_m, warps,
+                                                *self.tile(*self.CAST_TILE, 4)))
 
     def shape_violations(self, config: CastTransposeConfig) -> list[str]:
-        return self.tiles_violations((("amax", config.BLOCK_M_AMAX, config.BLOCK_K_AMAX, config.num_warps_amax),
+        # walking several tiles keeps an int32 column accumulator of the tile's size beside the tile itself
+        amax_m = config.BLOCK_M_AMAX * (2 if config.TILES_AMAX > 1 else 1)
+        return self.tiles_violations((("amax", amax_m, config.BLOCK_K_AMAX, config.num_warps_amax),
                                       ("cast", config.BLOCK_M, config.BLOCK_K, config.num_warps)))
 
 
