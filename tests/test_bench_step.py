@@ -46,9 +46,11 @@ def test_every_launched_template_kernel_is_liger_gen():
     launched = launched_template_kernels()
     assert len(launched) >= 15, launched  # rms_norm, rope, glu, cross_entropy, ... each launch one or more
     assert profile.liger_gen_kernel_names() == launched
-    quantize = {"quantize_rows_kernel", "column_amax_kernel", "quantize_cols_kernel"}  # FP8: their own class
-    assert quantize <= launched
-    quantize |= {"amax_kernel", "cast_transpose_kernel"} & launched  # the FP8 cast-transpose template's
+    # FP8 quantization, its own class: the single-axis quantize's kernels, the cast + transpose op's amax passes
+    # and its cast (which the norm and GLU kernels that write FP8 operands launch too)
+    quantize = {"quantize_rows_kernel", "column_amax_kernel", "quantize_cols_kernel", "amax_kernel",
+                "amax_tiles_kernel", "cast_transpose_kernel"}
+    assert quantize <= launched and profile.quantize_kernel_names() == quantize
     for name in sorted(launched):
         want = "quantize" if name in quantize else "liger_gen"
         assert profile.classify_kernel(name) == want, name

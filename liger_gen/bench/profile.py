@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,11 @@ CLASS_LABELS = {"gemm": "GEMM", "attention": "attn", "quantize": "fp8 quant", "l
                 "optimizer": "optim", "elementwise": "elem/reduce", "other": "memcpy/other", "idle": "idle"}
 
 _KERNEL_DEF = re.compile(r"^def\s+(\w+_kernel)\s*\(", re.MULTILINE)
-#: liger-gen's FP8 quantize kernels (templates/fp8_quantize.py.jinja, fp8_cast_transpose.py.jinja), and Inductor
-#: kernels that reduce an amax or cast to float8 (torchao's float8 training fuses its scaling into such kernels
-#: under torch.compile)
-_QUANTIZE = re.compile(r"^(?:quantize_rows_kernel|column_amax_kernel|quantize_cols_kernel|amax_kernel"
-                       r"|cast_transpose_kernel)(?:_[0-9a-z]+)?$"
-                       r"|^triton_.*(?:amax|float8|fp8)", re.IGNORECASE)
+#: the templates of liger-gen's standalone FP8 quantization: every kernel they define is ``quantize``
+QUANTIZE_TEMPLATES = ("fp8_quantize.py.jinja", "fp8_cast_transpose.py.jinja", "fp8_cast.jinja")
+#: Inductor kernels that reduce an amax or cast to float8 (torchao's float8 training fuses its scaling into such
+#: kernels under torch.compile)
+_QUANTIZE = re.compile(r"^triton_.*(?:amax|float8|fp8)", re.IGNORECASE)
 _INDUCTOR_GEMM = re.compile(r"^triton_tem_.*(?:mm|conv)", re.IGNORECASE)
 _ATTENTION = re.compile(r"flash|fmha|sdpa|efficient_attention|attention|_attn", re.IGNORECASE)
 _OPTIMIZER = re.compile(r"multi_tensor_apply|adam|FusedOptimizer", re.IGNORECASE)
@@ -47,13 +47,31 @@ def liger_gen_kernel_names(templates_dir: Path = TEMPLATES_DIR) -> frozenset[str
     return frozenset(names)
 
 
+def quantize_kernel_names(templates_dir: Path = TEMPLATES_DIR) -> frozenset[str]:
+    """Names of the kernels of liger-gen's standalone FP8 quantization (``QUANTIZE_TEMPLATES``): the amax
+    passes and casts, which the profile counts as ``quantize``, not ``liger_gen``."""
+    return frozenset(name for template in QUANTIZE_TEMPLATES
+                     for name in _KERNEL_DEF.findall((Path(templates_dir) / template).read_text(encoding="utf-8")))
+
+
+@functools.cache
+def _quantize_names() -> frozenset[str]:
+    return quantize_kernel_names()
+
+
+def _named(base: str, names: Iterable[str]) -> bool:
+    """``base`` is one of ``names``, optionally with the suffix older Tritons appended (``_0d1d2d``)."""
+    return base in names or any(base.startswith(n + "_") and re.fullmatch(r"[0-9a-z]+", base[len(n) + 1:])
+                                for n in names)
+
+
 def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> str:
     """The class in ``KERNEL_CLASSES`` of a GPU activity named ``name`` (as torch.profiler reports it).
 
     Rules, first match wins:
 
-    0. ``quantize``: FP8 quantization, liger-gen's quantize kernels or an Inductor kernel whose name holds
-       ``amax``, ``float8`` or ``fp8`` (a bf16 model's compiled step has none: its reductions are sums and
+    0. ``quantize``: FP8 quantization, liger-gen's quantize kernels (``quantize_kernel_names()``) or an Inductor
+       kernel whose name holds ``amax``, ``float8`` or ``fp8`` (a bf16 model's compiled step has none: its reductions are sums and
        means), so the quantization's share of an FP8 step is one figure whoever fused it.
     1. ``liger_gen``: a liger-gen template kernel (``liger_gen_kernel_names()``), optionally with a suffix that
        older Tritons appended (``rms_norm_fwd_kernel_0d1d2d``).
@@ -70,10 +88,9 @@ def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> 
     """
     names = liger_gen_kernel_names() if liger_gen_names is None else liger_gen_names
     base = name.strip()
-    if _QUANTIZE.match(base):
+    if _QUANTIZE.match(base) or _named(base, _quantize_names()):
         return "quantize"
-    if base in names or any(base.startswith(n + "_") and re.fullmatch(r"[0-9a-z]+", base[len(n) + 1:])
-                            for n in names):
+    if _named(base, names):
         return "liger_gen"
     if base.startswith("triton_"):
         return "gemm" if _INDUCTOR_GEMM.match(base) else "triton_other"
