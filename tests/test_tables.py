@@ -44,16 +44,35 @@ def _table(entries, **overrides):
     return t
 
 
-def test_missing_table_warns_once_and_uses_heuristic(user_dir):
-    with pytest.warns(tables.TunedTableWarning, match="no tuned rms_norm config"):
-        found = tables.lookup(SPACE, torch.bfloat16, N, 1000, GPU)
-    assert found["source"] == "heuristic"
-    assert found["config"] == RMSNormSpace(N, torch.bfloat16).heuristic()
+def _no_warning(*lookups):
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tables.lookup(SPACE, torch.bfloat16, N, 1000, GPU)  # second time: no warning
+        return [tables.lookup(*args)["source"] for args in lookups]
+
+
+def test_missing_table_warns_once_and_uses_heuristic(user_dir):
+    """No table for the GPU at all: one warning for the GPU, whatever the op and shape; then the heuristic."""
+    with pytest.warns(tables.TunedTableWarning, match=f"no tuned tables for {GPU}; every op runs its heuristic"):
+        found = tables.lookup(SPACE, torch.bfloat16, N, 1000, GPU)
+    assert found["source"] == "heuristic"
+    assert found["config"] == RMSNormSpace(N, torch.bfloat16).heuristic()
+    from liger_gen.ops.fp8.cast_transpose import CastTransposeSpace
+
+    assert _no_warning((SPACE, torch.bfloat16, N, 1000, GPU), (SPACE, torch.bfloat16, 2 * N, 64, GPU),
+                       (CastTransposeSpace, torch.bfloat16, 4096, 64, GPU)) == ["heuristic"] * 3
+
+
+def test_a_gpu_with_tables_warns_once_per_op_without_one_and_per_shape_a_table_lacks(user_dir):
+    from liger_gen.ops.fp8.cast_transpose import CastTransposeSpace
+
+    _write(user_dir, _table([_entry(1024, _tuned_config())]))
+    with pytest.warns(tables.TunedTableWarning, match="no tuned fp8_cast_transpose table for h200; fp8_cast_tran"):
+        assert tables.lookup(CastTransposeSpace, torch.bfloat16, 4096, 64, GPU)["source"] == "heuristic"
+    assert _no_warning((CastTransposeSpace, torch.bfloat16, 1024, 64, GPU)) == ["heuristic"]
+    with pytest.warns(tables.TunedTableWarning, match=r"no tuned rms_norm config for h200 \(float16"):
+        assert tables.lookup(SPACE, torch.float16, N, 1024, GPU)["source"] == "heuristic"
 
 
 def test_valid_table_is_used_with_nearest_rows_bucket(user_dir):

@@ -624,6 +624,14 @@ def entry_config(space: Space, entry: dict[str, Any]) -> tuple[Any, list[str]]:
     return (None if problems else config), problems
 
 
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, False where the path cannot be examined (a lookup never raises because of a table)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, rows: int, gpu: str | None,
            limits: DeviceLimits | None = None, *, variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """Pick the launch config of ``space``'s op (an op spec's ``space``) for one call shape; never raises because
@@ -639,11 +647,13 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
     dims = space.dims
     if gpu is not None and not heuristic_only_enabled():
         without = []  # (source, path, table) of the tables with no entry at these dims
+        tables_found = False  # a table of the op for this GPU, in any folder
         for source, root in table_roots():
             path = table_path(root, gpu, op)
             table = _load_for(str(path), space_cls, gpu)
             if table is None:
                 continue
+            tables_found = True
             entry = nearest_entry(table, dtype, dims, rows, variant)
             if entry is None:
                 without.append((source, path, table))
@@ -668,8 +678,15 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
                            f"{gpu} --ops {op} ...` to tune these dims.")
                 return {"source": source, "path": str(path), "rows": entry["rows"], "config": config,
                         "dims": dict(entry["dims"])}
-        _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, {dims}); "
-                   f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
+        if tables_found:
+            _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, {dims}); "
+                       f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
+        elif any(_is_dir(Path(root) / gpu) for _, root in table_roots()):  # one warning per op: no shape tuned
+            _warn_once(f"liger-gen: no tuned {op} table for {gpu}; {op} runs its heuristic at every shape. Run "
+                       f"`liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
+        else:  # one warning per GPU
+            _warn_once(f"liger-gen: no tuned tables for {gpu}; every op runs its heuristic. Run `liger-gen tune "
+                       f"--gpu {gpu} --model <model>` to tune the ops a model runs.")
     return {"source": "heuristic", "path": None, "rows": None, "config": space.heuristic()}
 
 
