@@ -146,7 +146,7 @@ def _problems(spec, model, dtype) -> list:
                     continue
                 try:
                     out.append(type(problem)(dtype, dict(problem.dims), problem.rows, "cpu", **{key: value}))
-                except TypeError:  # a constructor that does not take the option by name
+                except (TypeError, ValueError):  # a constructor that does not take the option or the value
                     pass
     return out
 

@@ -50,7 +50,12 @@ def test_walking_amax_tiles_count_their_column_accumulator():
     at_limit = dataclasses.replace(space.heuristic(), BLOCK_M_AMAX=64, BLOCK_K_AMAX=256, num_warps_amax=8,
                                    TILES_AMAX=1)
     assert not space.violations(at_limit)
-    assert any("amax" in p and "per thread" in p for p in space.violations(dataclasses.replace(at_limit, TILES_AMAX=2)))
+    walked = space.violations(dataclasses.replace(at_limit, TILES_AMAX=2))
+    assert walked == ["amax: 128 values per thread with the column accumulator of TILES_AMAX=2 > 64 (spills)"]
+    # a tile too small for its threads stays refused when walked
+    small = dataclasses.replace(at_limit, BLOCK_M_AMAX=2, BLOCK_K_AMAX=16, num_warps_amax=2)
+    for tiles in (1, 2, 64):
+        assert any("smaller than 64 threads" in p for p in space.violations(dataclasses.replace(small, TILES_AMAX=tiles)))
 
 
 # one- and two-pass rows, and the two-kernel column path, at odd sizes (rows not a multiple of the tile or of 16)

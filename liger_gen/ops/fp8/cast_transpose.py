@@ -49,7 +49,8 @@ class CastTransposeSpace(QuantizeSpace):
     """Search space, constraints and heuristic of the cast + transpose op for one width (dims
     ``{"n_cols": K}``) and input dtype; the FP8 format is a render-time variant with its own table entries. One
     phase ("fwd"): the op is not differentiable, and its two kernels run as one call. The tiles' checks are the
-    single-axis quantize's."""
+    single-axis quantize's, and an amax pass that walks several tiles counts its int32 column accumulator among
+    the values each thread holds."""
 
     op = "fp8_cast_transpose"
     template = "fp8_cast_transpose"
@@ -79,10 +80,14 @@ class CastTransposeSpace(QuantizeSpace):
                                                 *self.tile(*self.CAST_TILE, 4)))
 
     def shape_violations(self, config: CastTransposeConfig) -> list[str]:
+        problems = self.tiles_violations((("amax", config.BLOCK_M_AMAX, config.BLOCK_K_AMAX, config.num_warps_amax),
+                                          ("cast", config.BLOCK_M, config.BLOCK_K, config.num_warps)))
         # walking several tiles keeps an int32 column accumulator of the tile's size beside the tile itself
-        amax_m = config.BLOCK_M_AMAX * (2 if config.TILES_AMAX > 1 else 1)
-        return self.tiles_violations((("amax", amax_m, config.BLOCK_K_AMAX, config.num_warps_amax),
-                                      ("cast", config.BLOCK_M, config.BLOCK_K, config.num_warps)))
+        held = 2 * config.BLOCK_M_AMAX * config.BLOCK_K_AMAX / (32 * config.num_warps_amax)
+        if config.TILES_AMAX > 1 and held > self.MAX_ELEMS_PER_THREAD >= held / 2:
+            problems.append(f"amax: {held:.0f} values per thread with the column accumulator of TILES_AMAX="
+                            f"{config.TILES_AMAX} > {self.MAX_ELEMS_PER_THREAD} (spills)")
+        return problems
 
 
 # ------------------------------------------------------------------------------------------------ tuning

@@ -83,9 +83,9 @@ class GLUFp8Space(GLUSpace):
     )
 
     def heuristic(self) -> GLUFp8Config:
-        """Fused amaxes both ways on tiles of up to 256 columns, each program walking ``FUSED_ROWS`` rows (an
-        eighth of the standalone amax pass's column atomics); 64 x 64 cast tiles at 4 warps (narrower where the
-        row is)."""
+        """Fused amaxes both ways on tiles of up to 256 columns, each program walking ``FUSED_ROWS`` rows (one
+        column atomic per 256 rows, as the cast + transpose op's amax pass); 64 x 64 cast tiles at 4 warps
+        (narrower where the row is)."""
         block_n = min(self.max_block_n, 256)
         block_m = max(1, min(16, self.TILE_TARGET // block_n))
         tiles = max(1, self.FUSED_ROWS // block_m)
@@ -138,7 +138,9 @@ class GLUFp8Problem(GLUProblem):
         return cls.phase_bytes(dims, s)["fwd"] + 5 * dims["rows"] * dims["n_cols"] * s
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, activation: str | None = None,
-                 seed: int = 0, limits=None):
+                 fp8: str = "e4m3", seed: int = 0, limits=None):
+        if fp8 != "e4m3":  # (the table entries name the format; the GLU kernels write e4m3 operands only)
+            raise ValueError(f"glu_fp8 writes e4m3 operands only, got fp8={fp8!r}")
         super().__init__(dtype, dims, rows, device, activation=activation, seed=seed, limits=limits)
         self.variant["fp8"] = "e4m3"
         # the operands of y, dgate and dup: (q, d_rows, qt, d_cols) each

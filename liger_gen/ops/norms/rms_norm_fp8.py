@@ -162,7 +162,9 @@ class RMSNormFp8Problem(DecoderNormProblem):
         return cls.phase_bytes(dims, s)["fwd"] + 5 * mn * s + 2 * n * s + m * STAT_BYTES
 
     def __init__(self, dtype: torch.dtype, dims, rows: int, device, *, casting_mode: str = "llama",
-                 fused_add: bool = True, eps: float = 1e-6, seed: int = 0, limits=None):
+                 fused_add: bool = True, eps: float = 1e-6, fp8: str = "e4m3", seed: int = 0, limits=None):
+        if fp8 != "e4m3":  # (the table entries name the format; the norms write e4m3 operands only)
+            raise ValueError(f"rms_norm_fp8 writes e4m3 operands only, got fp8={fp8!r}")
         super().__init__(dtype, dims, rows, device, seed=seed, limits=limits,
                          variant={"casting_mode": casting_mode, "fused_add": bool(fused_add), "fp8": "e4m3"})
         self.casting_mode, self.fused_add, self.eps = casting_mode, bool(fused_add), eps
