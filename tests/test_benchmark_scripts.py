@@ -92,7 +92,9 @@ def test_ce_sweep_kernel_matches_float64_cross_entropy(exclude_target, mask_afte
     loss = torch.empty(rows, dtype=torch.float32)
     kernel[(programs,)](x, target, dx, loss, rows, vocab, vocab, 1.0 / rows, programs, BLOCK_V=256, HINTS=1,
                         NUM_STAGES=1, EXCLUDE_TARGET=exclude_target, MASK_AFTER=mask_after, num_warps=4)
-    eps32, eps16 = torch.finfo(torch.float32).eps, 2.0 ** -8  # fp32 accumulation; one bf16 rounding of dx
+    # fp32 accumulation; one bf16 rounding of dx, which Triton's interpreter does by truncation (up to 2^-7
+    # relative per element, against 2^-8 when rounding to nearest)
+    eps32, eps16 = torch.finfo(torch.float32).eps, 2.0 ** -7
     assert ((loss.double() - ref_rows).abs() / ref_rows.abs()).max() <= 64 * eps32
     err = (dx.double() - ref.grad).norm() / ref.grad.norm()
     assert err <= eps16
