@@ -64,6 +64,14 @@ def test_missing_table_warns_once_and_uses_heuristic(user_dir):
                        (CastTransposeSpace, torch.bfloat16, 4096, 64, GPU)) == ["heuristic"] * 3
 
 
+def test_a_gpu_folder_without_a_table_counts_as_no_tables(user_dir):
+    """Trial logs and compiled kernels alone (what a build or an interrupted tune leaves) are not tables."""
+    (user_dir / GPU / "compiled" / "triton-x").mkdir(parents=True)
+    (user_dir / GPU / f"{OP}.trials.json").write_text("{}")
+    with pytest.warns(tables.TunedTableWarning, match=f"no tuned tables for {GPU}; every op"):
+        assert tables.lookup(SPACE, torch.bfloat16, N, 64, GPU)["source"] == "heuristic"
+
+
 def test_a_gpu_with_tables_warns_once_per_op_without_one_and_per_shape_a_table_lacks(user_dir):
     from liger_gen.ops.fp8.cast_transpose import CastTransposeSpace
 
@@ -261,7 +269,7 @@ def test_template_hashes_of_the_wrong_form_make_the_table_unused(user_dir, hashe
 
 
 # ops whose kernels have not been tuned on an H200 yet: they run their analytic heuristic there (a "no tuned
-# <op> config" warning says so) until ``liger-gen tune --gpu h200`` writes their table; an op leaves this set in
+# <op> table" warning says so) until ``liger-gen tune --gpu h200`` writes their table; an op leaves this set in
 # the change that ships its table (the test below fails while an op is in both)
 AWAITING_H200_TABLE: set[str] = set()
 

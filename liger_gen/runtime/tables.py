@@ -624,10 +624,11 @@ def entry_config(space: Space, entry: dict[str, Any]) -> tuple[Any, list[str]]:
     return (None if problems else config), problems
 
 
-def _is_dir(path: Path) -> bool:
-    """``path.is_dir()``, False where the path cannot be examined (a lookup never raises because of a table)."""
+def _holds_tables(folder: Path) -> bool:
+    """``folder`` holds a table file (``table_files``); False where it cannot be listed (a lookup never raises
+    because of a table)."""
     try:
-        return path.is_dir()
+        return bool(table_files(folder))
     except OSError:
         return False
 
@@ -681,7 +682,7 @@ def lookup(space: type[Space], dtype: torch.dtype, dims: dict[str, int] | int, r
         if tables_found:
             _warn_once(f"liger-gen: no tuned {op} config for {gpu} ({dtype_name(dtype)}, {dims}); "
                        f"using the heuristic. Run `liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
-        elif any(_is_dir(Path(root) / gpu) for _, root in table_roots()):  # one warning per op: no shape tuned
+        elif any(_holds_tables(Path(root) / gpu) for _, root in table_roots()):  # once per op: no shape tuned
             _warn_once(f"liger-gen: no tuned {op} table for {gpu}; {op} runs its heuristic at every shape. Run "
                        f"`liger-gen tune --gpu {gpu} --ops {op} ...` to tune.")
         else:  # one warning per GPU
