@@ -151,6 +151,73 @@ def test_packed_batch_trains_like_padded_documents(model_type, attention, monkey
     _assert_same(patched_packed, plain_packed, (model_type, attention, "liger-gen vs transformers"))
 
 
+# On a GPU, per dtype: (loss, gradient) relative tolerances between packed and padded. float32: cuBLAS and the
+# attention kernels pick their algorithms (split-K, tile counts) by shape, so a 37-token row and three 19-token
+# rows sum the same products in other orders: each product's relative error is of order sqrt(K)·u (K <= 128 in the
+# mini models, u = 2^-24), about 1e-6, and the loss's mean over 34 targets adds TARGETS·u; 1e-5 and 1e-4 leave a
+# margin of ten over that, and still catch mixed documents (loss 2e-4 relative or more in most families, a
+# parameter's gradient 0.7). bfloat16: the activations are rounded to 8 bits of mantissa between ops, so packed
+# and padded differ by a few bf16 ulps (2^-8 relative each): the loss by up to eps = 2^-7, each gradient by up to
+# 2^-4 (a mini MoE's router may also send one of the 34 tokens to another expert: about 1/34 of that expert's
+# gradient); mixed documents still move a gradient by 0.7, ten times that.
+GPU_RTOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2.0 ** -7, 2.0 ** -4)}
+GPU_CASES = [pytest.param(t, a, d, id=f"{t}-{a}-{str(d)[6:]}") for t in sorted(FAMILY_CONFIGS)
+             for a, d in (("sdpa", torch.float32), ("eager", torch.float32), ("sdpa", torch.bfloat16),
+                          ("flash_attention_2", torch.bfloat16))]
+
+
+def _assert_close(got, expected, what, loss_rtol, grad_rtol):
+    (loss, grads), (ref_loss, ref_grads) = got, expected
+    assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= loss_rtol * abs(ref_loss.item()), (
+        what, loss, ref_loss)
+    assert grads.keys() == ref_grads.keys(), what
+    worst = max((n for n in grads if not n.endswith("k_proj.bias")), key=lambda n: _rel_l2(grads[n], ref_grads[n]))
+    assert _rel_l2(grads[worst], ref_grads[worst]) <= grad_rtol, (what, worst, _rel_l2(grads[worst], ref_grads[worst]))
+    return _rel_l2(grads[worst], ref_grads[worst])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type,attention,dtype", GPU_CASES)
+def test_packed_batch_equals_padded_on_the_gpu(model_type, attention, dtype):
+    """On a GPU, every patched op on its Triton kernel, with the attention implementations transformers keeps
+    packed documents apart with there (sdpa and eager from restarting positions, FlashAttention-2 from the
+    documents' boundaries when ``flash_attn`` is installed): packed equals padded, plain and patched."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if attention == "flash_attention_2" and not is_flash_attn_2_available():
+        pytest.skip("flash_attn is not installed")
+    if model_type in MIXING_FAMILIES:
+        pytest.skip(f"transformers 5.25 mixes packed documents here: {MIXING_FAMILIES[model_type]}")
+    model = mini_model(model_type, dtype=dtype, device="cuda")
+    if model is None:
+        pytest.skip(f"this transformers release has no {model_type}")
+    if attention == "sdpa" and not model._supports_sdpa or attention.startswith("flash") and not model._supports_flash_attn:
+        pytest.skip(f"transformers' {type(model).__name__} does not support {attention}")
+    model.set_attn_implementation(attention)
+    model.eval()
+    docs = _documents()
+    packed = {k: v.cuda() for k, v in _packed(docs).items()}
+    padded = {k: v.cuda() for k, v in _padded(docs).items()}
+    rtols = GPU_RTOL[dtype]
+    plain_packed = _loss_and_grads(model, packed, use_cache=False)
+    _assert_close(plain_packed, _loss_and_grads(model, padded, use_cache=False), (model_type, "transformers"), *rtols)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            liger_gen.apply_to(model)
+            assert model.liger_gen_report.loss, model.liger_gen_report.summary()
+            patched_packed = _loss_and_grads(model, packed, use_cache=False)
+        assert not _packing_warnings(caught)
+        patched_padded = _loss_and_grads(model, padded, use_cache=False)
+    finally:
+        restore_rope()
+    worst = _assert_close(patched_packed, patched_padded, (model_type, "liger-gen"), *rtols)
+    _assert_close(patched_packed, plain_packed, (model_type, "liger-gen vs transformers"), *rtols)
+    print(f"{model_type} {attention} {dtype}: packed vs padded loss {patched_packed[0].item():.6f} / "
+          f"{patched_padded[0].item():.6f}, worst gradient {worst:.2e}")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter must be on before kernels are defined")
 def test_packed_batch_through_the_kernels(monkeypatch):
     """The same through the Triton kernels (RMSNorm, SwiGLU, RoPE, the fused loss) in the interpreter."""

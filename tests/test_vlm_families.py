@@ -211,6 +211,44 @@ def test_vlm_family_trains_like_transformers_on_the_plain_path(model_type, data,
     assert close.float().mean().item() >= 1 - 2 / close.numel(), (model_type, (~close).sum().item())
 
 
+def _on_gpu(value, device="cuda"):
+    """A batch's tensor on the GPU, its floating inputs (pixel values) in bf16 as the model's weights."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, torch.bfloat16) if value.is_floating_point() else value.to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", sorted(VLM_CONFIGS))
+def test_vlm_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type, data):
+    """The same training in bf16 on a GPU, every patched op (the vision tower's too) on its tuned Triton kernel:
+    the curves agree within bf16's precision (``liger_gen.training.compare_losses``: the first step's and the mean
+    relative difference within bf16's epsilon), and the fused loss leaves no logits."""
+    from liger_gen.training import compare_losses, loss_rel_tolerance
+
+    plain = mini_vlm(model_type, dtype=torch.bfloat16, device="cuda")
+    if plain is None:
+        pytest.skip(f"this transformers release has no {model_type}")
+    patched = mini_vlm(model_type, dtype=torch.bfloat16, device="cuda")
+    batches, _ = _batches(model_type, *data)
+    batches = [{k: _on_gpu(v) for k, v in b.items()} for b in batches]
+    try:
+        plain_losses, _ = _train(plain, batches)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            liger_gen.apply_to(patched)
+        patched_losses, patched_logits = _train(patched, batches)
+    finally:
+        restore_rope()
+    report = patched.liger_gen_report
+    assert report.norms > 0 and report.loss and all(logits is None for logits in patched_logits), report.summary()
+    result = compare_losses(patched_losses, plain_losses, loss_rel_tolerance(torch.bfloat16))
+    print(f"{model_type}: {report.summary()}; first {result['first_step_rel_diff']:.2e}, "
+          f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}")
+    assert result["pass"], (model_type, result)
+
+
 @pytest.mark.parametrize("model_type", sorted(VLM_CONFIGS))
 def test_routed_rotary_function_equals_transformers_own_on_multimodal_tables(model_type, monkeypatch):
     """The text stack's routed ``apply_rotary_pos_emb`` returns what transformers' returns, element by element, for
