@@ -114,12 +114,47 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype, seed:
     return model
 
 
+def _liger_kernel_glm4_moe(model=None, **_):
+    """Liger-Kernel's modules on a GLM-4.5 (``glm4_moe``) causal LM, composed as Liger-Kernel's own
+    ``apply_liger_kernel_to_glm4v_moe`` composes them on GLM-4.5V's text stack, which has the same decoder layer:
+    ``LigerRMSNorm`` (GLM's settings: offset 0, llama casting) on every RMSNorm, ``LigerExperts`` (its fused MoE)
+    on the routed experts, ``LigerSwiGLUMLP`` on the shared experts and the dense layers' MLPs, and its GLM-4
+    fused linear cross-entropy forward; RoPE stays transformers' (Liger-Kernel has none for GLM's partial rotary
+    dims). Liger-Kernel 0.8 ships no ``apply_liger_kernel_to_glm4_moe``; this is the patch its GLM-4.5V one
+    implies for the text model. ``model`` is required (an instance is patched, not the modeling module)."""
+    from types import MethodType
+
+    from liger_kernel.transformers.model.glm4 import lce_forward
+    from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module, _patch_swiglu_module
+    from liger_kernel.transformers.swiglu import LigerExperts, LigerSwiGLUMLP
+
+    if model is None:
+        raise ValueError("Liger-Kernel's glm4_moe composition patches a model instance: pass model=")
+    base = model.model
+    _patch_rms_norm_module(base.norm)
+    for layer in base.layers:
+        _patch_rms_norm_module(layer.input_layernorm)
+        _patch_rms_norm_module(layer.post_attention_layernorm)
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            _patch_swiglu_module(layer.mlp, LigerSwiGLUMLP)
+            continue
+        _patch_swiglu_module(experts, LigerExperts)
+        _patch_swiglu_module(layer.mlp.shared_experts, LigerSwiGLUMLP)
+    model.forward = MethodType(lce_forward, model)
+
+
+#: model types Liger-Kernel ships no ``apply_liger_kernel_to_<model_type>`` for, patched with its own modules the
+#: way its patch of the closest family composes them (each function's docstring says which)
+LIGER_KERNEL_COMPOSED = {"glm4_moe": _liger_kernel_glm4_moe}
+
+
 def liger_kernel_apply(family: str):
-    """Liger-Kernel's ``liger_kernel.transformers.apply_liger_kernel_to_<family>``, or None where the installed
-    Liger-Kernel has no patch for that ``model_type``. ImportError without Liger-Kernel."""
+    """Liger-Kernel's ``liger_kernel.transformers.apply_liger_kernel_to_<family>``, else its modules composed for
+    ``family`` (``LIGER_KERNEL_COMPOSED``), or None where neither exists. ImportError without Liger-Kernel."""
     import liger_kernel.transformers as liger_transformers
 
-    return getattr(liger_transformers, f"apply_liger_kernel_to_{family}", None)
+    return getattr(liger_transformers, f"apply_liger_kernel_to_{family}", None) or LIGER_KERNEL_COMPOSED.get(family)
 
 
 def liger_kernel_unsupported(family: str) -> str | None:
@@ -139,8 +174,9 @@ def liger_kernel_unsupported(family: str) -> str | None:
 
 def apply_liger_kernel(model, family: str):
     """Liger-Kernel's ``apply_liger_kernel_to_<family>(model=model)`` with its defaults (rope, rms_norm, swiglu,
-    fused_linear_cross_entropy). ValueError where Liger-Kernel has no patch for ``family``
-    (:func:`liger_kernel_unsupported` says why)."""
+    fused_linear_cross_entropy), or for a family of ``LIGER_KERNEL_COMPOSED`` its modules composed as that
+    function's docstring says. ValueError where Liger-Kernel has neither (:func:`liger_kernel_unsupported` says
+    why)."""
     apply = liger_kernel_apply(family)
     if apply is None:
         raise ValueError(liger_kernel_unsupported(family))

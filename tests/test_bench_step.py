@@ -702,10 +702,11 @@ def test_liger_kernel_without_a_patch_for_the_model_type_says_why(monkeypatch):
     _fake_liger_kernel(monkeypatch, {"apply_liger_kernel_to_qwen2_5_vl": lambda model: None})
     cuda = torch.device("cuda", 0)
     assert step.provider_unavailable("liger-kernel", cuda, family="qwen2_5_vl") is None
-    why = step.provider_unavailable("liger-kernel", cuda, family="glm4_moe")
-    assert "no patch for model_type 'glm4_moe'" in why and "apply_liger_kernel_to_glm4_moe" in why
-    with pytest.raises(ValueError, match="glm4_moe"):
-        training.apply_liger_kernel(torch.nn.Linear(1, 1), "glm4_moe")
+    why = step.provider_unavailable("liger-kernel", cuda, family="olmoe")  # neither its patch nor a composition
+    assert "no patch for model_type 'olmoe'" in why and "apply_liger_kernel_to_olmoe" in why
+    with pytest.raises(ValueError, match="olmoe"):
+        training.apply_liger_kernel(torch.nn.Linear(1, 1), "olmoe")
+    assert step.provider_unavailable("liger-kernel", cuda, family="glm4_moe") is None  # composed
     assert "CUDA" in step.provider_unavailable("liger-kernel", torch.device("cpu"), family="qwen2_5_vl")
 
 
@@ -751,3 +752,20 @@ def test_liger_kernel_autotune_warm_up_is_timed_apart(monkeypatch):
     step.print_report(result, console)
     text = console.export_text()
     assert "autotune s" in text and f"{warm['s']:.1f} (1 tuned)" in text
+
+
+def test_liger_kernel_modules_are_composed_where_it_ships_no_patch():
+    """Liger-Kernel has no glm4_moe patch: its modules go where its GLM-4.5V patch puts them on the same decoder
+    layer (every RMSNorm, the routed experts, the shared experts and dense MLPs, the loss forward), none elsewhere."""
+    pytest.importorskip("liger_kernel")
+    from liger_gen.training import apply_liger_kernel, build_model, liger_kernel_unsupported
+
+    model = build_model("tiny-glm4.5-air", "cpu", torch.float32, 0)
+    assert liger_kernel_unsupported("glm4_moe") is None
+    apply_liger_kernel(model, "glm4_moe")
+    given = {type(m).__name__: m._get_name() for m in model.modules()}
+    assert given["Glm4MoeRMSNorm"] == "LigerRMSNorm" and given["Glm4MoeExperts"] == "LigerExperts"
+    assert given["Glm4MoeMLP"] == "LigerSwiGLUMLP" and given["Glm4MoeAttention"] == "Glm4MoeAttention"
+    norms = [m for m in model.modules() if type(m).__name__ == "Glm4MoeRMSNorm"]
+    assert norms and all(m._get_name() == "LigerRMSNorm" for m in norms)
+    assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.glm4"

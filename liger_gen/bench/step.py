@@ -12,8 +12,10 @@ each provider, in the order given, in one process:
 
 - ``transformers``  plain transformers (``attn_implementation="sdpa"``);
 - ``liger-kernel``  ``liger_kernel.transformers.apply_liger_kernel_to_<family>(model=model)`` with its defaults
-                    (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); CUDA only; skipped, with the reason,
-                    where the installed Liger-Kernel has no ``apply_liger_kernel_to_<model_type>``. Its autotuned
+                    (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); CUDA only. For ``glm4_moe``, which
+                    Liger-Kernel ships no patch for, its modules composed as its GLM-4.5V patch composes them
+                    (``liger_gen.training.LIGER_KERNEL_COMPOSED``); skipped, with the reason, for other model
+                    types without ``apply_liger_kernel_to_<model_type>``. Its autotuned
                     kernels are warmed before the warm-up steps (``autotune_warmup``, below);
 - ``liger-gen``     ``liger_gen.apply_to(model)`` (RMSNorm, the attention residual add fused into the next RMSNorm,
                     RoPE, SwiGLU MLP, LM-head loss without logits);
