@@ -7,8 +7,7 @@ import collections, json, sys, time, traceback, warnings
 import torch
 
 from liger_gen.bench.step_data import batches_to, step_batches
-from liger_gen.models import architecture
-from liger_gen.training import apply_liger_kernel, build_model, byte_tokens
+from liger_gen.training import apply_liger_kernel, architecture, build_model, byte_tokens
 
 out_dir = sys.argv[1]
 providers = (sys.argv[2] if len(sys.argv) > 2 else "transformers,liger-gen").split(",")
