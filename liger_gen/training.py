@@ -114,10 +114,11 @@ def build_model(name: str, device: torch.device | str, dtype: torch.dtype, seed:
     return model
 
 
-def _liger_kernel_glm4_moe(model=None, **_):
+def _liger_kernel_glm4_moe(model=None):
     """Liger-Kernel's modules on a GLM-4.5 (``glm4_moe``) causal LM, composed as Liger-Kernel's own
     ``apply_liger_kernel_to_glm4v_moe`` composes them on GLM-4.5V's text stack, which has the same decoder layer:
-    ``LigerRMSNorm`` (GLM's settings: offset 0, llama casting) on every RMSNorm, ``LigerExperts`` (its fused MoE)
+    ``LigerRMSNorm`` (GLM's settings: offset 0, llama casting) on every RMSNorm (the attention's q and k norms
+    too where ``use_qk_norm`` gives them, as its Qwen3-MoE patch patches those), ``LigerExperts`` (its fused MoE)
     on the routed experts, ``LigerSwiGLUMLP`` on the shared experts and the dense layers' MLPs, and its GLM-4
     fused linear cross-entropy forward; RoPE stays transformers' (Liger-Kernel has none for GLM's partial rotary
     dims). Liger-Kernel 0.8 ships no ``apply_liger_kernel_to_glm4_moe``; this is the patch its GLM-4.5V one
@@ -135,6 +136,9 @@ def _liger_kernel_glm4_moe(model=None, **_):
     for layer in base.layers:
         _patch_rms_norm_module(layer.input_layernorm)
         _patch_rms_norm_module(layer.post_attention_layernorm)
+        for name in ("q_norm", "k_norm"):  # GLM-4.5's (use_qk_norm=True); GLM-4.5-Air has none
+            if getattr(layer.self_attn, name, None) is not None:
+                _patch_rms_norm_module(getattr(layer.self_attn, name))
         experts = getattr(layer.mlp, "experts", None)
         if experts is None:
             _patch_swiglu_module(layer.mlp, LigerSwiGLUMLP)

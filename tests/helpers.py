@@ -105,3 +105,37 @@ def lm_loss_and_grads(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+# The parts of a model whose first-step gradients a bf16 comparison checks, each as one vector (a parameter name
+# goes to the first part one of whose words it contains). Per part rather than per parameter: an MoE router's or a
+# key bias's gradient is roundoff-sized, so its own relative difference is noise, while each part's vector is
+# dominated by its large gradients, which a wrong kernel (a scaled norm, a missing gradient) moves as a whole.
+GRAD_PARTS = (("vision", ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.")),
+              ("embeddings", ("embed", "lm_head")),
+              ("norms", ("norm",)),
+              ("mlp", ("mlp.", "experts", "feed_forward.", "block_sparse_moe.")),
+              ("attention", ("attn.", "attention.")))
+#: bf16 bound on each part's relative L2 difference: the activations are rounded to 8 bits between ops, and the
+#: fused kernels round once where transformers rounds each op, so a gradient moves by a few ulps (2^-8 relative
+#: each) of the values it sums; 2^-4 is 16 ulps. A norm scaled by 1.1 moves every part downstream by 0.1, a part
+#: whose gradient is lost by 1.
+BF16_GRAD_PART_RTOL = 2.0 ** -4
+
+
+def all_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, as it stands (float32 copies)."""
+    return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_part_rel_l2(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative L2 distance of ``got`` from ``want`` per part of ``GRAD_PARTS`` (the rest: "other"), each part's
+    gradients flattened into one vector; parts whose ``want`` is all zero are left out."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    diff: dict[str, float] = {}
+    norm: dict[str, float] = {}
+    for name in want:
+        part = next((p for p, words in GRAD_PARTS if any(w in name for w in words)), "other")
+        diff[part] = diff.get(part, 0.0) + (got[name].double() - want[name].double()).square().sum().item()
+        norm[part] = norm.get(part, 0.0) + want[name].double().square().sum().item()
+    return {p: (diff[p] / norm[p]) ** 0.5 for p in norm if norm[p] > 0}

@@ -5,6 +5,7 @@ Triton kernels run in the interpreter: tests/conftest.py sets TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import inspect
@@ -760,12 +761,19 @@ def test_liger_kernel_modules_are_composed_where_it_ships_no_patch():
     pytest.importorskip("liger_kernel")
     from liger_gen.training import apply_liger_kernel, build_model, liger_kernel_unsupported
 
-    model = build_model("tiny-glm4.5-air", "cpu", torch.float32, 0)
     assert liger_kernel_unsupported("glm4_moe") is None
-    apply_liger_kernel(model, "glm4_moe")
-    given = {type(m).__name__: m._get_name() for m in model.modules()}
-    assert given["Glm4MoeRMSNorm"] == "LigerRMSNorm" and given["Glm4MoeExperts"] == "LigerExperts"
-    assert given["Glm4MoeMLP"] == "LigerSwiGLUMLP" and given["Glm4MoeAttention"] == "Glm4MoeAttention"
-    norms = [m for m in model.modules() if type(m).__name__ == "Glm4MoeRMSNorm"]
-    assert norms and all(m._get_name() == "LigerRMSNorm" for m in norms)
-    assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.glm4"
+    for qk_norm in (False, True):  # GLM-4.5-Air has no q/k norms, GLM-4.5 has them
+        model = build_model("tiny-glm4.5-air", "cpu", torch.float32, 0)
+        if qk_norm:
+            model = type(model)(type(model.config)(**{**model.config.to_dict(), "use_qk_norm": True}))
+        apply_liger_kernel(model, "glm4_moe")
+        given = collections.defaultdict(set)  # every module of each class, by the name Liger-Kernel gave it
+        for m in model.modules():
+            given[type(m).__name__].add(m._get_name())
+        assert given["Glm4MoeRMSNorm"] == {"LigerRMSNorm"} and given["Glm4MoeExperts"] == {"LigerExperts"}
+        assert given["Glm4MoeMLP"] == {"LigerSwiGLUMLP"} and given["Glm4MoeAttention"] == {"Glm4MoeAttention"}
+        layers = model.model.layers
+        assert layers[0].mlp._get_name() == "LigerSwiGLUMLP" and not hasattr(layers[0].mlp, "experts")  # dense
+        norms = sum(type(m).__name__ == "Glm4MoeRMSNorm" for m in model.modules())
+        assert norms == 2 * len(layers) + 1 + (2 * len(layers) if qk_norm else 0)
+        assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.glm4"

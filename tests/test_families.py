@@ -20,6 +20,7 @@ import liger_gen
 from liger_gen.training import byte_tokens, make_batches
 from liger_gen.integrations.transformers import MODEL_FAMILIES, patched_ops, restore_rope
 from liger_gen.nn import SquaredReLUMLP
+from helpers import BF16_GRAD_PART_RTOL, all_grads, grad_part_rel_l2
 from mini_models import FAMILY_CONFIGS, mini_config, mini_model
 
 STEPS, BATCH, SEQ, LR = 20, 2, 32, 3e-3
@@ -85,8 +86,9 @@ def assert_first_step_grads_match(model_type: str, got: dict, want: dict) -> Non
         assert _rel_l2(got[name], want[name]) <= PARAM_RTOL, (model_type, name, _rel_l2(got[name], want[name]))
 
 
-def _train(model, batches, steps: int, grads: dict | None = None) -> list[float]:
-    """The losses of ``steps`` AdamW steps; ``grads`` (a dict) receives ``first_step_grads`` of the first."""
+def _train(model, batches, steps: int, grads: dict | None = None, every: bool = False) -> list[float]:
+    """The losses of ``steps`` AdamW steps; ``grads`` (a dict) receives ``first_step_grads`` of the first (with
+    ``every``, every parameter's first-step gradient)."""
     torch.manual_seed(11)  # the same dropout / router-jitter draws in both runs
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -95,7 +97,7 @@ def _train(model, batches, steps: int, grads: dict | None = None) -> list[float]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if grads is not None and not losses:
-            grads.update(first_step_grads(model))
+            grads.update(all_grads(model) if every else first_step_grads(model))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -286,19 +288,24 @@ def test_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type):
         pytest.skip(f"this transformers release has no {model_type}")
     patched = mini_model(model_type, dtype=torch.bfloat16, device="cuda")
     batches = [b.cuda() for b in _batches()[0]]
+    plain_grads, patched_grads = {}, {}
     try:
-        plain_losses = _train(plain, batches, STEPS)
+        plain_losses = _train(plain, batches, STEPS, plain_grads, every=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             liger_gen.apply_to(patched)
-        patched_losses = _train(patched, batches, STEPS)
+        patched_losses = _train(patched, batches, STEPS, patched_grads, every=True)
     finally:
         restore_rope()
     assert patched.liger_gen_report.norms > 0 and patched.liger_gen_report.loss
     result = compare_losses(patched_losses, plain_losses, loss_rel_tolerance(torch.bfloat16))
+    # the loss of a random mini model is near ln(vocab) whatever its kernels do: its gradients tell them apart
+    parts = grad_part_rel_l2(patched_grads, plain_grads)
     print(f"{model_type}: {patched.liger_gen_report.summary()}; first {result['first_step_rel_diff']:.2e}, "
-          f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}")
+          f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}; first-step gradients "
+          + ", ".join(f"{p} {d:.1e}" for p, d in parts.items()))
     assert result["pass"], (model_type, result)
+    assert max(parts.values()) <= BF16_GRAD_PART_RTOL, (model_type, parts)
 
 
 def test_a_family_whose_classes_changed_is_reported_not_half_patched(monkeypatch, caplog):
