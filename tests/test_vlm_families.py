@@ -253,7 +253,8 @@ def test_vlm_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type, 
           f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}; first-step gradients "
           + ", ".join(f"{p} {d:.1e}" for p, d in parts.items()))
     assert result["pass"], (model_type, result)
-    assert "vision" in parts and max(parts.values()) <= BF16_GRAD_PART_RTOL, (model_type, parts)
+    assert parts and max(parts.values()) <= BF16_GRAD_PART_RTOL, (model_type, parts)  # (Mllama's vision tower
+    # has no first-step gradient: its cross-attention gates start at 0)
 
 
 @pytest.mark.parametrize("model_type", sorted(VLM_CONFIGS))
