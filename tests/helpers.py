@@ -141,3 +141,19 @@ def grad_part_rel_l2(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         diff[part] = diff.get(part, 0.0) + (got[name].double() - want[name].double()).square().sum().item()
         norm[part] = norm.get(part, 0.0) + want[name].double().square().sum().item()
     return {p: (diff[p] / norm[p]) ** 0.5 for p in norm if norm[p] > 0}
+
+
+def assert_bf16_training_matches(model_type: str, report, losses, ref_losses, grads, ref_grads) -> None:
+    """A bf16 training run against transformers': the loss curves within bf16's epsilon
+    (``liger_gen.training.compare_losses``) and every part's first-step gradients within ``BF16_GRAD_PART_RTOL``
+    (the loss of a random mini model stays near ln(vocab) whatever its kernels do: the gradients tell them apart).
+    Prints the figures (``pytest -rP`` shows them)."""
+    from liger_gen.training import compare_losses, loss_rel_tolerance
+
+    result = compare_losses(losses, ref_losses, loss_rel_tolerance(torch.bfloat16))
+    parts = grad_part_rel_l2(grads, ref_grads)
+    print(f"{model_type}: {report.summary()}; first {result['first_step_rel_diff']:.2e}, "
+          f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}; first-step gradients "
+          + ", ".join(f"{p} {d:.1e}" for p, d in parts.items()))
+    assert result["pass"], (model_type, result)
+    assert parts and max(parts.values()) <= BF16_GRAD_PART_RTOL, (model_type, parts)

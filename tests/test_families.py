@@ -20,7 +20,7 @@ import liger_gen
 from liger_gen.training import byte_tokens, make_batches
 from liger_gen.integrations.transformers import MODEL_FAMILIES, patched_ops, restore_rope
 from liger_gen.nn import SquaredReLUMLP
-from helpers import BF16_GRAD_PART_RTOL, all_grads, grad_part_rel_l2
+from helpers import all_grads, assert_bf16_training_matches
 from mini_models import FAMILY_CONFIGS, mini_config, mini_model
 
 STEPS, BATCH, SEQ, LR = 20, 2, 32, 3e-3
@@ -278,11 +278,8 @@ def test_every_family_has_a_mini_model():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
 def test_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type):
-    """The same training in bf16 on a GPU, where every patched op runs its tuned Triton kernel: the curves agree
-    within bf16's precision (``liger_gen.training.compare_losses``: first step and mean relative difference
-    within bf16's epsilon)."""
-    from liger_gen.training import compare_losses, loss_rel_tolerance
-
+    """The same training in bf16 on a GPU, where every patched op runs its tuned Triton kernel: the curves and the
+    first-step gradients agree within bf16's precision (``helpers.assert_bf16_training_matches``)."""
     plain = mini_model(model_type, dtype=torch.bfloat16, device="cuda")
     if plain is None:
         pytest.skip(f"this transformers release has no {model_type}")
@@ -298,14 +295,8 @@ def test_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type):
     finally:
         restore_rope()
     assert patched.liger_gen_report.norms > 0 and patched.liger_gen_report.loss
-    result = compare_losses(patched_losses, plain_losses, loss_rel_tolerance(torch.bfloat16))
-    # the loss of a random mini model is near ln(vocab) whatever its kernels do: its gradients tell them apart
-    parts = grad_part_rel_l2(patched_grads, plain_grads)
-    print(f"{model_type}: {patched.liger_gen_report.summary()}; first {result['first_step_rel_diff']:.2e}, "
-          f"mean {result['mean_rel_diff']:.2e}, max {result['max_rel_diff']:.2e}; first-step gradients "
-          + ", ".join(f"{p} {d:.1e}" for p, d in parts.items()))
-    assert result["pass"], (model_type, result)
-    assert max(parts.values()) <= BF16_GRAD_PART_RTOL, (model_type, parts)
+    assert_bf16_training_matches(model_type, patched.liger_gen_report, patched_losses, plain_losses, patched_grads,
+                                 plain_grads)
 
 
 def test_a_family_whose_classes_changed_is_reported_not_half_patched(monkeypatch, caplog):

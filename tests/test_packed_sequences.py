@@ -98,11 +98,36 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _assert_same(got, expected, what):
+    _assert_close(got, expected, what, LOSS_RTOL, GRAD_RTOL)
+
+
+def _assert_close(got, expected, what, loss_rtol, grad_rtol=None):
+    """The (loss, gradients) ``got`` within ``loss_rtol`` and, unless None, every parameter's gradient within
+    ``grad_rtol`` (relative L2) of ``expected``; returns the worst parameter's distance (None without a bound)."""
     (loss, grads), (ref_loss, ref_grads) = got, expected
-    assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item()), (what, loss, ref_loss)
+    assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= loss_rtol * abs(ref_loss.item()), (
+        what, loss, ref_loss)
     assert grads.keys() == ref_grads.keys(), what
+    if grad_rtol is None:
+        return None
     worst = max((n for n in grads if not n.endswith("k_proj.bias")), key=lambda n: _rel_l2(grads[n], ref_grads[n]))
-    assert _rel_l2(grads[worst], ref_grads[worst]) <= GRAD_RTOL, (what, worst, _rel_l2(grads[worst], ref_grads[worst]))
+    assert _rel_l2(grads[worst], ref_grads[worst]) <= grad_rtol, (what, worst, _rel_l2(grads[worst], ref_grads[worst]))
+    return _rel_l2(grads[worst], ref_grads[worst])
+
+
+def _patched_packed_and_padded(model, packed: dict, padded: dict):
+    """``apply_to(model)``, then the (loss, gradients) of the packed batch, which must not warn, and of the padded
+    one; transformers' rotary functions restored after."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            liger_gen.apply_to(model)
+            assert model.liger_gen_report.loss, model.liger_gen_report.summary()
+            patched_packed = _loss_and_grads(model, packed, use_cache=False)
+        assert not _packing_warnings(caught)  # the configuration that keeps documents apart does not warn
+        return patched_packed, _loss_and_grads(model, padded, use_cache=False)
+    finally:
+        restore_rope()
 
 
 def _packing_warnings(caught) -> list[str]:
@@ -138,16 +163,7 @@ def test_packed_batch_trains_like_padded_documents(model_type, attention, monkey
     plain_packed = _loss_and_grads(model, packed, use_cache=False)
     plain_padded = _loss_and_grads(model, padded, use_cache=False)
     _assert_same(plain_packed, plain_padded, (model_type, attention, "transformers"))
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            liger_gen.apply_to(model)
-            assert model.liger_gen_report.loss, model.liger_gen_report.summary()
-            patched_packed = _loss_and_grads(model, packed, use_cache=False)
-        assert not _packing_warnings(caught)  # the configuration that keeps documents apart does not warn
-        patched_padded = _loss_and_grads(model, padded, use_cache=False)
-    finally:
-        restore_rope()
+    patched_packed, patched_padded = _patched_packed_and_padded(model, packed, padded)
     _assert_same(patched_packed, patched_padded, (model_type, attention, "liger-gen"))
     _assert_same(patched_packed, plain_packed, (model_type, attention, "liger-gen vs transformers"))
 
@@ -165,18 +181,6 @@ GPU_RTOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2.0 ** -7, 2.0 ** -4)}
 GPU_CASES = [pytest.param(t, a, d, id=f"{t}-{a}-{str(d)[6:]}") for t in sorted(FAMILY_CONFIGS)
              for a, d in (("sdpa", torch.float32), ("eager", torch.float32), ("sdpa", torch.bfloat16),
                           ("flash_attention_2", torch.bfloat16))]
-
-
-def _assert_close(got, expected, what, loss_rtol, grad_rtol=None):
-    (loss, grads), (ref_loss, ref_grads) = got, expected
-    assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= loss_rtol * abs(ref_loss.item()), (
-        what, loss, ref_loss)
-    assert grads.keys() == ref_grads.keys(), what
-    if grad_rtol is None:
-        return None
-    worst = max((n for n in grads if not n.endswith("k_proj.bias")), key=lambda n: _rel_l2(grads[n], ref_grads[n]))
-    assert _rel_l2(grads[worst], ref_grads[worst]) <= grad_rtol, (what, worst, _rel_l2(grads[worst], ref_grads[worst]))
-    return _rel_l2(grads[worst], ref_grads[worst])
 
 
 @pytest.mark.gpu
@@ -205,16 +209,7 @@ def test_packed_batch_equals_padded_on_the_gpu(model_type, attention, dtype):
     rtols = GPU_RTOL[dtype]
     plain_packed = _loss_and_grads(model, packed, use_cache=False)
     _assert_close(plain_packed, _loss_and_grads(model, padded, use_cache=False), (model_type, "transformers"), *rtols)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            liger_gen.apply_to(model)
-            assert model.liger_gen_report.loss, model.liger_gen_report.summary()
-            patched_packed = _loss_and_grads(model, packed, use_cache=False)
-        assert not _packing_warnings(caught)
-        patched_padded = _loss_and_grads(model, padded, use_cache=False)
-    finally:
-        restore_rope()
+    patched_packed, patched_padded = _patched_packed_and_padded(model, packed, padded)
     worst = _assert_close(patched_packed, patched_padded, (model_type, "liger-gen"), *rtols)
     # liger-gen against transformers: every gradient in float32; in bf16 each part's gradients as one vector
     # (helpers.grad_part_rel_l2), as an MoE router's own gradients (1e-4 and below) are sums of the experts'
