@@ -131,6 +131,9 @@ def _liger_kernel_glm4_moe(model=None):
 
     if model is None:
         raise ValueError("Liger-Kernel's glm4_moe composition patches a model instance: pass model=")
+    if model.config.hidden_act not in ("silu", "swish"):  # its fused MoE and SwiGLU compute SiLU whatever it says
+        raise ValueError(f"Liger-Kernel's SwiGLU modules compute SiLU; this model's hidden_act is "
+                         f"{model.config.hidden_act!r}")
     base = model.model
     _patch_rms_norm_module(base.norm)
     for layer in base.layers:

@@ -777,3 +777,7 @@ def test_liger_kernel_modules_are_composed_where_it_ships_no_patch():
         norms = sum(type(m).__name__ == "Glm4MoeRMSNorm" for m in model.modules())
         assert norms == 2 * len(layers) + 1 + (2 * len(layers) if qk_norm else 0)
         assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.glm4"
+    gelu = build_model("tiny-glm4.5-air", "cpu", torch.float32, 0)
+    gelu = type(gelu)(type(gelu.config)(**{**gelu.config.to_dict(), "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
+        apply_liger_kernel(gelu, "glm4_moe")
