@@ -213,11 +213,11 @@ def test_vlm_family_trains_like_transformers_on_the_plain_path(model_type, data,
     assert close.float().mean().item() >= 1 - 2 / close.numel(), (model_type, (~close).sum().item())
 
 
-def _on_gpu(value, device="cuda"):
+def _on_gpu(value):
     """A batch's tensor on the GPU, its floating inputs (pixel values) in bf16 as the model's weights."""
     if not isinstance(value, torch.Tensor):
         return value
-    return value.to(device, torch.bfloat16) if value.is_floating_point() else value.to(device)
+    return value.to("cuda", torch.bfloat16) if value.is_floating_point() else value.cuda()
 
 
 @pytest.mark.gpu
@@ -227,7 +227,6 @@ def test_vlm_family_trains_like_transformers_in_bfloat16_on_the_gpu(model_type, 
     """The same training in bf16 on a GPU, every patched op (the vision tower's too) on its tuned Triton kernel:
     the curves and the first-step gradients agree within bf16's precision (``helpers.assert_bf16_training_matches``),
     and the fused loss leaves no logits."""
-
     plain = mini_vlm(model_type, dtype=torch.bfloat16, device="cuda")
     if plain is None:
         pytest.skip(f"this transformers release has no {model_type}")
