@@ -274,19 +274,22 @@ VLM_CONFIGS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def mini_vlm(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A randomly initialised ``*ForConditionalGeneration`` of the family (eager attention), seeded; None if
-    this transformers release lacks it."""
+def mini_vlm(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
+             vision_attention: str = "eager", **vision):
+    """A randomly initialised ``*ForConditionalGeneration`` of the family (eager attention; the vision tower's
+    ``vision_attention``, its config updated with ``vision``), seeded; None if this transformers release lacks it."""
     import transformers
 
     config_name, model_name, settings = VLM_CONFIGS[model_type]
     config_cls, model_cls = getattr(transformers, config_name, None), getattr(transformers, model_name, None)
     if config_cls is None or model_cls is None:
         return None
+    if vision:
+        settings = dict(settings, vision_config=dict(settings["vision_config"], **vision))
     config = config_cls(**settings)
     config._attn_implementation = "eager"
-    for sub in ("text_config", "vision_config"):
-        getattr(config, sub)._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = vision_attention
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config)

@@ -32,7 +32,10 @@ class ModelFamily:
     (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``), routed to liger-gen too. vision_rope: the name of the vision
     tower's rotary function, ``apply_rotary_pos_emb_vision(q, k, cos, sin)`` of (seq, heads, head_dim) q and k and
     (seq, head_dim) 2-D RoPE tables, computed in fp32 and cast back to q's and k's dtypes (the Qwen vision-language
-    families, GLM-4V): routed to liger-gen too where the release's function takes (q, k, cos, sin). mlp: whether its
+    families, GLM-4V): routed to liger-gen too where the release's function takes (q, k, cos, sin).
+    vision_attention: the attribute of a vision tower whose attention runs over ``cu_seqlens`` pieces (each image,
+    or window) and whose ``sdpa`` attention ``apply_to`` turns into one variable-length call per block
+    (``vision_attention.py``). mlp: whether its
     gated MLP modules are patched. causal_lm: the class names whose LM-head loss is fused (default
     ``<prefix>ForCausalLM``; a multimodal family's ``*ForConditionalGeneration``, whose base model takes the images
     and returns the text stack's hidden states). norm_classes may name torch's ``LayerNorm`` beside the family's
@@ -75,6 +78,7 @@ class ModelFamily:
     rope_single: bool = False
     interleaved_rope: str | None = None
     vision_rope: str | None = None
+    vision_attention: str | None = None
     mlp: bool = True
     causal_lm: tuple[str, ...] | None = None
     logits: str | None = None
@@ -114,8 +118,11 @@ _F = ModelFamily
 # the vision tower's rotary function of the Qwen vision-language families and GLM-4V (``vision_rope``)
 _VISION_ROPE = "apply_rotary_pos_emb_vision"
 # what a Qwen vision-language family leaves as transformers' own
-_VISION_LEFT = ("the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
-                "its patch embedding and attention and the patch merger stay transformers' own")
+_VISION_LEFT = ("the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen "
+                "and its sdpa attention runs each block's images (or windows) in one variable-length call; its "
+                "patch embedding and the patch merger stay transformers' own")
+# the vision tower of those families (``vision_attention``)
+_VISUAL = "visual"
 MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     _F("llama", "Llama"),
     _F("llama4_text", "Llama4Text", module="transformers.models.llama4.modeling_llama4", experts_gate="batched",
@@ -177,27 +184,28 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     # sections interleaved in Qwen 3-VL) is assembled into per-token cos/sin tables by the text rotary embedding
     # module, so the apply_rotary_pos_emb it feeds is the plain rotate-half rotation
     _F("qwen2_5_vl", "Qwen2_5_VL", causal_lm=("Qwen2_5_VLForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       vision_attention=_VISUAL,
        note=_VISION_LEFT + " (but for its RMSNorm); the vision blocks' RMSNorms and SwiGLU MLPs are patched"),
     _F("qwen2_vl", "Qwen2VL", norm_classes=("Qwen2VLRMSNorm", "LayerNorm"),
-       causal_lm=("Qwen2VLForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       causal_lm=("Qwen2VLForConditionalGeneration",), vision_rope=_VISION_ROPE, vision_attention=_VISUAL,
        note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their QuickGELU "
        "MLPs (fc1/fc2, not gated) stay"),
     _F("qwen3_vl", "Qwen3VL", norm_classes=("Qwen3VLTextRMSNorm", "LayerNorm"),
-       causal_lm=("Qwen3VLForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       causal_lm=("Qwen3VLForConditionalGeneration",), vision_rope=_VISION_ROPE, vision_attention=_VISUAL,
        note=_VISION_LEFT + ", as do the deepstack mergers (but for their LayerNorms); the vision blocks' LayerNorms "
        "are patched, their GELU MLPs (linear_fc1/linear_fc2, not gated) stay and are listed in the report"),
     _F("qwen3_vl_moe", "Qwen3VLMoe", norm_classes=("Qwen3VLMoeTextRMSNorm", "LayerNorm"),
-       causal_lm=("Qwen3VLMoeForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       causal_lm=("Qwen3VLMoeForConditionalGeneration",), vision_rope=_VISION_ROPE, vision_attention=_VISUAL,
        note=_VISION_LEFT + ", as do the deepstack mergers (but for their LayerNorms); the vision blocks' LayerNorms "
        "are patched, their GELU MLPs (linear_fc1/linear_fc2, not gated) stay and are listed in the report; the text "
        "stack's experts and dense MLPs are patched as Qwen 3-MoE's, its router stays"),
     _F("qwen3_5", "Qwen3_5", norm="gemma", norm_classes=("Qwen3_5RMSNorm", "LayerNorm"),
-       causal_lm=("Qwen3_5ForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       causal_lm=("Qwen3_5ForConditionalGeneration",), vision_rope=_VISION_ROPE, vision_attention=_VISUAL,
        note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their GELU MLPs "
        "(linear_fc1/linear_fc2, not gated) stay and are listed in the report; the text stack as Qwen 3.5's text "
        "model: the gated linear-attention layers' gated RMSNorm is transformers' own"),
     _F("qwen3_5_moe", "Qwen3_5Moe", norm="gemma", norm_classes=("Qwen3_5MoeRMSNorm", "LayerNorm"),
-       causal_lm=("Qwen3_5MoeForConditionalGeneration",), vision_rope=_VISION_ROPE,
+       causal_lm=("Qwen3_5MoeForConditionalGeneration",), vision_rope=_VISION_ROPE, vision_attention=_VISUAL,
        note=_VISION_LEFT + " (but for its LayerNorm); the vision blocks' LayerNorms are patched, their GELU MLPs "
        "(linear_fc1/linear_fc2, not gated) stay and are listed in the report; the text stack as Qwen 3.5-MoE's text "
        "model: the gated linear-attention layers' gated RMSNorm and the router are transformers' own"),
@@ -217,20 +225,24 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
        "RMSNorms are patched, its convolutions, attention and feed-forward blocks stay"),
     _F("glm4v", "Glm4v", norm_classes=("Glm4vRMSNorm",), causal_lm=("Glm4vForConditionalGeneration",),
        rope_pairs=True, rope_tables="interleaved", vision_tower="visual", vision_rope=_VISION_ROPE,
+       vision_attention=_VISUAL,
        kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
               "once per image token"),),
        note="the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
-       "its patch embedding, position embeddings, attention and downsampling convolution stay transformers' own; its "
-       "RMSNorms and SwiGLU MLPs are patched; the text stack's M-RoPE tables (sections, each angle twice in a row) "
-       "rotate interleaved pairs of the partial rotary dims, routed to liger-gen like GLM-4's"),
+       "its sdpa attention runs each block's images in one variable-length call; its patch embedding, position "
+       "embeddings and downsampling convolution stay transformers' own; its RMSNorms and SwiGLU MLPs are patched; "
+       "the text stack's M-RoPE tables (sections, each angle twice in a row) rotate interleaved pairs of the "
+       "partial rotary dims, routed to liger-gen like GLM-4's"),
     _F("glm4v_moe", "Glm4vMoe", norm_classes=("Glm4vMoeTextRMSNorm", "Glm4vMoeRMSNorm"),
        causal_lm=("Glm4vMoeForConditionalGeneration",), vision_tower="visual", vision_rope=_VISION_ROPE,
+       vision_attention=_VISUAL,
        kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
               "once per image token"),),
        note="the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
-       "its patch embedding, position embeddings, attention and downsampling convolution stay transformers' own; its "
-       "RMSNorms and SwiGLU MLPs are patched; the text stack's M-RoPE tables (sections, cat(freqs, freqs)) rotate "
-       "the partial rotary dims as halves, like GLM-4-MoE's; its experts, shared experts and dense MLPs are patched, "
+       "its sdpa attention runs each block's images in one variable-length call; its patch embedding, position "
+       "embeddings and downsampling convolution stay transformers' own; its RMSNorms and SwiGLU MLPs are patched; "
+       "the text stack's M-RoPE tables (sections, cat(freqs, freqs)) rotate the partial rotary dims as halves, "
+       "like GLM-4-MoE's; its experts, shared experts and dense MLPs are patched, "
        "its router stays"),
     _F("llama4", "Llama4", norm_classes=("Llama4TextRMSNorm", "LayerNorm"), experts_gate="batched",
        causal_lm=("Llama4ForConditionalGeneration", "Llama4ForCausalLM"), causal_lm_inside="language_model",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from liger_gen.integrations.transformers import fp8 as fp8_swaps, layers, rope as routing
+from liger_gen.integrations.transformers import fp8 as fp8_swaps, layers, rope as routing, vision_attention as varlen
 from liger_gen.integrations.transformers.families import (TESTED_TRANSFORMERS, ModelFamily, family_named,
                                                           family_of)
 from liger_gen.integrations.transformers.loss import FusedLossForward
@@ -42,6 +42,7 @@ class PatchReport:
     fp8_float32: int = 0  # of those, the layers with float32 weights: FP8 GEMMs only under a bf16 autocast
     fp8_norms: int = 0  # norms whose kernel writes the FP8 operands of the projections that read their output
     fp8_mlps: int = 0  # gated MLPs whose GLU kernels write their FP8 projections' operands (glu_fp8)
+    vision_attention: int = 0  # vision attention modules running one variable-length call (vision_attention.py)
     left: list[str] | None = None
     note: str = ""
     text_family: str | None = None  # a vision-language wrapper's (Llava, ...): the family of its language model
@@ -50,6 +51,8 @@ class PatchReport:
         # a model loaded in another process (torch.load) carries its modules but not the process-wide RoPE
         # routing: the report says what holds here; ``apply_to`` on the loaded model routes RoPE again
         self.__dict__.update(state)
+        if state.get("vision_attention"):  # the loaded vision config names the attention function: register it
+            varlen.register()
         # the rewritten layer code is process-wide and not part of the pickle: the loaded model's marked norms
         # fuse again once their layer classes are rewritten here (the same rewrite apply_to makes)
         for name in () if layers.restored() else state.get("fused_layer_classes") or ():
@@ -75,6 +78,8 @@ class PatchReport:
                                                        f"F.linear without one)" if n32 else "")] if self.fp8 else []
         done += [f"{self.fp8_norms} norms writing their FP8 operands"] if self.fp8_norms else []
         done += [f"{self.fp8_mlps} MLPs writing their FP8 operands"] if self.fp8_mlps else []
+        nv = getattr(self, "vision_attention", 0)  # (a report pickled before the field has none)
+        done += [f"{nv} vision attention layers in one variable-length call each"] if nv else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         text = f", text model {self.text_family}" if self.text_family else ""
@@ -132,7 +137,7 @@ def _check_not_sharded(model: nn.Module) -> None:
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
              fused_linear_cross_entropy: bool = True, fused_add_rms_norm: bool = True,
-             fp8: bool | Float8Recipe = False, strict: bool = False) -> nn.Module:
+             vision_attention: bool = True, fp8: bool | Float8Recipe = False, strict: bool = False) -> nn.Module:
     """Replace the supported parts of a transformers model in place and return the model.
 
     Supported ``config.model_type``: the keys of ``MODEL_FAMILIES`` (cohere2, deepseek_v2, deepseek_v3, deepseek_v4,
@@ -164,6 +169,14 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
             then applies an RMSNorm (``h = residual + h; residual = h; h = self.norm(h)``), do the add inside
             the norm's kernel (``liger_gen.functional.fused_add_rms_norm``: one pass, same values). Needs
             ``rms_norm``; layers of other layouts (post-norm, parallel blocks, LayerNorm) are left as they are.
+        vision_attention: in the vision towers that attend within each image (or window) of one long sequence
+            (the Qwen vision-language families, GLM-4V), run a block's ``sdpa`` attention in one
+            variable-length FlashAttention call (``torch.nn.attention.varlen.varlen_attn``, torch 2.10 and later)
+            instead of one call per image or window: the same attention, without the per-piece launches and the
+            host read of the lengths in each block. It sets the vision config's attention implementation (only
+            ``sdpa``; an ``eager`` or ``flash_attention_*`` tower is kept) to the function
+            ``liger_gen.integrations.transformers.vision_attention`` registers; on a CPU, in float32, or with
+            dropout, that function runs SDPA once per piece as transformers does.
         fp8: FP8 training, opt-in: True (the default ``liger_gen.Float8Recipe()``) or a ``Float8Recipe``. Every
             ``nn.Linear`` inside the decoder layers (attention q/k/v/o, MLP gate/up/down or packed gate_up,
             shared experts) becomes a ``liger_gen.nn.Float8Linear`` in place: its forward, input-gradient and
@@ -289,6 +302,18 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         fuse_loss, inside = False, None
         left.append((type(model).__name__, f"loss: the fused loss needs a causal LM at .{family.causal_lm_inside} "
                      f"(one of {', '.join(family.causal_lm_classes)})"))
+    # the vision tower's attention over cu_seqlens pieces: one variable-length call per block
+    vision_config = None
+    tower = _submodule(model, family.vision_attention) if vision_attention else None
+    if tower is not None and getattr(tower, "config", None) is not None:
+        why = varlen.refusal(modeling, tower.config)
+        current = getattr(tower.config, "_attn_implementation", None)
+        if why is None:
+            vision_config = tower.config
+        elif current != "sdpa":  # the user's choice (eager, FlashAttention): listed, not refused
+            kept.append((type(tower).__name__, why))
+        else:
+            left.append((type(tower).__name__, why))
     fp8_plan = fp8_swaps.plan_fp8(model, recipe) if recipe is not None else None
     left += fp8_plan.left if fp8_plan else []
     if strict and left:
@@ -311,6 +336,9 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         fp8_swaps.mark_fp8_norms(model)
     if rope and routing.rope_functions(family):
         routing.patch_rope(model, modeling, family)
+    if vision_config is not None:
+        varlen.register()
+        vision_config._attn_implementation = varlen.VARLEN_ATTENTION
     if fuse_loss:
         install_forward(model, FusedLossForward(model, family))  # a base *Model has no LM head: nothing to fuse
         if inside is not None:
@@ -327,6 +355,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     report.fp8 = fp8_swaps.count_fp8(model)
     report.fp8_norms = sum(bool(m.__dict__.get("fp8_consumers")) for m in model.modules())
     report.fp8_mlps = sum(isinstance(m, GLUMLP) and isinstance(m.down_proj, Float8Linear) for m in model.modules())
+    report.vision_attention = varlen.count(model)
     report.fp8_float32 = sum(m.weight.dtype == torch.float32 for m in fp8_plan.convert) if fp8_plan else 0
     report.left = _group(left + kept + (fp8_plan.kept if fp8_plan else []))
     model.liger_gen_report = report
