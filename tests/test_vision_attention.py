@@ -53,9 +53,12 @@ def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _tower(model):
+    return model.model.visual
+
+
 def _vision_blocks(model) -> int:
-    return sum(type(m).__name__.endswith("Attention") and getattr(m, "config", None) is model.config.vision_config
-               for m in model.modules())
+    return sum(type(m).__name__.endswith("Attention") for m in _tower(model).modules())
 
 
 def _count_sdpa(monkeypatch) -> list:
@@ -105,7 +108,7 @@ def test_the_cpu_path_is_transformers_sdpa_bitwise(model_type, monkeypatch):
     plain_loss, plain_grads = _loss_and_grads(plain, batch)
     plain_calls = list(sdpa_calls)
     liger_gen.apply_to(patched, **ONLY)
-    assert patched.config.vision_config._attn_implementation == va.VARLEN_ATTENTION
+    assert _tower(patched).config._attn_implementation == va.VARLEN_ATTENTION
     assert patched.liger_gen_report.vision_attention == _vision_blocks(patched) > 0, patched.liger_gen_report
     del sdpa_calls[:]
     loss, grads = _loss_and_grads(patched, batch)
@@ -146,12 +149,12 @@ def test_the_report_lists_what_is_kept_and_refused(monkeypatch):
     model_type = "qwen2_5_vl"
     off = _models(model_type)[1]
     liger_gen.apply_to(off, vision_attention=False)
-    assert off.config.vision_config._attn_implementation == "sdpa" and off.liger_gen_report.vision_attention == 0
+    assert _tower(off).config._attn_implementation == "sdpa" and off.liger_gen_report.vision_attention == 0
     assert "vision attention" not in off.liger_gen_report.summary()
 
     eager = mini_vlm(model_type)
     liger_gen.apply_to(eager, strict=True)
-    assert eager.config.vision_config._attn_implementation == "eager"
+    assert _tower(eager).config._attn_implementation == "eager"
     assert any("vision attention: 'eager' is kept" in line for line in eager.liger_gen_report.left)
 
     modeling = __import__(MODEL_FAMILIES[model_type].modeling_module, fromlist=["_"])
@@ -163,16 +166,16 @@ def test_the_report_lists_what_is_kept_and_refused(monkeypatch):
             model = _models(model_type)[1]
             with pytest.raises(ValueError, match=words):
                 liger_gen.apply_to(model, strict=True)
-            assert model.config.vision_config._attn_implementation == "sdpa"
+            assert _tower(model).config._attn_implementation == "sdpa"
             assert not hasattr(model, "liger_gen_report")
             liger_gen.apply_to(model)
-            assert model.config.vision_config._attn_implementation == "sdpa"
+            assert _tower(model).config._attn_implementation == "sdpa"
             assert any(words in line for line in model.liger_gen_report.left), model.liger_gen_report.left
 
     twice = _models(model_type)[1]
     liger_gen.apply_to(twice, **ONLY)
     liger_gen.apply_to(twice, **ONLY)
-    assert twice.config.vision_config._attn_implementation == va.VARLEN_ATTENTION
+    assert _tower(twice).config._attn_implementation == va.VARLEN_ATTENTION
     assert twice.liger_gen_report.vision_attention == _vision_blocks(twice)
 
 
