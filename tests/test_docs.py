@@ -149,3 +149,24 @@ def test_mkdocs_build_strict(tmp_path):
     results = (tmp_path / "site" / "benchmarks-results" / "index.html").read_text(encoding="utf-8")
     first_heading = next(line for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("# "))
     assert first_heading[2:].split(":")[0] in results and "the docs site shows" not in results
+
+
+def test_every_warning_troubleshooting_names_is_importable_from_the_package_and_filters():
+    """Each warning class docs/troubleshooting.md names is a ``UserWarning`` subclass importable from ``liger_gen``,
+    and the filter the page shows silences that class and no other."""
+    import warnings
+
+    import liger_gen
+
+    text = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    names = sorted(set(re.findall(r"`(\w+Warning)`", text)) - {"UserWarning"})
+    assert len(names) >= 5, names
+    for name in names:
+        cls = getattr(liger_gen, name)
+        assert issubclass(cls, UserWarning) and cls.__name__ == name and name in liger_gen.__all__
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", category=cls)
+            warnings.warn("liger-gen: silenced", cls)
+            warnings.warn("liger-gen: shown", UserWarning)
+        assert [str(w.message) for w in seen] == ["liger-gen: shown"], name
