@@ -11,7 +11,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dims of a decoder-only transformer that set kernel shapes."""
+    """The dims of a decoder-only transformer that set kernel shapes. ``rotary_dim``: the leading dims of each
+    head that RoPE rotates (``head_dim · partial_rotary_factor``, as transformers computes it; None: all of
+    ``head_dim``)."""
 
     name: str
     hidden_size: int
@@ -21,6 +23,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+    rotary_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,11 @@ class Architecture:
         intermediate size is the experts' width, as ``from_hf_config`` reads it."""
         f = self.fields
         heads = f["num_attention_heads"]
+        head_dim = f.get("head_dim") or f["hidden_size"] // heads
+        factor = self.rope.get("partial_rotary_factor")
         return ModelShape(self.name, f["hidden_size"], f.get("moe_intermediate_size") or f["intermediate_size"],
-                          heads, f.get("num_key_value_heads", heads), f.get("head_dim") or f["hidden_size"] // heads,
-                          f["vocab_size"], f["rms_norm_eps"])
+                          heads, f.get("num_key_value_heads", heads), head_dim, f["vocab_size"], f["rms_norm_eps"],
+                          rotary_dim=int(head_dim * factor) if factor is not None else None)
 
     def hf_fields(self) -> dict[str, Any]:
         """The config's keyword arguments without RoPE: ``fields``, or for a vision-language model
@@ -303,6 +308,12 @@ def from_hf_config(path: str | Path) -> ModelShape:
     if head_dim < 1:
         raise ValueError(f"model config {path}: hidden_size {dims['hidden_size']} is smaller than "
                          f"num_attention_heads {heads} and there is no head_dim")
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not 0 < factor <= 1 or int(head_dim * factor) < 2):
+        raise ValueError(f"model config {path}: field 'partial_rotary_factor' is {factor!r}, not a number in (0, 1] "
+                         f"that leaves at least 2 of head_dim {head_dim} to rotate")
     eps = cfg.get("rms_norm_eps", cfg.get("layer_norm_eps"))
     if eps is None:
         eps = 1e-6
@@ -317,6 +328,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
         head_dim=head_dim,
         vocab_size=dims["vocab_size"],
         rms_norm_eps=float(eps),
+        rotary_dim=int(head_dim * factor) if factor is not None and factor < 1 else None,
     )
 
 

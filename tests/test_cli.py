@@ -619,6 +619,9 @@ def test_verify_predicts_ops_whatever_attention_the_config_names(tmp_path):
     cfg = dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, vocab_size=1024,
                _attn_implementation="flash_attention_2", attn_implementation="flash_attention_2")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.get_logger("transformers")  # transformers sets its root logger's level on first use
     levels = [logging.getLogger(n).level for n in ("liger_gen", "transformers")]
     ops, why = ops_apply_to_runs(cfg)
     assert ops == ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", "moe_permute", "fused_linear_cross_entropy"], why

@@ -524,6 +524,49 @@ def test_tuning_problems_from_model_shape():
     assert llama.dims == {"n_q_heads": 32, "n_kv_heads": 8, "head_dim": 128, "rotary_dim": 128}
 
 
+def test_a_partial_rotary_model_is_tuned_at_the_dims_it_looks_up(monkeypatch, tmp_path):
+    """GLM-4.5-Air rotates half of each head: the tuner's problems (and so ``tune --model`` and ``verify``) take the
+    rotary_dim the patched model's RoPE looks its table up at, read from the preset and from a config.json (the
+    factor at the top level, as transformers 4.x writes it, or in ``rope_parameters``, as 5.x does)."""
+    import ast
+    import json
+
+    import liger_gen
+    from liger_gen.integrations.transformers import restore_rope
+    from liger_gen.models import from_hf_config
+    from liger_gen.runtime import ops as runtime_ops
+    from liger_gen.training import build_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tuning_problems(PRESETS["glm4.5-air-4l"], [8], torch.bfloat16, "cpu")[0].dims == {
+        "n_q_heads": 96, "n_kv_heads": 8, "head_dim": 128, "rotary_dim": 64}
+    runtime_ops.clear_caches()
+    model = build_model("tiny-glm4.5-air", "cpu", torch.float32, 0)
+    try:
+        liger_gen.apply_to(model)
+        ids = torch.randint(0, 256, (1, 12))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        restore_rope()
+    looked_up = [dict(ast.literal_eval(key[2])) for key, _ in runtime_ops.chosen_configs() if key[0] == "RoPESpace"]
+    expected = RoPEProblem.shape(PRESETS["tiny-glm4.5-air"])
+    assert looked_up and all(d == expected for d in looked_up), (looked_up, expected)
+    assert expected["rotary_dim"] == expected["head_dim"] // 2
+    fields = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=100)
+    path = tmp_path / "config.json"
+    cases = ((dict(partial_rotary_factor=0.25), 4), (dict(rope_parameters=dict(partial_rotary_factor=0.5)), 8),
+             ({}, None), (dict(partial_rotary_factor=1.0), None))
+    for extra, rotary in cases:
+        path.write_text(json.dumps({**fields, **extra}))
+        shape = from_hf_config(path)
+        assert shape.rotary_dim == rotary and RoPEProblem.shape(shape)["rotary_dim"] == (rotary or 16), extra
+    for bad in (0, 1.5, True, "half", 0.05):
+        path.write_text(json.dumps({**fields, "partial_rotary_factor": bad}))
+        with pytest.raises(ValueError, match="partial_rotary_factor"):
+            from_hf_config(path)
+
+
 @pytest.mark.gpu
 def test_llama3_8b_shape_on_gpu():
     """Llama-3-8B: q 4x32x4096x128 and k 4x8x4096x128 bf16 (transposed projection views), cos/sin

@@ -269,9 +269,9 @@ class RoPEProblem(Problem):
 
     @classmethod
     def shape(cls, model) -> dict[str, int]:
-        """The model's attention RoPE (full rotary: rotary_dim = head_dim)."""
+        """The model's attention RoPE: rotary_dim = the model's ``rotary_dim`` (partial rotary), else head_dim."""
         return {"n_q_heads": model.num_attention_heads, "n_kv_heads": model.num_key_value_heads,
-                "head_dim": model.head_dim, "rotary_dim": model.head_dim}
+                "head_dim": model.head_dim, "rotary_dim": getattr(model, "rotary_dim", None) or model.head_dim}
 
     @classmethod
     def bench_dims(cls, model, rows: int) -> dict[str, int]:
@@ -332,7 +332,7 @@ class RoPEProblem(Problem):
 
 
 def tuning_problems(model, rows: list[int], dtype: torch.dtype, device, seed: int = 0) -> list[Problem]:
-    """The model's attention RoPE (full rotary: rotary_dim = head_dim), one problem per token count."""
+    """The model's attention RoPE (rotary_dim as ``RoPEProblem.shape`` says), one problem per token count."""
     return [RoPEProblem(dtype, RoPEProblem.shape(model), r, device, seed=seed) for r in rows]
 
 
