@@ -57,8 +57,17 @@ def _tower(model):
     return model.model.visual
 
 
+def _attention(model) -> list:
+    return [m for m in _tower(model).modules() if type(m).__name__.endswith("Attention")]
+
+
 def _vision_blocks(model) -> int:
-    return sum(type(m).__name__.endswith("Attention") for m in _tower(model).modules())
+    return len(_attention(model))
+
+
+def _routed(model) -> list[str]:
+    """The attention implementation each vision attention module reads from its config."""
+    return [m.config._attn_implementation for m in _attention(model)]
 
 
 def _count_sdpa(monkeypatch) -> list:
@@ -108,7 +117,8 @@ def test_the_cpu_path_is_transformers_sdpa_bitwise(model_type, monkeypatch):
     plain_loss, plain_grads = _loss_and_grads(plain, batch)
     plain_calls = list(sdpa_calls)
     liger_gen.apply_to(patched, **ONLY)
-    assert _tower(patched).config._attn_implementation == va.VARLEN_ATTENTION
+    assert _routed(patched) == [va.VARLEN_ATTENTION] * _vision_blocks(patched)
+    assert _tower(patched).config._attn_implementation == "sdpa"  # the model's own config is unchanged
     assert patched.liger_gen_report.vision_attention == _vision_blocks(patched) > 0, patched.liger_gen_report
     del sdpa_calls[:]
     loss, grads = _loss_and_grads(patched, batch)
@@ -149,12 +159,12 @@ def test_the_report_lists_what_is_kept_and_refused(monkeypatch):
     model_type = "qwen2_5_vl"
     off = _models(model_type)[1]
     liger_gen.apply_to(off, vision_attention=False)
-    assert _tower(off).config._attn_implementation == "sdpa" and off.liger_gen_report.vision_attention == 0
+    assert set(_routed(off)) == {"sdpa"} and off.liger_gen_report.vision_attention == 0
     assert "vision attention" not in off.liger_gen_report.summary()
 
     eager = mini_vlm(model_type)
     liger_gen.apply_to(eager, strict=True)
-    assert _tower(eager).config._attn_implementation == "eager"
+    assert set(_routed(eager)) == {"eager"}
     assert any("vision attention: 'eager' is kept" in line for line in eager.liger_gen_report.left)
 
     modeling = __import__(MODEL_FAMILIES[model_type].modeling_module, fromlist=["_"])
@@ -166,37 +176,72 @@ def test_the_report_lists_what_is_kept_and_refused(monkeypatch):
             model = _models(model_type)[1]
             with pytest.raises(ValueError, match=words):
                 liger_gen.apply_to(model, strict=True)
-            assert _tower(model).config._attn_implementation == "sdpa"
+            assert set(_routed(model)) == {"sdpa"}
             assert not hasattr(model, "liger_gen_report")
             liger_gen.apply_to(model)
-            assert _tower(model).config._attn_implementation == "sdpa"
+            assert set(_routed(model)) == {"sdpa"}
             assert any(words in line for line in model.liger_gen_report.left), model.liger_gen_report.left
 
     twice = _models(model_type)[1]
     liger_gen.apply_to(twice, **ONLY)
     liger_gen.apply_to(twice, **ONLY)
-    assert _tower(twice).config._attn_implementation == va.VARLEN_ATTENTION
+    assert set(_routed(twice)) == {va.VARLEN_ATTENTION}
     assert twice.liger_gen_report.vision_attention == _vision_blocks(twice)
 
 
-def test_a_pickled_model_registers_the_function_where_it_is_loaded(monkeypatch):
-    """The vision config of a patched model names the function; a process that loads the model without having
-    patched one gets it registered by the report's unpickling, so the loaded model runs and equals the original."""
+@pytest.mark.parametrize("part", ["model", "tower"])
+def test_a_pickled_model_or_tower_registers_the_function_where_it_is_loaded(part, monkeypatch):
+    """A routed attention module's config view names the function; a process that loads the model, or its vision
+    tower alone, without having patched one gets it registered by the view's unpickling: the loaded copy runs and
+    equals the original."""
     from transformers.modeling_utils import AttentionInterface
 
     plain, patched = _models("qwen2_5_vl")
     liger_gen.apply_to(patched, **ONLY)
     batch = _batch("qwen2_5_vl")
     buffer = io.BytesIO()
-    torch.save(patched, buffer)
+    torch.save(patched if part == "model" else _tower(patched), buffer)
     monkeypatch.delitem(AttentionInterface._global_mapping, va.VARLEN_ATTENTION)
     buffer.seek(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = torch.load(buffer, weights_only=False)
     assert va.VARLEN_ATTENTION in AttentionInterface._global_mapping
-    assert torch.equal(_loss_and_grads(loaded, batch)[0], _loss_and_grads(plain, batch)[0])
-    assert pickle.loads(pickle.dumps(patched.liger_gen_report)).vision_attention == _vision_blocks(patched)
+    if part == "model":
+        assert torch.equal(_loss_and_grads(loaded, batch)[0], _loss_and_grads(plain, batch)[0])
+        assert pickle.loads(pickle.dumps(patched.liger_gen_report)).vision_attention == _vision_blocks(patched)
+    else:
+        inputs = (batch["pixel_values"], batch["image_grid_thw"])
+        assert torch.equal(loaded(*inputs).pooler_output, _tower(plain)(*inputs).pooler_output)
+
+
+def test_the_models_config_stays_transformers_own(monkeypatch):
+    """Routing changes no config: transformers' own checks accept the patched model's config (switching the text
+    stack's attention, building a model from it), a model sharing that config object stays on sdpa, and a tower
+    switched to eager afterwards runs eager (the report then counts no routed layer)."""
+    import copy
+
+    import transformers
+
+    config_name, model_name, settings = VLM_CONFIGS["qwen2_5_vl"]
+    config = getattr(transformers, config_name)(**settings)
+    config._attn_implementation = "sdpa"
+    first, second = (getattr(transformers, model_name)(config) for _ in range(2))
+    liger_gen.apply_to(first)
+    assert set(_routed(first)) == {va.VARLEN_ATTENTION} and set(_routed(second)) == {"sdpa"}
+    assert first.config is second.config and first.config.vision_config._attn_implementation == "sdpa"
+    rebuilt = getattr(transformers, model_name)._from_config(first.config)
+    assert set(_routed(rebuilt)) == {"sdpa"}
+    first.set_attn_implementation({"text_config": "eager"})
+    assert set(_routed(first)) == {va.VARLEN_ATTENTION}
+    twin = copy.deepcopy(first)
+    assert set(_routed(twin)) == {va.VARLEN_ATTENTION} and _attention(twin)[0].config.config is _tower(twin).config
+    first.set_attn_implementation({"vision_config": "eager"})
+    assert set(_routed(first)) == {"eager"} and va.count(first) == 0 and va.count(twin) == _vision_blocks(twin)
+    sdpa_calls = _count_sdpa(monkeypatch)
+    batch = _batch("qwen2_5_vl")
+    first(**batch)
+    assert not sdpa_calls  # the text stack and the tower run eager now
 
 
 def test_bad_boundaries_raise_naming_them():

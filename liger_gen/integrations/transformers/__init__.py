@@ -59,9 +59,10 @@
   leave as it is) and ``family_of`` combines it with the family of ``config.text_config.model_type``
   (``families.compose``), whose norms, RoPE, MLPs and fused adds the language model gets.
 - **Vision attention** (``vision_attention=True``): the Qwen vision-language towers and GLM-4V's attend within each
-  image (or window) of one patch sequence cut by ``cu_seqlens``; their vision config gets the attention function
-  ``vision_attention.py`` registers (only where it says ``sdpa``), which runs a block's pieces in one
-  variable-length FlashAttention call on a GPU in bf16/fp16, and SDPA per piece, as transformers does, elsewhere.
+  image (or window) of one patch sequence cut by ``cu_seqlens``; where the tower's config says ``sdpa``, each
+  vision attention module reads a view of it naming the attention function ``vision_attention.py`` registers,
+  which runs a block's pieces in one variable-length FlashAttention call on a GPU (compute capability 8.0 or more)
+  in bf16/fp16, and SDPA per piece, as transformers does, elsewhere. The model's config is unchanged.
 - **The LM-head loss**: when ``labels`` are given and gradients are enabled (training, whatever the module's
   train/eval mode), the causal-LM ``forward`` computes the loss with
   ``liger_gen.functional.fused_linear_cross_entropy`` from the last hidden states and ``lm_head.weight``,

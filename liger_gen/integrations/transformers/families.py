@@ -119,8 +119,8 @@ _F = ModelFamily
 _VISION_ROPE = "apply_rotary_pos_emb_vision"
 # what a Qwen vision-language family leaves as transformers' own
 _VISION_LEFT = ("the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen "
-                "and its sdpa attention runs each block's images (or windows) in one variable-length call; its "
-                "patch embedding and the patch merger stay transformers' own")
+                "and its sdpa attention runs each block's images (or windows) in one variable-length call on a GPU "
+                "in bf16/fp16; its patch embedding and the patch merger stay transformers' own")
 # the vision tower of those families (``vision_attention``)
 _VISUAL = "visual"
 MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
@@ -229,8 +229,9 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
        kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
               "once per image token"),),
        note="the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
-       "its sdpa attention runs each block's images in one variable-length call; its patch embedding, position "
-       "embeddings and downsampling convolution stay transformers' own; its RMSNorms and SwiGLU MLPs are patched; "
+       "its sdpa attention runs each block's images in one variable-length call on a GPU in bf16/fp16; its patch "
+       "embedding, position embeddings and downsampling convolution stay transformers' own; its RMSNorms and SwiGLU "
+       "MLPs are patched; "
        "the text stack's M-RoPE tables (sections, each angle twice in a row) rotate interleaved pairs of the "
        "partial rotary dims, routed to liger-gen like GLM-4's"),
     _F("glm4v_moe", "Glm4vMoe", norm_classes=("Glm4vMoeTextRMSNorm", "Glm4vMoeRMSNorm"),
@@ -239,8 +240,9 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
        kept=(("visual.merger", "the patch merger: a projection, LayerNorm and GELU before a SwiGLU, left as it is, "
               "once per image token"),),
        note="the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision: fp32, cast back) is routed to liger-gen; "
-       "its sdpa attention runs each block's images in one variable-length call; its patch embedding, position "
-       "embeddings and downsampling convolution stay transformers' own; its RMSNorms and SwiGLU MLPs are patched; "
+       "its sdpa attention runs each block's images in one variable-length call on a GPU in bf16/fp16; its patch "
+       "embedding, position embeddings and downsampling convolution stay transformers' own; its RMSNorms and SwiGLU "
+       "MLPs are patched; "
        "the text stack's M-RoPE tables (sections, cat(freqs, freqs)) rotate the partial rotary dims as halves, "
        "like GLM-4-MoE's; its experts, shared experts and dense MLPs are patched, "
        "its router stays"),

@@ -51,8 +51,6 @@ class PatchReport:
         # a model loaded in another process (torch.load) carries its modules but not the process-wide RoPE
         # routing: the report says what holds here; ``apply_to`` on the loaded model routes RoPE again
         self.__dict__.update(state)
-        if state.get("vision_attention"):  # the loaded vision config names the attention function: register it
-            varlen.register()
         # the rewritten layer code is process-wide and not part of the pickle: the loaded model's marked norms
         # fuse again once their layer classes are rewritten here (the same rewrite apply_to makes)
         for name in () if layers.restored() else state.get("fused_layer_classes") or ():
@@ -79,7 +77,8 @@ class PatchReport:
         done += [f"{self.fp8_norms} norms writing their FP8 operands"] if self.fp8_norms else []
         done += [f"{self.fp8_mlps} MLPs writing their FP8 operands"] if self.fp8_mlps else []
         nv = getattr(self, "vision_attention", 0)  # (a report pickled before the field has none)
-        done += [f"{nv} vision attention layers in one variable-length call each"] if nv else []
+        done += [f"{nv} vision attention layers on the variable-length path (one call a layer on a GPU in "
+                 f"bf16/fp16)"] if nv else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         text = f", text model {self.text_family}" if self.text_family else ""
@@ -172,11 +171,12 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         vision_attention: in the vision towers that attend within each image (or window) of one long sequence
             (the Qwen vision-language families, GLM-4V), run a block's ``sdpa`` attention in one
             variable-length FlashAttention call (``torch.nn.attention.varlen.varlen_attn``, torch 2.10 and later)
-            instead of one call per image or window: the same attention, without the per-piece launches and the
-            host read of the lengths in each block. It sets the vision config's attention implementation (only
-            ``sdpa``; an ``eager`` or ``flash_attention_*`` tower is kept) to the function
-            ``liger_gen.integrations.transformers.vision_attention`` registers; on a CPU, in float32, or with
-            dropout, that function runs SDPA once per piece as transformers does.
+            instead of one call per image or window: the same attention, without the per-piece launches. Each
+            vision attention module of an ``sdpa`` tower reads a view of its config that names the function
+            ``liger_gen.integrations.transformers.vision_attention`` registers (the model's config is unchanged;
+            an ``eager`` or ``flash_attention_*`` tower is kept, and a tower switched away from ``sdpa`` later runs
+            what it is switched to); on a CPU, a GPU before compute capability 8.0, in float32, or with dropout,
+            that function runs SDPA once per piece as transformers does.
         fp8: FP8 training, opt-in: True (the default ``liger_gen.Float8Recipe()``) or a ``Float8Recipe``. Every
             ``nn.Linear`` inside the decoder layers (attention q/k/v/o, MLP gate/up/down or packed gate_up,
             shared experts) becomes a ``liger_gen.nn.Float8Linear`` in place: its forward, input-gradient and
@@ -303,13 +303,15 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         left.append((type(model).__name__, f"loss: the fused loss needs a causal LM at .{family.causal_lm_inside} "
                      f"(one of {', '.join(family.causal_lm_classes)})"))
     # the vision tower's attention over cu_seqlens pieces: one variable-length call per block
-    vision_config = None
+    vision_attention_modules = []
     tower = _submodule(model, family.vision_attention) if vision_attention else None
     if tower is not None and getattr(tower, "config", None) is not None:
         why = varlen.refusal(modeling, tower.config)
         current = getattr(tower.config, "_attn_implementation", None)
         if why is None:
-            vision_config = tower.config
+            vision_attention_modules = varlen.attention_modules(tower)
+            if not vision_attention_modules:
+                left.append((type(tower).__name__, "vision attention: no attention module reads the tower's config"))
         elif current != "sdpa":  # the user's choice (eager, FlashAttention): listed, not refused
             kept.append((type(tower).__name__, why))
         else:
@@ -336,9 +338,7 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
         fp8_swaps.mark_fp8_norms(model)
     if rope and routing.rope_functions(family):
         routing.patch_rope(model, modeling, family)
-    if vision_config is not None:
-        varlen.register()
-        vision_config._attn_implementation = varlen.VARLEN_ATTENTION
+    varlen.route(vision_attention_modules)
     if fuse_loss:
         install_forward(model, FusedLossForward(model, family))  # a base *Model has no LM head: nothing to fuse
         if inside is not None:

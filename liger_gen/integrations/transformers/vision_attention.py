@@ -8,12 +8,15 @@ attention once per piece: a Qwen2.5-VL step of 8 images runs about a hundred att
 forward and backward, each too short to keep the GPU busy, and the GPU waits for the host.
 
 Under an implementation whose name holds "flash", the same modules pass ``cu_seqlens`` and the longest piece's
-length to the attention function instead, once per forward. ``apply_to`` registers ``VARLEN_ATTENTION`` in
-transformers' ``AttentionInterface`` and sets it on the vision config: on a CUDA GPU, for fp16 and bf16, without
-dropout, ``varlen_attention_forward`` runs every piece in one call of ``torch.nn.attention.varlen.varlen_attn``
-(FlashAttention-2's variable-length kernel, with autograd, torch 2.10 and later); otherwise it runs SDPA once per
-piece, exactly as transformers' ``sdpa`` path does. Each piece attends to itself only (no causal mask):
-``softmax(q kᵀ · scaling) v`` per piece and head.
+length (one host read per block, or per forward) to the attention function instead. ``apply_to`` gives each vision
+attention module a view of its config (``VarlenVisionConfig``) that names ``VARLEN_ATTENTION``, registered in
+transformers' ``AttentionInterface``, while the tower's config says ``sdpa``; the model's own config is not
+changed, so transformers' checks, ``set_attn_implementation``, models built from the config and saved configs see
+``sdpa`` as before, and a tower switched to another implementation runs that one. On a CUDA GPU of compute
+capability 8.0 or more, for fp16 and bf16, without dropout, ``varlen_attention_forward`` runs every piece in one
+call of ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2's variable-length kernel, with autograd, torch
+2.10 and later); otherwise it runs SDPA once per piece, exactly as transformers' ``sdpa`` path does. Each piece
+attends to itself only (no causal mask): ``softmax(q kᵀ · scaling) v`` per piece and head.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ def varlen_kernel():
     return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
 
 
+@functools.lru_cache(maxsize=None)
+def _flash_device(index: int) -> bool:
+    """Whether CUDA device ``index`` runs torch's FlashAttention kernels (compute capability 8.0 or more)."""
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index)[0] >= 8
+
+
 def register() -> bool:
     """Register ``VARLEN_ATTENTION`` in transformers' ``AttentionInterface`` (idempotent); False where the
     release has no ``AttentionInterface.register`` (transformers before 4.48)."""
@@ -51,14 +60,41 @@ def register() -> bool:
     return True
 
 
+class VarlenVisionConfig:
+    """What a routed vision attention module reads as ``self.config``: its tower's config, attribute for attribute,
+    except that while the tower's config says ``sdpa`` the attention implementation is ``VARLEN_ATTENTION``. The
+    tower's config object stays the model's; unpickling the view registers the function in that process."""
+
+    def __init__(self, config) -> None:
+        self.__dict__["config"] = config
+
+    @property
+    def _attn_implementation(self):
+        current = self.config._attn_implementation
+        return VARLEN_ATTENTION if current == "sdpa" else current
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "config":  # copy/pickle protocol names, and before __setstate__
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.config, name, value)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        register()
+
+    def __repr__(self) -> str:
+        return f"VarlenVisionConfig({self.config.__class__.__name__}, attention {self._attn_implementation!r})"
+
+
 def refusal(modeling, config) -> str | None:
     """Why the vision attention of ``config`` (a vision config) in the modeling module ``modeling`` is not routed,
     or None. Routed: transformers' default ``sdpa`` (an ``eager`` tower is the user's choice, kept; a
     ``flash_attention_*`` one already runs one call), in a release whose vision attention takes the cu_seqlens
     path for any flash-named implementation (``is_flash_attention_requested``), on torch 2.10 or later."""
     current = getattr(config, "_attn_implementation", None)
-    if current == VARLEN_ATTENTION:
-        return None
     if current != "sdpa":
         return f"vision attention: {current!r} is kept (liger-gen replaces sdpa's one call per image or window)"
     if not hasattr(modeling, "is_flash_attention_requested"):
@@ -71,16 +107,41 @@ def refusal(modeling, config) -> str | None:
     return None
 
 
-def _use_varlen(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, causal: bool,
-                scaling: float | None) -> bool:
-    """Whether one ``varlen_attn`` call computes this attention: CUDA, fp16/bf16, equal head counts, head dims
-    FlashAttention takes, no mask, dropout or causal mask, and a scale the installed torch can pass."""
+def attention_modules(tower: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules of ``tower`` that read a config of the tower's config class (routed ones included)."""
+    cls = type(tower.config)
+    return [m for m in tower.modules() if type(m).__name__.endswith("Attention")
+            and isinstance(getattr(m.__dict__.get("config"), "config", m.__dict__.get("config")), cls)]
+
+
+def route(modules: list[torch.nn.Module]) -> None:
+    """Give each of ``modules`` (``attention_modules``) a ``VarlenVisionConfig`` of its config (idempotent);
+    ``register`` first."""
+    register()
+    for module in modules:
+        if not isinstance(module.__dict__["config"], VarlenVisionConfig):
+            module.config = VarlenVisionConfig(module.__dict__["config"])
+
+
+def count(model: torch.nn.Module) -> int:
+    """The attention modules of ``model`` routed by ``route`` whose tower's config still says ``sdpa``."""
+    return sum(isinstance(m.__dict__.get("config"), VarlenVisionConfig)
+               and m.config._attn_implementation == VARLEN_ATTENTION for m in model.modules())
+
+
+def _use_varlen(query: torch.Tensor, key: torch.Tensor, cu_seqlens: torch.Tensor, attention_mask, dropout: float,
+                causal: bool, scaling: float | None) -> bool:
+    """Whether one ``varlen_attn`` call computes this attention: a CUDA GPU FlashAttention runs on, fp16/bf16,
+    boundaries of at least one piece on the same GPU, equal head counts, head dims FlashAttention takes, no mask,
+    dropout or causal mask, and a scale the installed torch can pass."""
     kernel, takes_scale = varlen_kernel()
     head_dim = query.shape[-1]
     return (kernel is not None and query.is_cuda and query.dtype in _HALF and query.shape[0] == 1
+            and cu_seqlens.device == query.device and cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2
             and key.shape[1] == query.shape[1] and head_dim % 8 == 0 and head_dim <= 256
             and attention_mask is None and not dropout and not causal
-            and (takes_scale or scaling is None or math.isclose(scaling, head_dim ** -0.5)))
+            and (takes_scale or scaling is None or math.isclose(scaling, head_dim ** -0.5))
+            and _flash_device(query.device.index if query.device.index is not None else torch.cuda.current_device()))
 
 
 def _run_varlen(query, key, value, cu_seqlens, max_length, scaling):
@@ -104,8 +165,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     which path runs. Without it, transformers' ``sdpa_attention_forward``.
 
     Raises:
-        ValueError: ``cu_seq_lens_k`` differs from ``cu_seq_lens_q`` (cross-attention between pieces), or the
-            boundaries do not end at the sequence's length.
+        ValueError: ``cu_seq_lens_k`` differs from ``cu_seq_lens_q`` (cross-attention between pieces); on the
+            per-piece path (where the lengths are read to the host), boundaries that do not end at the sequence's
+            length. The one-call path takes the boundaries as transformers builds them from the image grids.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -117,7 +179,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                                                                            cu_seq_lens_q):
         raise ValueError(f"liger-gen vision attention: cu_seq_lens_k {tuple(cu_seq_lens_k.shape)} differs from "
                          f"cu_seq_lens_q {tuple(cu_seq_lens_q.shape)}; each piece attends to itself only")
-    if _use_varlen(query, key, attention_mask, dropout, causal, scaling):
+    if _use_varlen(query, key, cu_seq_lens_q, attention_mask, dropout, causal, scaling):
         if max_length_q is None:
             max_length_q = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()
         return _run_varlen(query, key, value, cu_seq_lens_q.to(torch.int32), int(max_length_q), scaling), None
@@ -131,9 +193,3 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                    is_causal=is_causal, **kwargs)[0] for q, k, v in pieces]
     return torch.cat(outs, dim=1), None
 
-
-def count(model: torch.nn.Module) -> int:
-    """The attention modules of ``model`` whose config names ``VARLEN_ATTENTION``."""
-    return sum(type(m).__name__.endswith("Attention")
-               and getattr(getattr(m, "config", None), "_attn_implementation", None) == VARLEN_ATTENTION
-               for m in model.modules())
