@@ -12,8 +12,8 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelShape:
     """The dims of a decoder-only transformer that set kernel shapes. ``rotary_dim``: the leading dims of each
-    head that RoPE rotates (``head_dim · partial_rotary_factor``, as transformers computes it; None: all of
-    ``head_dim``)."""
+    head that RoPE rotates, the width of transformers' cos/sin tables for ``partial_rotary_factor``
+    (``rotary_width``; None: all of ``head_dim``)."""
 
     name: str
     hidden_size: int
@@ -24,6 +24,12 @@ class ModelShape:
     vocab_size: int
     rms_norm_eps: float
     rotary_dim: int | None = None
+
+
+def rotary_width(head_dim: int, factor: float) -> int:
+    """The width of the cos/sin tables transformers builds for ``partial_rotary_factor`` ``factor``: one angle per
+    pair of ``int(head_dim · factor)`` dims, each twice (an odd count rounds up), at most ``head_dim``."""
+    return min(head_dim, 2 * ((int(head_dim * factor) + 1) // 2))
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class Architecture:
         factor = self.rope.get("partial_rotary_factor")
         return ModelShape(self.name, f["hidden_size"], f.get("moe_intermediate_size") or f["intermediate_size"],
                           heads, f.get("num_key_value_heads", heads), head_dim, f["vocab_size"], f["rms_norm_eps"],
-                          rotary_dim=int(head_dim * factor) if factor is not None else None)
+                          rotary_dim=rotary_width(head_dim, factor) if factor is not None else None)
 
     def hf_fields(self) -> dict[str, Any]:
         """The config's keyword arguments without RoPE: ``fields``, or for a vision-language model
@@ -328,7 +334,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
         head_dim=head_dim,
         vocab_size=dims["vocab_size"],
         rms_norm_eps=float(eps),
-        rotary_dim=int(head_dim * factor) if factor is not None and factor < 1 else None,
+        rotary_dim=rotary_width(head_dim, factor) if factor is not None and factor < 1 else None,
     )
 
 

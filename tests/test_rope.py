@@ -555,8 +555,9 @@ def test_a_partial_rotary_model_is_tuned_at_the_dims_it_looks_up(monkeypatch, tm
     fields = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   vocab_size=100)
     path = tmp_path / "config.json"
+    # (0.35: int(5.6) = 5 dims, whose 3 angles transformers' tables hold twice: 6 wide)
     cases = ((dict(partial_rotary_factor=0.25), 4), (dict(rope_parameters=dict(partial_rotary_factor=0.5)), 8),
-             ({}, None), (dict(partial_rotary_factor=1.0), None))
+             (dict(partial_rotary_factor=0.35), 6), ({}, None), (dict(partial_rotary_factor=1.0), None))
     for extra, rotary in cases:
         path.write_text(json.dumps({**fields, **extra}))
         shape = from_hf_config(path)
