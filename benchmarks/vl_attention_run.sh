@@ -10,7 +10,6 @@ R=/tmp/res_vl; mkdir -p $R; t0=$(date +%s); left() { echo $(( 580 - ($(date +%s)
 pack() { tar czf $OUT/res_vl.tgz -C $R . ; }
 HOST=benchmarks/results/h200_2026-12-05/vlm_moe/vl_host.py
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > $R/env.txt
-git log -1 --format=%H >> $R/env.txt 2>/dev/null
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lk .whl/liger_kernel-*.whl || exit
 PYTHONPATH=$PWD:/tmp/site timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_vision_attention.py \
