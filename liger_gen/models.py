@@ -26,6 +26,27 @@ class ModelShape:
     rotary_dim: int | None = None
 
 
+def reads_partial_rotary(model_type: Any) -> bool:
+    """Whether transformers' modeling code of ``model_type`` reads ``partial_rotary_factor`` (GLM-4, Phi-3,
+    Nemotron, Qwen 3.5 do; Llama, Mistral, Qwen 2 rotate all of head_dim whatever the config says): whether the
+    installed release's ``modeling_<model_type>.py`` names the field, found without importing it. True where
+    that cannot be told (no transformers, a model type without such a file)."""
+    import importlib.util
+
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return True
+    try:
+        spec = importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}")
+    except (ImportError, ValueError):
+        return True
+    if spec is None or not spec.origin:
+        return True
+    try:
+        return "partial_rotary_factor" in Path(spec.origin).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return True
+
+
 def rotary_width(head_dim: int, factor: float) -> int:
     """The width of the cos/sin tables transformers builds for ``partial_rotary_factor`` ``factor``: one angle per
     pair of ``int(head_dim · factor)`` dims, each twice (an odd count rounds up), at most ``head_dim``."""
@@ -294,9 +315,12 @@ def preset_hf_config(name: str) -> dict[str, Any] | None:
 def from_hf_config(path: str | Path) -> ModelShape:
     """Read a Hugging Face ``config.json`` (``read_hf_config``; a multimodal config's ``text_config``); ValueError
     names the file and the missing or ill-typed field. For a mixture-of-experts config (a
-    ``moe_intermediate_size`` field), ``intermediate_size`` is that width: the one its experts' GLU runs at."""
+    ``moe_intermediate_size`` field), ``intermediate_size`` is that width: the one its experts' GLU runs at.
+    ``partial_rotary_factor`` (top level, or in ``rope_parameters``) sets ``rotary_dim`` where the family's
+    modeling code reads it (``reads_partial_rotary``)."""
     path = Path(path)
-    cfg = text_config(read_hf_config(path))
+    top = read_hf_config(path)
+    cfg = text_config(top)
 
     def positive(field: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -316,6 +340,8 @@ def from_hf_config(path: str | Path) -> ModelShape:
                          f"num_attention_heads {heads} and there is no head_dim")
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    if factor is not None and not reads_partial_rotary(top.get("model_type")):
+        factor = None  # a family that rotates all of head_dim whatever the field says
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                or not 0 < factor <= 1 or int(head_dim * factor) < 2):
         raise ValueError(f"model config {path}: field 'partial_rotary_factor' is {factor!r}, not a number in (0, 1] "

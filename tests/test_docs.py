@@ -170,3 +170,16 @@ def test_every_warning_troubleshooting_names_is_importable_from_the_package_and_
             warnings.warn("liger-gen: silenced", cls)
             warnings.warn("liger-gen: shown", UserWarning)
         assert [str(w.message) for w in seen] == ["liger-gen: shown"], name
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks(ROOT / "docs" / "model-families.md"))))
+def test_model_families_example_runs(index):
+    """The vision-language examples of docs/model-families.md run as written: patched, a training step on their
+    image batch, the loss from the hidden states (no logits) and a gradient on the vision tower."""
+    block = python_blocks(ROOT / "docs" / "model-families.md")[index]
+    namespace = {}
+    exec(compile(block, f"model-families.md[{index}]", "exec"), namespace)
+    model, out = namespace["model"], namespace["out"]
+    assert out.logits is None and model.liger_gen_report.loss
+    vision = [p for name, p in model.named_parameters() if "vision" in name or "visual" in name]
+    assert vision and any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision)

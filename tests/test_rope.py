@@ -527,7 +527,8 @@ def test_tuning_problems_from_model_shape():
 def test_a_partial_rotary_model_is_tuned_at_the_dims_it_looks_up(monkeypatch, tmp_path):
     """GLM-4.5-Air rotates half of each head: the tuner's problems (and so ``tune --model`` and ``verify``) take the
     rotary_dim the patched model's RoPE looks its table up at, read from the preset and from a config.json (the
-    factor at the top level, as transformers 4.x writes it, or in ``rope_parameters``, as 5.x does)."""
+    factor at the top level, as transformers 4.x writes it, or in ``rope_parameters``, as 5.x does), where the
+    family's transformers code reads the factor (Llama's does not: it rotates all of head_dim)."""
     import ast
     import json
 
@@ -557,7 +558,10 @@ def test_a_partial_rotary_model_is_tuned_at_the_dims_it_looks_up(monkeypatch, tm
     path = tmp_path / "config.json"
     # (0.35: int(5.6) = 5 dims, whose 3 angles transformers' tables hold twice: 6 wide)
     cases = ((dict(partial_rotary_factor=0.25), 4), (dict(rope_parameters=dict(partial_rotary_factor=0.5)), 8),
-             (dict(partial_rotary_factor=0.35), 6), ({}, None), (dict(partial_rotary_factor=1.0), None))
+             (dict(partial_rotary_factor=0.35), 6), ({}, None), (dict(partial_rotary_factor=1.0), None),
+             # a family whose code reads the factor, and one whose code rotates all of head_dim whatever it says
+             (dict(model_type="glm4_moe", partial_rotary_factor=0.5), 8),
+             (dict(model_type="llama", partial_rotary_factor=0.5), None))
     for extra, rotary in cases:
         path.write_text(json.dumps({**fields, **extra}))
         shape = from_hf_config(path)

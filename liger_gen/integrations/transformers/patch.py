@@ -77,8 +77,8 @@ class PatchReport:
         done += [f"{self.fp8_norms} norms writing their FP8 operands"] if self.fp8_norms else []
         done += [f"{self.fp8_mlps} MLPs writing their FP8 operands"] if self.fp8_mlps else []
         nv = getattr(self, "vision_attention", 0)  # (a report pickled before the field has none)
-        done += [f"{nv} vision attention layers on the variable-length path (one call a layer on a GPU in "
-                 f"bf16/fp16)"] if nv else []
+        done += [f"{nv} vision attention layer{'s' * (nv != 1)} on the variable-length path (one call a layer "
+                 f"on a GPU in bf16/fp16)"] if nv else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         text = f", text model {self.text_family}" if self.text_family else ""
