@@ -19,14 +19,18 @@ from liger_gen.runtime.compiled import CompiledKernelWarning
 from liger_gen.runtime.fp8 import Float8Recipe
 from liger_gen.runtime.tables import TunedTableWarning
 
-__all__ = ["CompiledKernelWarning", "Float8Recipe", "JournalWarning", "KernelCacheWarning", "PackedSequenceWarning",
-           "TunedTableWarning", "apply_to", "functional", "nn", "__version__"]
+# (the tuner's JournalWarning lives beside Optuna's storages: imported when asked for, and not by ``import *``)
+__all__ = ["CompiledKernelWarning", "Float8Recipe", "KernelCacheWarning", "PackedSequenceWarning", "TunedTableWarning",
+           "apply_to", "functional", "nn", "__version__"]
 
 
 def __getattr__(name: str):
-    # the tuner's warning lives beside Optuna's storages: imported when asked for, not with the package
     if name == "JournalWarning":
         from liger_gen.tuning.storage import JournalWarning
 
         return JournalWarning
     raise AttributeError(f"module 'liger_gen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"JournalWarning"})

@@ -316,8 +316,9 @@ def from_hf_config(path: str | Path) -> ModelShape:
     """Read a Hugging Face ``config.json`` (``read_hf_config``; a multimodal config's ``text_config``); ValueError
     names the file and the missing or ill-typed field. For a mixture-of-experts config (a
     ``moe_intermediate_size`` field), ``intermediate_size`` is that width: the one its experts' GLU runs at.
-    ``partial_rotary_factor`` (top level, or in ``rope_parameters``) sets ``rotary_dim`` where the family's
-    modeling code reads it (``reads_partial_rotary``)."""
+    ``partial_rotary_factor`` (in ``rope_parameters``, else in ``rope_scaling``, else at the top level, the order
+    transformers reads them in) sets ``rotary_dim`` where the family's modeling code reads it
+    (``reads_partial_rotary``)."""
     path = Path(path)
     top = read_hf_config(path)
     cfg = text_config(top)
@@ -338,14 +339,15 @@ def from_hf_config(path: str | Path) -> ModelShape:
     if head_dim < 1:
         raise ValueError(f"model config {path}: hidden_size {dims['hidden_size']} is smaller than "
                          f"num_attention_heads {heads} and there is no head_dim")
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    # where transformers 5 reads it: rope_parameters, else the legacy rope_scaling, else the top level
+    factor = next((c["partial_rotary_factor"] for c in (cfg.get("rope_parameters"), cfg.get("rope_scaling"), cfg)
+                   if isinstance(c, dict) and c.get("partial_rotary_factor") is not None), None)
     if factor is not None and not reads_partial_rotary(top.get("model_type")):
         factor = None  # a family that rotates all of head_dim whatever the field says
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                               or not 0 < factor <= 1 or int(head_dim * factor) < 2):
+                               or not 0 < factor <= 1 or int(head_dim * factor) < 1):
         raise ValueError(f"model config {path}: field 'partial_rotary_factor' is {factor!r}, not a number in (0, 1] "
-                         f"that leaves at least 2 of head_dim {head_dim} to rotate")
+                         f"that leaves at least one of head_dim {head_dim} to rotate")
     eps = cfg.get("rms_norm_eps", cfg.get("layer_norm_eps"))
     if eps is None:
         eps = 1e-6

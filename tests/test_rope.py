@@ -561,12 +561,16 @@ def test_a_partial_rotary_model_is_tuned_at_the_dims_it_looks_up(monkeypatch, tm
              (dict(partial_rotary_factor=0.35), 6), ({}, None), (dict(partial_rotary_factor=1.0), None),
              # a family whose code reads the factor, and one whose code rotates all of head_dim whatever it says
              (dict(model_type="glm4_moe", partial_rotary_factor=0.5), 8),
-             (dict(model_type="llama", partial_rotary_factor=0.5), None))
+             (dict(model_type="llama", partial_rotary_factor=0.5), None),
+             # transformers 5 reads rope_parameters first, then a legacy rope_scaling; 0.1 of 16: one dim, 2 wide
+             (dict(partial_rotary_factor=0.5, rope_parameters=dict(partial_rotary_factor=0.25)), 4),
+             (dict(rope_scaling=dict(rope_type="default", partial_rotary_factor=0.25)), 4),
+             (dict(partial_rotary_factor=0.1), 2))
     for extra, rotary in cases:
         path.write_text(json.dumps({**fields, **extra}))
         shape = from_hf_config(path)
         assert shape.rotary_dim == rotary and RoPEProblem.shape(shape)["rotary_dim"] == (rotary or 16), extra
-    for bad in (0, 1.5, True, "half", 0.05):
+    for bad in (0, 1.5, True, "half", 0.05):  # (0.05 of 16: no dim to rotate)
         path.write_text(json.dumps({**fields, "partial_rotary_factor": bad}))
         with pytest.raises(ValueError, match="partial_rotary_factor"):
             from_hf_config(path)

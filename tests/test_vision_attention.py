@@ -218,7 +218,8 @@ def test_a_pickled_model_or_tower_registers_the_function_where_it_is_loaded(part
 def test_the_models_config_stays_transformers_own(monkeypatch):
     """Routing changes no config: transformers' own checks accept the patched model's config (switching the text
     stack's attention, building a model from it), a model sharing that config object stays on sdpa, and a tower
-    switched to eager afterwards runs eager (the report then counts no routed layer)."""
+    switched to eager afterwards runs eager, and the variable-length path again once switched back to sdpa (the
+    report counts the routed layers throughout, a second ``apply_to`` while eager too)."""
     import copy
 
     import transformers
@@ -237,11 +238,17 @@ def test_the_models_config_stays_transformers_own(monkeypatch):
     twin = copy.deepcopy(first)
     assert set(_routed(twin)) == {va.VARLEN_ATTENTION} and _attention(twin)[0].config.config is _tower(twin).config
     first.set_attn_implementation({"vision_config": "eager"})
-    assert set(_routed(first)) == {"eager"} and va.count(first) == 0 and va.count(twin) == _vision_blocks(twin)
+    assert set(_routed(first)) == {"eager"} and set(_routed(twin)) == {va.VARLEN_ATTENTION}
     sdpa_calls = _count_sdpa(monkeypatch)
     batch = _batch("qwen2_5_vl")
     first(**batch)
     assert not sdpa_calls  # the text stack and the tower run eager now
+    liger_gen.apply_to(first)
+    blocks = _vision_blocks(first)
+    assert first.liger_gen_report.vision_attention == blocks == va.count(first)
+    assert not any("vision attention" in line for line in first.liger_gen_report.left)
+    first.set_attn_implementation({"vision_config": "sdpa"})
+    assert set(_routed(first)) == {va.VARLEN_ATTENTION}
 
 
 def test_bad_boundaries_raise_naming_them():
@@ -283,3 +290,26 @@ def test_one_flash_call_per_block_matches_transformers_in_bfloat16_on_the_gpu(mo
     liger_gen.apply_to(fp32, **ONLY)
     _loss_and_grads(fp32, _batch(model_type, "cuda"))
     assert not calls
+
+
+def test_the_config_view_reads_and_writes_the_towers_config():
+    """A ``VarlenVisionConfig`` is its tower's config for every attribute and protocol but the attention
+    implementation, which follows the config's (liger-gen's function while it says sdpa)."""
+    import copy
+
+    config = _tower(_models("qwen2_5_vl")[1]).config
+    view = va.VarlenVisionConfig(config)
+    assert view.hidden_size == config.hidden_size and view.to_dict() == config.to_dict()
+    assert view._attn_implementation == va.VARLEN_ATTENTION and config._attn_implementation == "sdpa"
+    view.layer_marker = 3
+    assert config.layer_marker == 3 and "layer_marker" in view and "layer_marker" in dir(view)
+    del view.layer_marker
+    assert not hasattr(config, "layer_marker") and not hasattr(view, "layer_marker")
+    assert list(view) == list(config) and view == config and view == va.VarlenVisionConfig(config)
+    with pytest.raises(AttributeError, match="not reassigned"):
+        view.config = config
+    config._attn_implementation = "eager"
+    assert view._attn_implementation == "eager"
+    copied = copy.deepcopy(view)
+    assert copied.config is not config and copied.config.hidden_size == config.hidden_size
+    assert pickle.loads(pickle.dumps(view))._attn_implementation == "eager"

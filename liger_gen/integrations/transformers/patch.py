@@ -42,7 +42,7 @@ class PatchReport:
     fp8_float32: int = 0  # of those, the layers with float32 weights: FP8 GEMMs only under a bf16 autocast
     fp8_norms: int = 0  # norms whose kernel writes the FP8 operands of the projections that read their output
     fp8_mlps: int = 0  # gated MLPs whose GLU kernels write their FP8 projections' operands (glu_fp8)
-    vision_attention: int = 0  # vision attention modules running one variable-length call (vision_attention.py)
+    vision_attention: int = 0  # vision attention modules routed to the variable-length path (vision_attention.py)
     left: list[str] | None = None
     note: str = ""
     text_family: str | None = None  # a vision-language wrapper's (Llava, ...): the family of its language model
@@ -77,8 +77,8 @@ class PatchReport:
         done += [f"{self.fp8_norms} norms writing their FP8 operands"] if self.fp8_norms else []
         done += [f"{self.fp8_mlps} MLPs writing their FP8 operands"] if self.fp8_mlps else []
         nv = getattr(self, "vision_attention", 0)  # (a report pickled before the field has none)
-        done += [f"{nv} vision attention layer{'s' * (nv != 1)} on the variable-length path (one call a layer "
-                 f"on a GPU in bf16/fp16)"] if nv else []
+        done += [f"{nv} vision attention layer{'s' * (nv != 1)} routed to the variable-length path (while the "
+                 f"tower's attention is sdpa; one call a layer on a GPU in bf16/fp16)"] if nv else []
         done += ["RoPE" if self.rope else "RoPE not patched", "fused LM-head loss" if self.loss else "loss as is"]
         left = f"; left as they are: {'; '.join(self.left)}" if self.left else ""
         text = f", text model {self.text_family}" if self.text_family else ""
@@ -308,6 +308,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     if tower is not None and getattr(tower, "config", None) is not None:
         why = varlen.refusal(modeling, tower.config)
         current = getattr(tower.config, "_attn_implementation", None)
+        if varlen.count(tower):  # routed by an earlier call: it follows the tower's implementation already
+            why = None
         if why is None:
             vision_attention_modules = varlen.attention_modules(tower)
             if not vision_attention_modules:

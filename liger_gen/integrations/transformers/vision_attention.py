@@ -79,7 +79,26 @@ class VarlenVisionConfig:
         return getattr(self.config, name)
 
     def __setattr__(self, name: str, value) -> None:
+        if name == "config":
+            raise AttributeError("VarlenVisionConfig.config is the tower's config; it is not reassigned")
         setattr(self.config, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.config, name)
+
+    def __iter__(self):
+        return iter(self.config)
+
+    def __contains__(self, name) -> bool:
+        return name in self.config
+
+    def __eq__(self, other) -> bool:
+        return self.config == (other.config if isinstance(other, VarlenVisionConfig) else other)
+
+    __hash__ = None
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self.config)) | {"config"})
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -124,9 +143,9 @@ def route(modules: list[torch.nn.Module]) -> None:
 
 
 def count(model: torch.nn.Module) -> int:
-    """The attention modules of ``model`` routed by ``route`` whose tower's config still says ``sdpa``."""
-    return sum(isinstance(m.__dict__.get("config"), VarlenVisionConfig)
-               and m.config._attn_implementation == VARLEN_ATTENTION for m in model.modules())
+    """The attention modules of ``model`` routed by ``route``: they run ``varlen_attention_forward`` while their
+    tower's config says ``sdpa``, and what it says otherwise."""
+    return sum(isinstance(m.__dict__.get("config"), VarlenVisionConfig) for m in model.modules())
 
 
 def _use_varlen(query: torch.Tensor, key: torch.Tensor, cu_seqlens: torch.Tensor, attention_mask, dropout: float,
