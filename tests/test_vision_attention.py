@@ -313,3 +313,20 @@ def test_the_config_view_reads_and_writes_the_towers_config():
     copied = copy.deepcopy(view)
     assert copied.config is not config and copied.config.hidden_size == config.hidden_size
     assert pickle.loads(pickle.dumps(view))._attn_implementation == "eager"
+
+
+def test_the_one_call_path_calls_torchs_varlen_attn_as_it_takes_them(monkeypatch):
+    """torch's own ``varlen_attn`` (its fake kernels, on the meta device: no GPU here) takes the one-call path's
+    arguments, forward and backward, and gives transformers' output layout (batch, seq, heads, head_dim)."""
+    if va.varlen_kernel()[0] is None:
+        pytest.skip("torch.nn.attention.varlen needs torch 2.10 or later")
+    monkeypatch.setattr(va, "_use_varlen", lambda *args: True)
+    heads, seq, head_dim = 4, 40, 80
+    q, k, v = (torch.empty(1, heads, seq, head_dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    cu = torch.tensor([0, 16, 40], dtype=torch.int32).to("meta")
+    out, weights = va.varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=head_dim ** -0.5,
+                                               cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=24, max_length_k=24)
+    assert weights is None and out.shape == (1, seq, heads, head_dim) and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert all(t.grad.shape == t.shape for t in (q, k, v))
