@@ -8,14 +8,14 @@ attention once per piece: a Qwen2.5-VL step of 8 images runs about a hundred att
 forward and backward, each too short to keep the GPU busy, and the GPU waits for the host.
 
 Under an implementation whose name holds "flash", the same modules pass ``cu_seqlens`` and the longest piece's
-length (one host read per block, or per forward) to the attention function instead. ``apply_to`` gives each vision
+length (one host read per block) to the attention function instead. ``apply_to`` gives each vision
 attention module a view of its config (``VarlenVisionConfig``) that names ``VARLEN_ATTENTION``, registered in
 transformers' ``AttentionInterface``, while the tower's config says ``sdpa``; the model's own config is not
 changed, so transformers' checks, ``set_attn_implementation``, models built from the config and saved configs see
 ``sdpa`` as before, and a tower switched to another implementation runs that one. On a CUDA GPU of compute
 capability 8.0 or more, for fp16 and bf16, without dropout, ``varlen_attention_forward`` runs every piece in one
-call of ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2's variable-length kernel, with autograd, torch
-2.10 and later); otherwise it runs SDPA once per piece, exactly as transformers' ``sdpa`` path does. Each piece
+call of ``torch.nn.attention.varlen.varlen_attn`` (the variable-length kernel of FlashAttention-2, Dao 2023, with
+autograd, torch 2.10 and later); otherwise it runs SDPA once per piece, exactly as transformers' ``sdpa`` path does. Each piece
 attends to itself only (no causal mask): ``softmax(q kᵀ · scaling) v`` per piece and head.
 """
 
@@ -148,14 +148,15 @@ def count(model: torch.nn.Module) -> int:
     return sum(isinstance(m.__dict__.get("config"), VarlenVisionConfig) for m in model.modules())
 
 
-def _use_varlen(query: torch.Tensor, key: torch.Tensor, cu_seqlens: torch.Tensor, attention_mask, dropout: float,
-                causal: bool, scaling: float | None) -> bool:
-    """Whether one ``varlen_attn`` call computes this attention: a CUDA GPU FlashAttention runs on, fp16/bf16,
-    boundaries of at least one piece on the same GPU, equal head counts, head dims FlashAttention takes, no mask,
-    dropout or causal mask, and a scale the installed torch can pass."""
+def _use_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                attention_mask, dropout: float, causal: bool, scaling: float | None) -> bool:
+    """Whether one ``varlen_attn`` call computes this attention: a CUDA GPU FlashAttention runs on, fp16/bf16 q, k
+    and v of one dtype, boundaries of at least one piece on the same GPU, equal head counts, head dims
+    FlashAttention takes, no mask, dropout or causal mask, and a scale the installed torch can pass."""
     kernel, takes_scale = varlen_kernel()
     head_dim = query.shape[-1]
     return (kernel is not None and query.is_cuda and query.dtype in _HALF and query.shape[0] == 1
+            and key.dtype == value.dtype == query.dtype
             and cu_seqlens.device == query.device and cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2
             and key.shape[1] == query.shape[1] and head_dim % 8 == 0 and head_dim <= 256
             and attention_mask is None and not dropout and not causal
@@ -198,7 +199,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                                                                            cu_seq_lens_q):
         raise ValueError(f"liger-gen vision attention: cu_seq_lens_k {tuple(cu_seq_lens_k.shape)} differs from "
                          f"cu_seq_lens_q {tuple(cu_seq_lens_q.shape)}; each piece attends to itself only")
-    if _use_varlen(query, key, cu_seq_lens_q, attention_mask, dropout, causal, scaling):
+    if _use_varlen(query, key, value, cu_seq_lens_q, attention_mask, dropout, causal, scaling):
         if max_length_q is None:
             max_length_q = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()
         return _run_varlen(query, key, value, cu_seq_lens_q.to(torch.int32), int(max_length_q), scaling), None
