@@ -306,15 +306,13 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, ro
     vision_attention_modules = []
     tower = _submodule(model, family.vision_attention) if vision_attention else None
     if tower is not None and getattr(tower, "config", None) is not None:
-        why = varlen.refusal(modeling, tower.config)
-        current = getattr(tower.config, "_attn_implementation", None)
-        if varlen.count(tower):  # routed by an earlier call: it follows the tower's implementation already
-            why = None
+        # routed by an earlier call: its modules follow the tower's implementation, whatever it says now
+        why = None if varlen.count(tower) else varlen.refusal(modeling, tower.config)
         if why is None:
             vision_attention_modules = varlen.attention_modules(tower)
             if not vision_attention_modules:
                 left.append((type(tower).__name__, "vision attention: no attention module reads the tower's config"))
-        elif current != "sdpa":  # the user's choice (eager, FlashAttention): listed, not refused
+        elif getattr(tower.config, "_attn_implementation", None) != "sdpa":  # the user's choice: listed, not refused
             kept.append((type(tower).__name__, why))
         else:
             left.append((type(tower).__name__, why))
