@@ -131,6 +131,16 @@ class Architecture:
                           heads, f.get("num_key_value_heads", heads), head_dim, f["vocab_size"], f["rms_norm_eps"],
                           rotary_dim=rotary_width(head_dim, factor) if factor is not None else None)
 
+    def vision_shape(self) -> ModelShape | None:
+        """The vision tower's kernel dims, as the preset ``<name>-vision``: its width (the RMSNorms'), its MLP width
+        (the gated MLPs'), its heads (as many key/value heads) and head_dim (the 2-D RoPE rotates all of it); the
+        vocabulary is the text stack's (no LM head runs in the tower). None without a vision tower."""
+        if self.vision is None:
+            return None
+        f = self.vision.fields
+        return ModelShape(f"{self.name}-vision", f["hidden_size"], f["intermediate_size"], f["num_heads"],
+                          f["num_heads"], f["hidden_size"] // f["num_heads"], self.fields["vocab_size"], 1e-6)
+
     def hf_fields(self) -> dict[str, Any]:
         """The config's keyword arguments without RoPE: ``fields``, or for a vision-language model
         ``text_config=fields`` beside the image side's fields (the embedding tie is the outer config's)."""
@@ -243,7 +253,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 #: Every model's kernel shapes, by name: the shapes of the larger published models (from their config.json
-#: files), and those of every architecture above. The one registry of model shapes.
+#: files), and those of every architecture above (and of its vision tower, ``<name>-vision``). The one registry
+#: of model shapes.
 PRESETS: dict[str, ModelShape] = {
     m.name: m
     for m in (
@@ -256,8 +267,12 @@ PRESETS: dict[str, ModelShape] = {
         # Qwen/Qwen3-30B-A3B: 128 experts of width 768 (intermediate_size is one expert's), 8 per token
         ModelShape("qwen3-30b-a3b", 2048, 768, 32, 4, 128, 151936, 1e-6),
         *(a.shape() for a in ARCHITECTURES.values()),
+        *(a.vision_shape() for a in ARCHITECTURES.values() if a.vision is not None),
     )
 }
+#: The presets of vision towers (``Architecture.vision_shape``) and the ops ``apply_to`` runs there.
+VISION_PRESETS = frozenset(a.vision_shape().name for a in ARCHITECTURES.values() if a.vision is not None)
+VISION_OPS = ("rms_norm", "rope", "swiglu")
 
 
 #: The Hugging Face config of each preset beyond its dims: (``model_type``, the fields that set its family's

@@ -247,12 +247,15 @@ def ops_for_config(path: str | Path) -> list[str] | None:
 
 def default_ops(model_name: str, from_file: bool, fp8: bool = False) -> tuple[list[str], str]:
     """The ops ``liger-gen verify`` checks without ``--ops``, and where they come from: those ``apply_to`` runs for
-    the preset or config file (``from_file``), else the Llama-like ``LLAMA_OPS`` with the reason (a model without
+    the preset or config file (``from_file``; a vision tower's preset, ``VISION_OPS``), else the Llama-like
+    ``LLAMA_OPS`` with the reason (a model without
     a family, a family apply_to does not support). Without transformers the ops cannot be predicted, and they are
     not guessed: ``MissingExtraError`` names the pip command (the command line exits with it) and ``--ops``."""
-    from liger_gen.models import preset_hf_config, read_hf_config
+    from liger_gen.models import VISION_OPS, VISION_PRESETS, preset_hf_config, read_hf_config
     from liger_gen.optional import MissingExtraError, require
 
+    if not from_file and model_name in VISION_PRESETS:
+        return list(VISION_OPS), "a vision tower's: its RMSNorms, 2-D RoPE and gated MLPs"
     try:
         cfg = read_hf_config(model_name) if from_file else preset_hf_config(model_name)
     except ValueError as exc:
