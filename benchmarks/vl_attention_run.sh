@@ -4,7 +4,8 @@
 # image's transformers (Liger-Kernel's Qwen2.5-VL forward imports an output class transformers 5.25 renamed),
 # (3) GLM-4.5-Air's MoE step of transformers, liger-gen and liger-gen with FP8 projections (the experts stay bf16),
 # (4) the host synchronisations and wall time of one liger-gen step (vl_host.py). Results land in $OUT/res_vl.tgz.
-# Usage, from the repository root on the GPU machine: bash benchmarks/vl_attention_run.sh
+# Usage, from the repository root on the GPU machine, with the wheels of .whl/ beside it (transformers 5.25 and what
+# it needs, Liger-Kernel 0.8.5): bash benchmarks/vl_attention_run.sh
 export PYTHONUNBUFFERED=1
 R=/tmp/res_vl; mkdir -p $R; t0=$(date +%s); left() { echo $(( 580 - ($(date +%s)-t0) )); }
 pack() { tar czf $OUT/res_vl.tgz -C $R . ; }
