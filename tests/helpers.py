@@ -157,3 +157,27 @@ def assert_bf16_training_matches(model_type: str, report, losses, ref_losses, gr
           + ", ".join(f"{p} {d:.1e}" for p, d in parts.items()))
     assert result["pass"], (model_type, result)
     assert parts and max(parts.values()) <= BF16_GRAD_PART_RTOL, (model_type, parts)
+
+
+def table_lookups(model, batch: dict) -> set[tuple[str, object]]:
+    """The (space class name, dims) at which a training step of ``model`` patched by ``apply_to`` looks its tables
+    up, on the kernel path (Triton's interpreter; set TRITON_INTERPRET=1 first): dims as the runtime keys them, a
+    dict, or the width alone for a one-dim op. The lookups of earlier calls are cleared first; RoPE's process-wide
+    routing is undone after."""
+    import ast
+
+    import liger_gen
+    from liger_gen.integrations.transformers import restore_rope
+    from liger_gen.runtime import ops as runtime_ops
+
+    runtime_ops.clear_caches()
+    try:
+        liger_gen.apply_to(model)
+        model(**batch).loss.backward()
+    finally:
+        restore_rope()
+    lookups = set()
+    for key, _ in runtime_ops.chosen_configs():
+        dims = ast.literal_eval(key[2])
+        lookups.add((key[0], tuple(sorted(dict(dims).items())) if isinstance(dims, (tuple, list)) else dims))
+    return lookups

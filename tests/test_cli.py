@@ -537,39 +537,23 @@ def test_a_vision_language_model_and_its_vision_preset_cover_every_shape_it_look
     """The shapes ``verify`` checks (and ``tune`` tunes) for a vision-language preset and its ``-vision`` preset,
     each with its default ops, are the shapes the patched model looks its tables up at in a training step: the
     text stack's and the vision tower's norms, RoPE, gated MLPs and loss, and no other."""
-    import ast
-
-    import liger_gen
+    from helpers import table_lookups
     from liger_gen.bench.step_data import step_batches
-    from liger_gen.integrations.transformers import restore_rope
     from liger_gen.ops import get_spec
-    from liger_gen.runtime import ops as runtime_ops
     from liger_gen.training import architecture, build_model, byte_tokens
     from liger_gen.verify import default_ops
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runtime_ops.clear_caches()
     model = build_model("tiny-qwen2.5-vl", "cpu", torch.float32, 0)
-    try:
-        liger_gen.apply_to(model)
-        batch = step_batches(architecture("tiny-qwen2.5-vl"), byte_tokens(), 1, 2, 32, 0)[0]
-        model(**batch).loss.backward()
-    finally:
-        restore_rope()
-
-    def plain(dims):  # a one-dim op's lookups name the width alone
-        dims = ast.literal_eval(dims) if isinstance(dims, str) else dims
-        dims = dict(dims) if isinstance(dims, (tuple, list)) else dims
-        return tuple(sorted(dims.items())) if isinstance(dims, dict) and len(dims) > 1 else (
-            next(iter(dims.values())) if isinstance(dims, dict) else dims)
-
-    looked_up = {(key[0], plain(key[2])) for key, _ in runtime_ops.chosen_configs()}
+    looked_up = table_lookups(model, step_batches(architecture("tiny-qwen2.5-vl"), byte_tokens(), 1, 2, 32, 0)[0])
     covered = set()
     for preset in ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-vision"):
         ops, _ = default_ops(preset, from_file=False)
         for op in ops:
             spec = get_spec(op)
-            covered.add((spec.space.__name__, plain(spec.problem.shape(PRESETS[preset]))))
+            dims = spec.problem.shape(PRESETS[preset])  # a one-dim op's lookups name the width alone
+            covered.add((spec.space.__name__, next(iter(dims.values())) if len(dims) == 1
+                         else tuple(sorted(dims.items()))))
     assert covered == looked_up, (sorted(covered - looked_up), sorted(looked_up - covered))
     assert PRESETS["qwen2.5-vl-7b-4l-vision"].head_dim == 80 and default_ops("qwen2.5-vl-7b-4l-vision", False)[0] == [
         "rms_norm", "rope", "swiglu"]

@@ -529,27 +529,18 @@ def test_a_partial_rotary_model_is_tuned_at_the_dims_it_looks_up(monkeypatch, tm
     rotary_dim the patched model's RoPE looks its table up at, read from the preset and from a config.json (the
     factor at the top level, as transformers 4.x writes it, or in ``rope_parameters``, as 5.x does), where the
     family's transformers code reads the factor (Llama's does not: it rotates all of head_dim)."""
-    import ast
     import json
 
-    import liger_gen
-    from liger_gen.integrations.transformers import restore_rope
+    from helpers import table_lookups
     from liger_gen.models import from_hf_config
-    from liger_gen.runtime import ops as runtime_ops
     from liger_gen.training import build_model
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuning_problems(PRESETS["glm4.5-air-4l"], [8], torch.bfloat16, "cpu")[0].dims == {
         "n_q_heads": 96, "n_kv_heads": 8, "head_dim": 128, "rotary_dim": 64}
-    runtime_ops.clear_caches()
-    model = build_model("tiny-glm4.5-air", "cpu", torch.float32, 0)
-    try:
-        liger_gen.apply_to(model)
-        ids = torch.randint(0, 256, (1, 12))
-        model(input_ids=ids, labels=ids).loss.backward()
-    finally:
-        restore_rope()
-    looked_up = [dict(ast.literal_eval(key[2])) for key, _ in runtime_ops.chosen_configs() if key[0] == "RoPESpace"]
+    ids = torch.randint(0, 256, (1, 12))
+    lookups = table_lookups(build_model("tiny-glm4.5-air", "cpu", torch.float32, 0), dict(input_ids=ids, labels=ids))
+    looked_up = [dict(dims) for space, dims in lookups if space == "RoPESpace"]
     expected = RoPEProblem.shape(PRESETS["tiny-glm4.5-air"])
     assert looked_up and all(d == expected for d in looked_up), (looked_up, expected)
     assert expected["rotary_dim"] == expected["head_dim"] // 2

@@ -168,11 +168,10 @@ def test_the_report_lists_what_is_kept_and_refused(monkeypatch):
     assert any("vision attention: 'eager' is kept" in line for line in eager.liger_gen_report.left)
 
     modeling = __import__(MODEL_FAMILIES[model_type].modeling_module, fromlist=["_"])
-    for patch, words in ((lambda: monkeypatch.delattr(modeling, "is_flash_attention_requested"), "flash_attention_2"),
-                         (lambda: monkeypatch.setattr(va, "varlen_kernel", lambda: (None, False)), "torch 2.10")):
+    for patch, words in ((lambda m: m.delattr(modeling, "is_flash_attention_requested"), "flash_attention_2"),
+                         (lambda m: m.setattr(va, "varlen_kernel", lambda: (None, False)), "torch 2.10")):
         with monkeypatch.context() as m:
-            monkeypatch = m
-            patch()
+            patch(m)
             model = _models(model_type)[1]
             with pytest.raises(ValueError, match=words):
                 liger_gen.apply_to(model, strict=True)

@@ -126,11 +126,16 @@ def refusal(modeling, config) -> str | None:
     return None
 
 
+def _own_config(module: torch.nn.Module):
+    """The config ``module`` holds (``module.config``), seen through its ``VarlenVisionConfig`` where routed."""
+    config = module.__dict__.get("config")
+    return config.config if isinstance(config, VarlenVisionConfig) else config
+
+
 def attention_modules(tower: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention modules of ``tower`` that read a config of the tower's config class (routed ones included)."""
     cls = type(tower.config)
-    return [m for m in tower.modules() if type(m).__name__.endswith("Attention")
-            and isinstance(getattr(m.__dict__.get("config"), "config", m.__dict__.get("config")), cls)]
+    return [m for m in tower.modules() if type(m).__name__.endswith("Attention") and isinstance(_own_config(m), cls)]
 
 
 def route(modules: list[torch.nn.Module]) -> None:
@@ -139,7 +144,7 @@ def route(modules: list[torch.nn.Module]) -> None:
     register()
     for module in modules:
         if not isinstance(module.__dict__["config"], VarlenVisionConfig):
-            module.config = VarlenVisionConfig(module.__dict__["config"])
+            module.config = VarlenVisionConfig(_own_config(module))
 
 
 def count(model: torch.nn.Module) -> int:
