@@ -3,6 +3,7 @@
     import liger_gen
     liger_gen.apply_to(model)                      # patch a transformers model in place
     y = liger_gen.functional.rms_norm(x, weight)   # or call the ops directly
+    optimizer = liger_gen.optim.AdamW(model.parameters(), lr=3e-4)  # AdamW with a fused update kernel
 
 Importing the package registers every op's ``torch.library`` custom ops, so traces and exported programs that
 use them load after ``import liger_gen``. The warnings liger-gen gives (each a ``UserWarning`` subclass, its text
@@ -10,7 +11,7 @@ starting with ``liger-gen:``) are importable from here to filter them: ``TunedTa
 ``CompiledKernelWarning``, ``KernelCacheWarning``, ``PackedSequenceWarning`` and the tuner's ``JournalWarning``.
 """
 
-from liger_gen import functional, nn
+from liger_gen import functional, nn, optim
 from liger_gen._version import __version__
 from liger_gen.codegen.build import KernelCacheWarning
 from liger_gen.integrations.transformers import apply_to
@@ -21,7 +22,7 @@ from liger_gen.runtime.tables import TunedTableWarning
 
 # (the tuner's JournalWarning lives beside Optuna's storages: imported when asked for, and not by ``import *``)
 __all__ = ["CompiledKernelWarning", "Float8Recipe", "KernelCacheWarning", "PackedSequenceWarning", "TunedTableWarning",
-           "apply_to", "functional", "nn", "__version__"]
+           "apply_to", "functional", "nn", "optim", "__version__"]
 
 
 def __getattr__(name: str):

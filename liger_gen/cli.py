@@ -616,6 +616,9 @@ def _step_text(ctx, param, value: str) -> str:
 @click.option("--profile-steps", default=2, show_default=True, type=click.IntRange(0),
               help="Steps under torch.profiler after the timed ones (0: no kernel breakdown).")
 @click.option("--lr", default=3e-4, show_default=True, type=float, help="AdamW learning rate.")
+@click.option("--optimizer", default="torch", show_default=True, type=click.Choice(["torch", "liger-gen"]),
+              help="AdamW of the liger-gen providers: torch's fused AdamW (every other provider's) or "
+                   "liger_gen.optim.AdamW.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the weights and batches.")
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(sorted(DTYPES)),
               help="Parameter dtype.")

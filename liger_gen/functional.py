@@ -4,6 +4,7 @@ Each function is defined in its op's module under ``liger_gen/ops`` (with its do
 formula it follows and the errors it raises) and re-exported here.
 """
 
+from liger_gen.ops.optim.adamw import adamw_step
 from liger_gen.ops.glu.clamped_swiglu import clamped_swiglu, clamped_swiglu_gate_up
 from liger_gen.ops.lm_head.cross_entropy import cross_entropy
 from liger_gen.ops.norms.fused_add_rms_norm import fused_add_rms_norm
@@ -27,7 +28,7 @@ from liger_gen.ops.rope import rope
 from liger_gen.ops.lm_head.selective_log_softmax import selective_log_softmax
 from liger_gen.ops.glu.glu import swiglu, swiglu_gate_up
 
-__all__ = ["clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fp8_cast_transpose", "fp8_linear",
+__all__ = ["adamw_step", "clamped_swiglu", "clamped_swiglu_gate_up", "cross_entropy", "fp8_cast_transpose", "fp8_linear",
            "fp8_quantize", "fused_add_rms_norm", "fused_linear_cpo", "fused_linear_cross_entropy", "fused_linear_dpo",
            "fused_linear_grpo", "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_kto", "fused_linear_orpo",
            "fused_linear_simpo", "geglu", "geglu_gate_up", "glu_fp8", "jsd", "kl_div", "layer_norm", "moe_experts",

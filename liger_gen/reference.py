@@ -12,6 +12,7 @@ from liger_gen.ops.glu.clamped_swiglu import (clamped_swiglu_float64, clamped_sw
                                               clamped_swiglu_torch)
 from liger_gen.ops.glu.moe import moe_experts_torch, moe_permute_torch, moe_unpermute_torch
 from liger_gen.ops.glu.squared_relu import squared_relu_float64, squared_relu_torch
+from liger_gen.ops.optim.adamw import adamw_float64, adamw_torch
 from liger_gen.ops.lm_head.cross_entropy import cross_entropy_float64, cross_entropy_torch
 from liger_gen.ops.lm_head.fused_linear_cross_entropy import (fused_linear_cross_entropy_float64,
                                                               fused_linear_cross_entropy_float64_chunked,
@@ -23,7 +24,7 @@ from liger_gen.ops.norms.layer_norm import layer_norm_float64, layer_norm_torch
 from liger_gen.ops.norms.row_norm import CASTING_MODES, rms_norm_float64, rms_norm_out_dtype, rms_norm_torch
 from liger_gen.ops.rope import rope_float64, rope_out_dtype, rope_torch, rotate_half
 
-__all__ = ["CASTING_MODES", "clamped_swiglu_float64", "clamped_swiglu_gate_up_torch", "clamped_swiglu_torch",
+__all__ = ["CASTING_MODES", "adamw_float64", "adamw_torch", "clamped_swiglu_float64", "clamped_swiglu_gate_up_torch", "clamped_swiglu_torch",
            "cross_entropy_float64", "cross_entropy_torch", "fused_add_rms_norm_float64",
            "fused_add_rms_norm_torch",
            "fused_linear_cross_entropy_float64", "fused_linear_cross_entropy_float64_chunked",

@@ -264,8 +264,18 @@ def step_loss(model, batch: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.
     return model(input_ids=batch, labels=batch).loss
 
 
-def make_optimizer(model, lr: float, device: torch.device):
-    """AdamW over ``model``'s parameters: the fused implementation where the build has it (CUDA always)."""
+OPTIMIZERS = ("torch", "liger-gen")
+
+
+def make_optimizer(model, lr: float, device: torch.device, kind: str = "torch"):
+    """AdamW over ``model``'s parameters: torch's fused implementation where the build has it (CUDA always), or
+    with ``kind="liger-gen"`` ``liger_gen.optim.AdamW``. ValueError for another ``kind``."""
+    if kind == "liger-gen":
+        from liger_gen.optim import AdamW
+
+        return AdamW(model.parameters(), lr=lr)
+    if kind != "torch":
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {kind!r}")
     try:
         return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     except RuntimeError:

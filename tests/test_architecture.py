@@ -55,7 +55,9 @@ def test_the_machinery_below_the_ops_never_imports_them():
 # op module; ``liger_gen.ops.rope`` is an op module of no family.
 # The fp8 family's shared module is its quantize op, which imports no op: the FP8 linear layers build on it (the
 # recipe every FP8-emitting kernel follows is below ops/, in liger_gen.runtime.fp8).
-FAMILIES = {"norms": "row_norm", "glu": "activations", "lm_head": "chunks", "divergence": "rows", "fp8": "quantize"}
+# The optim family's one op, adamw, is its shared module as well.
+FAMILIES = {"norms": "row_norm", "glu": "activations", "lm_head": "chunks", "divergence": "rows", "fp8": "quantize",
+            "optim": "adamw"}
 # Declared edges between families: the LM-head losses include distillation, a divergence of the head's logits, so
 # they may import the divergence family's shared module (its per-row JSD); nothing else crosses families.
 CROSS_FAMILY = {"lm_head": {"liger_gen.ops.divergence.rows"}}

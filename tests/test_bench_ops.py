@@ -107,6 +107,8 @@ def _expected_bytes(op, t, up, rows):
     if op == "fp8_cast_transpose":  # as fp8_quantize's two axes, but x read once for both
         m, k = t["x"].shape
         return _nb(t["x"]) + (m * k + 4 * m) + (k * (-(-m // 16) * 16) + 4 * k)
+    if op == "adamw":  # param, grad and both moments read; param and both moments written
+        return 2 * _nb(t["param"]) + _nb(t["grad"]) + 2 * _nb(t["exp_avg"]) + 2 * _nb(t["exp_avg_sq"])
     raise AssertionError(f"no expected formula for {op}")
 
 

@@ -264,8 +264,8 @@ def _peer_provider(name: str, case: Case) -> Provider | None:
 def _compile_provider(case: Case) -> Provider:
     # dynamic=False: the one static shape per op that the first call would get anyway. Each case's eager
     # function is its own code object, so ten ops do not run into dynamo's recompile limit.
-    return Provider("torch-compile", torch.compile(case.eager, dynamic=False),
-                    note=f"torch.compile(dynamic=False) of: {case.eager_note}")
+    fn, note = (case.compiled, case.compiled_note) if case.compiled is not None else (case.eager, case.eager_note)
+    return Provider("torch-compile", torch.compile(fn, dynamic=False), note=f"torch.compile(dynamic=False) of: {note}")
 
 
 def _heuristic_provider(case: Case) -> Provider:

@@ -34,6 +34,7 @@ from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
 from liger_gen.ops.fp8.linear import Fp8LinearProblem
+from liger_gen.ops.optim.adamw import adamw_torch
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
                                  fused_linear_jsd_torch, geglu_torch, glu_torch, jsd_torch, kl_div_torch,
                                  layer_norm_torch, moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
@@ -63,6 +64,9 @@ class Case:
     peers: dict[str, tuple[Callable[[], ProviderFn], str]] = field(default_factory=dict)
     # the problem class of an op that has no spec (nothing of its own to tune: fp8_linear's GEMMs are cuBLASLt's)
     shapes: type[Problem] | None = None
+    # what torch-compile compiles, where it is not ``eager`` (an eager op that torch.compile cannot trace), and a note
+    compiled: ProviderFn | None = None
+    compiled_note: str = ""
 
     @property
     def problem(self) -> type[Problem]:
@@ -453,6 +457,34 @@ def _fp8_cast_transpose_lg(t, o):
     return q_rows, d_rows, q_cols[:, : t["x"].shape[0]], d_cols
 
 
+def _adamw_state(t):
+    vmax = t.get("max_exp_avg_sq")
+    return t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], vmax
+
+
+def _adamw_eager(t, o):
+    p, g, m, v, vmax = _adamw_state(t)
+    step = torch.tensor(float(o["step"]), device=p.device)
+    torch._fused_adamw_([p], [g], [m], [v], [] if vmax is None else [vmax], [step], lr=o["lr"], beta1=o["beta1"],
+                        beta2=o["beta2"], weight_decay=o["weight_decay"], eps=o["eps"], amsgrad=vmax is not None,
+                        maximize=o["maximize"])
+    return p, m, v
+
+
+def _adamw_plain(t, o):
+    p, g, m, v, vmax = _adamw_state(t)
+    adamw_torch(p, g, m, v, vmax, lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
+                weight_decay=o["weight_decay"], step=o["step"], maximize=o["maximize"])
+    return p, m, v
+
+
+def _adamw_lg(t, o):
+    p, g, m, v, vmax = _adamw_state(t)
+    lg.adamw_step(p, g, m, v, vmax, lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
+                  weight_decay=o["weight_decay"], step=o["step"], maximize=o["maximize"])
+    return p, m, v
+
+
 # ------------------------------------------------------------------------------------------------ the cases
 
 CASES: dict[str, Case] = {c.op: c for c in (
@@ -525,6 +557,10 @@ CASES: dict[str, Case] = {c.op: c for c in (
     Case("fp8_cast_transpose", _fp8_quantize_eager,
          "quantize_reference per row and per column (amax, power-of-two scale, e4m3 cast in PyTorch); "
          "torch-compile fuses both axes as torchao's float8 training does", _fp8_cast_transpose_lg),
+    Case("adamw", _adamw_eager,
+         "torch._fused_adamw_ on one tensor (what torch.optim.AdamW(fused=True) runs); both update the inputs in "
+         "place", _adamw_lg, compiled=_adamw_plain,
+         compiled_note="adamw_torch (the update in plain PyTorch, in place; torch.compile cannot trace the fused op)"),
 )}
 
 

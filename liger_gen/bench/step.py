@@ -75,7 +75,8 @@ Output schema (``run_step_benchmark``'s return value, also written as JSON to ``
                    "cpu": str, "python", "torch", "triton", "transformers", "liger_kernel", "torchao" (None if absent),
                    "liger_gen": str, "triton_interpret": str},
       "settings": {"models": [str], "providers": [str], "batch_size": int, "seq_len": int,
-                   "warmup_steps": int, "steps": int, "profile_steps": int, "lr": float, "seed": int,
+                   "warmup_steps": int, "steps": int, "profile_steps": int, "lr": float, "optimizer": str,
+                   "seed": int,
                    "dtype": str, "attn_implementation": str, "text": str, "loss_rel_tol": float,
                    "loss_reference": "transformers", "idle_definition": str},
       "models": {
@@ -379,6 +380,7 @@ class _Run:
     steps: int
     profile_steps: int
     attn_implementation: str
+    optimizer: str = "torch"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -410,7 +412,8 @@ def run_provider(provider: str, run: _Run) -> dict[str, Any]:
                 liger_gen.apply_to(model, **LIGER_GEN_PROVIDERS[provider])
             res["patch"] = patch_report(model, run.family)
             step_model = torch.compile(model) if provider in COMPILED_PROVIDERS else model
-            optimizer = make_optimizer(model, run.lr, device)
+            optimizer = make_optimizer(model, run.lr, device, run.optimizer if provider in LIGER_GEN_PROVIDERS
+                                       else "torch")
             sync(device)
             res["setup_s"] = time.perf_counter() - t0
 
@@ -553,6 +556,7 @@ def run_step_benchmark(
     steps: int = 10,
     profile_steps: int = 2,
     lr: float = 3e-4,
+    optimizer: str = "torch",
     seed: int = 0,
     dtype: str = "bfloat16",
     device: str | torch.device | None = None,
@@ -573,6 +577,8 @@ def run_step_benchmark(
         warmup_steps: untimed steps first (they hold Triton/cuBLAS/compile warm-up).
         steps: timed steps. profile_steps: steps under torch.profiler after them (0: no profile).
         lr: AdamW learning rate (constant). seed: initial weights and batch offsets.
+        optimizer: the AdamW of the liger-gen providers: ``"torch"`` (torch's fused AdamW, which every other
+            provider runs) or ``"liger-gen"`` (``liger_gen.optim.AdamW``).
         dtype: parameter dtype, ``bfloat16`` (default), ``float16`` or ``float32``.
         device: torch device (default: cuda if available, else cpu).
         text: the training text, read as bytes.
@@ -610,7 +616,7 @@ def run_step_benchmark(
         "metadata": run_metadata(device, command),
         "settings": {"models": models, "providers": providers, "batch_size": batch_size, "seq_len": seq_len,
                      "warmup_steps": warmup_steps, "steps": steps, "profile_steps": profile_steps, "lr": lr,
-                     "seed": seed, "dtype": dtype, "attn_implementation": attn_implementation, "text": str(text),
+                     "optimizer": optimizer, "seed": seed, "dtype": dtype, "attn_implementation": attn_implementation, "text": str(text),
                      "loss_rel_tol": rel_tol, "loss_reference": REFERENCE_PROVIDER,
                      "idle_definition": IDLE_DEFINITION},
         "models": {},
@@ -629,7 +635,7 @@ def run_step_benchmark(
         batches = batches_to(step_batches(spec, tokens, n_total, batch_size, seq_len, seed), device, model.forward)
         del model
         run = _Run(model_name, spec.family, initial_state, batches, device, torch_dtype, seed, lr, warmup_steps,
-                   steps, profile_steps, attn_implementation)
+                   steps, profile_steps, attn_implementation, optimizer)
         for provider in providers:
             why = provider_unavailable(provider, device, torch_dtype, spec.family)
             if why is not None:

@@ -36,7 +36,9 @@ def print_step_report(result: dict[str, Any], console=None, fp8_loss_rel_tol: fl
     console = console or Console(width=None if sys.stdout.isatty() else 180)
     meta, s = result["metadata"], result["settings"]
     console.print(f"[bold]Training step[/bold] on {meta['gpu'] or meta['device']}: batch {s['batch_size']} x "
-                  f"{s['seq_len']} tokens, {s['dtype']}, AdamW lr {s['lr']:g}; {s['warmup_steps']} warm-up + "
+                  f"{s['seq_len']} tokens, {s['dtype']}, AdamW lr {s['lr']:g}"
+                  f"{' (liger-gen providers: liger_gen.optim.AdamW)' if s.get('optimizer') == 'liger-gen' else ''}; "
+                  f"{s['warmup_steps']} warm-up + "
                   f"{s['steps']} timed + {s['profile_steps']} profiled steps; torch {meta['torch']}, triton "
                   f"{meta['triton']}, transformers {meta['transformers']}, liger-kernel "
                   f"{meta['liger_kernel'] or 'not installed'}")

@@ -11,6 +11,7 @@
     divergence/   rows (shared) · kl_div · jsd
     fp8/          quantize (shared: the standalone FP8 quantize op) · cast_transpose (both axes in one op)
                   · linear (fp8_linear, GEMMs by torch._scaled_mm)
+    optim/        adamw (the update liger_gen.optim.AdamW runs per parameter)
     rope.py
 
 An op module defines, top to bottom: the plain-PyTorch and float64 references; the launch-settings dataclass
@@ -64,6 +65,7 @@ OP_MODULES: dict[str, str] = {
     "fp8_cast_transpose": "liger_gen.ops.fp8.cast_transpose",
     "selective_log_softmax": "liger_gen.ops.lm_head.selective_log_softmax",
     "fused_linear_jsd": "liger_gen.ops.lm_head.fused_linear_jsd",
+    "adamw": "liger_gen.ops.optim.adamw",
 }
 
 
