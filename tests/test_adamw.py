@@ -291,3 +291,34 @@ def test_spec_bytes_and_tuning_problems():
     assert [p.rows for p in problems] == [32, 32 * 16, 32 * 32, 32 * 48, 32 * 64]
     assert all(p.dims == {} and p.op == "adamw" for p in problems)
     assert max(min(n, TUNING_CAP) for n in sizes) == TUNING_CAP
+
+
+def test_small_tuner_run_writes_a_usable_table(tmp_path, monkeypatch):
+    """A tuner run (a deterministic cost model for the timer) writes a table keyed by element count alone, and the
+    runtime then uses it for a parameter of about that many elements."""
+    import optuna
+
+    from liger_gen.codegen.spaces import DeviceLimits
+    from liger_gen.runtime import tables
+    from liger_gen.runtime.ops import clear_caches
+    from liger_gen.tuning.search import Tuner
+    from liger_gen.tuning.tables import tune_to_table
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    problem = AdamWProblem(torch.float32, {}, 5000, "cpu", seed=1)
+    tuner = Tuner(n_trials=4, timer=lambda launch, params: abs(params["BLOCK"] - 512) / 512 + params["num_warps"],
+                  seed=0, retime_rounds=1)
+    path, (entry,) = tune_to_table(AdamWSpace, [problem], tmp_path, gpu="h200", device_name="NVIDIA H200",
+                                   compute_capability="9.0", tuner=tuner)
+    assert path == tmp_path / "h200" / "adamw.json"
+    config = AdamWConfig.from_dict(entry["config"])
+    assert entry["dims"] == {} and entry["rows"] == 5000 and entry["bytes"] == {"fwd": 7 * 5000 * 4}
+    assert not problem.space.violations(config)
+    monkeypatch.setenv(tables.ENV_TUNED_DIR, str(tmp_path))
+    tables.clear_caches()
+    try:
+        found = tables.lookup(AdamWSpace, torch.float32, {}, 6000, "h200", DeviceLimits.interpreter())
+        assert found["source"] == "user" and found["config"] == config
+    finally:
+        monkeypatch.delenv(tables.ENV_TUNED_DIR)
+        clear_caches()
