@@ -4,7 +4,8 @@
 # liger_gen.optim.AdamW for the liger-gen providers (transformers with torch's fused AdamW), then liger-gen with
 # torch's fused AdamW on the same machine. Results land in $OUT/res_adamw.tgz.
 # Usage, from the repository root on the GPU machine, with the wheels of .whl/ beside it (optuna and what it
-# needs): bash benchmarks/adamw_run.sh
+# needs): bash benchmarks/adamw_run.sh (on an 80 GB GPU, where transformers' GLM-4.5-Air step does not fit:
+# MOE_PROVIDERS=liger-gen,liger-gen-fp8 bash benchmarks/adamw_run.sh)
 export PYTHONUNBUFFERED=1
 R=/tmp/res_adamw; mkdir -p $R; t0=$(date +%s); left() { echo $(( 585 - ($(date +%s)-t0) )); }
 pack() { tar czf $OUT/res_adamw.tgz -C $R . ; }
@@ -23,7 +24,7 @@ timeout 90 python3 -m liger_gen.cli bench --model llama3-8b --ops adamw \
     --providers liger-gen,liger-gen-heuristic,torch-eager,torch-compile --out $R/bench > $R/bench.log 2>&1
 echo "bench rc=$? $(( $(date +%s)-t0 ))s"; pack
 timeout $(( $(left) - 75 )) python3 -m liger_gen.cli bench-step --model glm4.5-air-4l --batch-size 4 \
-    --providers transformers,liger-gen,liger-gen-fp8 --optimizer liger-gen --warmup-steps 2 --steps 5 \
+    --providers ${MOE_PROVIDERS:-transformers,liger-gen,liger-gen-fp8} --optimizer liger-gen --warmup-steps 2 --steps 5 \
     --profile-steps 1 --out $R/moe > $R/moe.log 2>&1; echo "moe rc=$? $(( $(date +%s)-t0 ))s"; pack
 [ $(left) -gt 70 ] && { timeout $(( $(left) - 5 )) python3 -m liger_gen.cli bench-step --model glm4.5-air-4l \
     --batch-size 4 --providers liger-gen --warmup-steps 2 --steps 5 --profile-steps 1 --out $R/moe_torch_adamw \
