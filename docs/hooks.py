@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GENERATED = re.compile(r"<!-- generated: (\w[\w-]*)(?: ([\w.]+))? -->\n.*?<!-- /generated -->", re.S)
 #: mkdocstrings' options per module of an ``api`` region
 API_OPTIONS = {"liger_gen.functional": {"show_root_heading": "false", "members_order": "alphabetical"},
-               "liger_gen.nn": {"show_root_heading": "false"}}
+               "liger_gen.nn": {"show_root_heading": "false"}, "liger_gen.optim": {"show_root_heading": "false"}}
 #: the generated regions each page must keep (a page that lost one fails the build)
 REQUIRED = {"model-families.md": {"families"}, "ops.md": {"api"}, "benchmarks-results.md": {"benchmarks"}}
 
