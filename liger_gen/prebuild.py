@@ -5,7 +5,8 @@ pairs training will ask for:
 
 * ``model_step``: a whole transformers model (a name of ``liger_gen.models.ARCHITECTURES`` or a Hugging Face
   ``config.json``), cut to the first layers that cover each distinct layer type (every layer of one type runs the
-  same kernels), patched with ``liger_gen.apply_to`` and run for one forward and backward at the training batch
+  same kernels), patched with ``liger_gen.apply_to`` and run for one forward, backward and
+  ``liger_gen.optim.AdamW`` step at the training batch
   shape (``batch_size`` x ``seq_len``) in ``dtype`` (a vision-language architecture of ``ARCHITECTURES`` on an
   image + text batch, so its vision tower's kernels compile too; a vision-language ``config.json`` on text alone,
   for want of the processor's image layout: its vision tower's kernels compile in training);
@@ -67,7 +68,9 @@ def build_config(name_or_path: str):
 
 def model_step(name_or_path: str, batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                layers: int | None = None, seed: int = 0) -> Callable[[], None]:
-    """A callable running one forward and backward of the patched, cut model at the batch shape."""
+    """A callable running one forward and backward of the patched, cut model at the batch shape, then one step of
+    ``liger_gen.optim.AdamW`` over its parameters (so the optimizer's kernels are compiled too; the weights it
+    changes are thrown away with the model)."""
     import liger_gen
     from liger_gen.optional import require
 
@@ -99,10 +102,13 @@ def model_step(name_or_path: str, batch_size: int, seq_len: int, dtype: torch.dt
         ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(device)
         inputs = {"input_ids": ids, "labels": ids}
 
+    optimizer = liger_gen.optim.AdamW(model.parameters(), lr=1e-6)
+
     def step():
         out = model(**inputs)
         out.loss.backward()
-        model.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return step
 
 
