@@ -22,7 +22,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_adamw.py tests/t
 [ "${TUNE:-1}" = 1 ] && { timeout 150 python3 -m liger_gen.cli tune --gpu $G --ops adamw --model glm4.5-air-4l \
     --dtype bfloat16,float32 --trials 12 --out $R/tuned > $R/tune.log 2>&1; echo "tune rc=$? $(( $(date +%s)-t0 ))s"; pack; }
 export LIGER_GEN_TUNED_DIR=$R/tuned
-timeout 90 python3 -m liger_gen.cli bench --model llama3-8b --ops adamw \
+timeout 120 python3 -m liger_gen.cli bench --model llama3-8b --ops adamw \
     --providers liger-gen,liger-gen-heuristic,torch-eager,torch-compile --out $R/bench > $R/bench.log 2>&1
 echo "bench rc=$? $(( $(date +%s)-t0 ))s"; pack
 [ "${STEP_ALLOC:-}" = expandable ] && export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
