@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from liger_gen.ops.optim.adamw import (adamw_step_unchecked, adamw_torch, check_adamw_tensors,
-                                       check_hyperparameters)
+from liger_gen.ops.optim.adamw import STATE, adamw_step_unchecked, adamw_torch, check_adamw_tensors
 from liger_gen.runtime.ops import KERNEL_DTYPES, uses_triton
 
 __all__ = ["AdamW"]
@@ -27,24 +26,30 @@ class AdamW(torch.optim.AdamW):
 
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer.
-        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (lr may be a tensor; it is read
-            as a Python float each step).
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (checked as it checks them, at
+            construction; any of them may be a tensor, read as a Python float each step).
         foreach, fused: accepted for drop-in use only as None or False: this optimizer is its own fused
-            implementation.
+            implementation. Its state dict records them as None, so a ``torch.optim.AdamW`` that loads it picks
+            its own default.
         capturable, differentiable: must be False.
 
     Each element is computed in fp32 (float64 for float64 parameters) and stored once in its tensor's dtype, as
-    torch's fused AdamW does; the state has the parameter's dtype. The step count stays on the host as a float32
-    CPU tensor (``torch.optim.AdamW``'s non-fused layout; a state dict with device step counts is read back to
-    the host once), so a step never synchronises with the GPU.
+    torch's fused AdamW does; the state has the parameter's dtype and layout. The step count stays on the host as
+    a CPU tensor (``torch.optim.AdamW``'s non-fused layout; a state dict with device step counts is read back to
+    the host once), so a step never synchronises with the GPU. A step checks every parameter with a gradient
+    before it updates any, so one that raises changes nothing. The parameters' version counters move as for an
+    in-place PyTorch update, so autograd refuses a backward through a graph that saved a parameter the step
+    changed.
 
-    CUDA parameters of float32, bfloat16 or float16 run the kernel (CPU parameters too, under
-    ``TRITON_INTERPRET=1``); any other parameter (CPU, float64) runs the same update in plain PyTorch.
+    Contiguous CUDA parameters of float32, bfloat16 or float16 run the kernel (CPU parameters too, under
+    ``TRITON_INTERPRET=1``), as do the local shards of DTensor parameters (FSDP2's ``fully_shard``, whose
+    gradients and state are sharded alike); any other parameter (CPU, float64, a strided layout such as
+    channels_last) gets the same update in plain PyTorch.
 
     Raises:
         ValueError: at construction, a hyperparameter out of ``torch.optim.AdamW``'s ranges, ``capturable`` or
-            ``differentiable`` set, ``foreach`` or ``fused`` True. At ``step``, a gradient whose shape or device
-            differs from its parameter's.
+            ``differentiable`` set, ``foreach`` or ``fused`` True. At ``step``, a gradient or state tensor whose
+            shape or device differs from its parameter's.
         TypeError: at ``step``, a sparse or complex (not floating-point) gradient, parameter or state.
     """
 
@@ -58,7 +63,7 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError(f"liger_gen.optim.AdamW: {name}={value!r} is not supported; it is its own fused "
                                  f"implementation (leave {name} unset)")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, foreach=False, capturable=False, differentiable=False, fused=False)
+                         maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=None)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -67,38 +72,58 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = []  # everything is checked before anything is updated
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            h = check_hyperparameters("liger_gen.optim.AdamW", float(group["lr"]), float(beta1), float(beta2),
-                                      group["eps"], group["weight_decay"])
-            del h["step"]
-            amsgrad, maximize = group["amsgrad"], group["maximize"]
+            h = {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+                 "weight_decay": float(group["weight_decay"])}
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                self._update(p, p.grad, amsgrad, maximize, h)
+                if p.grad is not None:
+                    state = self.state.get(p) or {}
+                    check_adamw_tensors("liger_gen.optim.AdamW", p, p.grad,
+                                        {name: state.get(name) for name in STATE if name in state})
+                    plan.append((p, group["amsgrad"], group["maximize"], h))
+        for p, amsgrad, maximize, h in plan:
+            self._update(p, amsgrad, maximize, h)
         return loss
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, amsgrad: bool, maximize: bool, h: dict) -> None:
+    def _update(self, p: torch.Tensor, amsgrad: bool, maximize: bool, h: dict) -> None:
         state = self.state[p]
         if not state:  # torch.optim.AdamW's layout (non-fused, non-capturable)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if amsgrad:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        vmax = state.get("max_exp_avg_sq") if amsgrad else None
-        if amsgrad and vmax is None:  # amsgrad switched on after the state was made
-            vmax = state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        check_adamw_tensors("liger_gen.optim.AdamW", p, grad, {"exp_avg": m, "exp_avg_sq": v,
-                                                                "max_exp_avg_sq": vmax})
+        if amsgrad and "max_exp_avg_sq" not in state:  # (also amsgrad switched on after the state was made)
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if state["step"].device.type != "cpu":  # a state dict saved by a fused or capturable torch optimizer
-            state["step"] = state["step"].detach().to("cpu", torch.float32)
+            state["step"] = state["step"].detach().to("cpu", _scalar_dtype())
         state["step"] += 1
         step = state["step"].item()
-        tensors = (p, grad, m, v) + ((vmax,) if vmax is not None else ())
-        if uses_triton(p) and all(t.dtype in KERNEL_DTYPES and t.is_contiguous() for t in tensors):
-            adamw_step_unchecked(p, grad, m, v, vmax, step=step, maximize=maximize, **h)
+        tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["max_exp_avg_sq"]] if amsgrad else [])
+        local = _local_tensors(tensors)
+        if local is not None and uses_triton(local[0]) and all(t.dtype in KERNEL_DTYPES and t.is_contiguous()
+                                                              for t in local):
+            adamw_step_unchecked(*local[:4], local[4] if amsgrad else None, step=step, maximize=maximize, **h)
         else:  # another device or dtype, or a strided layout: the same update in plain PyTorch
-            adamw_torch(p, grad, m, v, vmax, step=step, maximize=maximize, **h)
+            adamw_torch(*tensors[:4], tensors[4] if amsgrad else None, step=step, maximize=maximize, **h)
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype of torch.optim's step counts: float64 under a float64 default dtype, else float32."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The tensors the kernel updates: the tensors themselves, or, where all are DTensors placed alike (FSDP2's
+    parameters, gradients and state), their local shards; None for a mix the kernel cannot take."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return tensors
+    distributed = [isinstance(t, DTensor) for t in tensors]
+    if not any(distributed):
+        return tensors
+    if not all(distributed) or any(t.placements != tensors[0].placements or t.device_mesh != tensors[0].device_mesh
+                                   for t in tensors):
+        return None
+    return [t.to_local() for t in tensors]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -71,37 +72,55 @@ def test_the_update_matches_float64(amsgrad, maximize, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_state_is_rounded_once(dtype, device):
-    """bf16 / fp16: every stored value is the float64 result rounded once (within one unit of the dtype's
-    roundoff beyond the fp32 arithmetic), and the state keeps the parameter's dtype."""
+    """bf16 / fp16: every stored value is the float64 result rounded to nearest once (within half a unit in the
+    last place, beyond the fp32 arithmetic), and the state keeps the parameter's dtype. Triton's CPU interpreter
+    converts fp32 to bf16 by truncation, so there a bf16 value may be a whole unit off."""
     p, g, m, v, _ = _state(2053, dtype, device, seed=3)
     ref = adamw_float64(p, g, m, v, step=4.0, **HYPER)
     adamw_step(p, g, m, v, step=4.0, **HYPER)
-    unit = torch.finfo(dtype).eps
+    truncates = device.type == "cpu" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    bound = torch.finfo(dtype).eps * (1.0 if truncates else 0.5) * (1 + 1e-3)  # (1 + 1e-3): the fp32 arithmetic
     for new, want in zip((p, m, v), ref):
         assert new.dtype == dtype
         rel = ((new.double() - want).abs() / want.abs().clamp_min(torch.finfo(dtype).tiny)).max().item()
-        assert rel <= unit * 1.01, rel
+        assert rel <= bound, rel
 
 
 # ------------------------------------------------------------------------------------------------ the optimizer
 
 
-@pytest.mark.parametrize("options", [{}, {"amsgrad": True}, {"maximize": True}, {"weight_decay": 0.0},
+def _assert_state_close(sa: dict, sb: dict) -> None:
+    """Two AdamW states alike: the same keys, dtypes and devices, values within fp32 roundoff of each tensor's
+    own scale."""
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device, key
+        torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6 * float(sb[key].abs().max()))
+
+
+@pytest.mark.parametrize("options", [{}, {"amsgrad": True, "betas": (0.9, 0.5)}, {"maximize": True},
+                                     {"weight_decay": 0.0},
                                      {"betas": (0.8, 0.95), "eps": 1e-6, "lr": 3e-3}])
-def test_optimizer_follows_torch_adamw(options, device):
-    """Ten steps of a small MLP: liger_gen.optim.AdamW and torch.optim.AdamW stay within fp32 roundoff of each
-    other (parameters and state), with the same state layout."""
+def test_optimizer_follows_torch_adamw(options, device, cpu_path):
+    """Ten steps of a small MLP, on the kernel path and (on the CPU) the plain-PyTorch one:
+    liger_gen.optim.AdamW and torch.optim.AdamW stay within fp32 roundoff of each other (parameters and
+    state), with the same state layout. The loss shrinks tenfold over the steps, so the gradients' second moment
+    falls and (with β2 = 0.5, which follows it closely) amsgrad's maximum stays above it for most elements."""
     a, b = _models(device)
     ours, theirs = liger_gen.optim.AdamW(a.parameters(), **options), torch.optim.AdamW(b.parameters(), **options)
-    _train(a, ours, device, 10)
-    _train(b, theirs, device, 10)
+    for model, optimizer in ((a, ours), (b, theirs)):
+        gen = torch.Generator().manual_seed(1)
+        for i in range(10):
+            x = torch.randn(16, 24, generator=gen).to(device)
+            optimizer.zero_grad(set_to_none=True)
+            (model(x).square().mean() * 10 ** (1 - i / 9)).backward()
+            optimizer.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
-        sa, sb = ours.state[pa], theirs.state[pb]
-        assert sorted(sa) == sorted(sb)
-        for key in sa:
-            assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device
-            torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-7)
+        _assert_state_close(ours.state[pa], theirs.state[pb])
+    if options.get("amsgrad"):
+        state = ours.state[a[0].weight]
+        assert (state["max_exp_avg_sq"] > 1.5 * state["exp_avg_sq"]).float().mean() > 0.5
 
 
 def test_parameter_groups_and_a_scheduler(device):
@@ -197,11 +216,58 @@ def test_bf16_parameters_train_as_float64_adamw(device):
                       opt.state[p]["exp_avg_sq"].clone() if step > 1 else torch.zeros_like(p))
                   for p in lin.parameters()}
         opt.step()
+        assert all(opt.state[p][k].dtype == torch.bfloat16 for p in before for k in ("exp_avg", "exp_avg_sq"))
         for p, (p0, m0, v0) in before.items():
             want, _, _ = adamw_float64(p0, p.grad, m0, v0, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
                                        weight_decay=0.1, step=float(step))
             change = (want - p0.double()).norm()
             assert (p.double() - want).norm() <= REL_TOL[torch.bfloat16] * change + 2 ** -8 * want.norm()
+
+
+def test_a_step_moves_version_counters_as_an_in_place_update(device):
+    """A step between a forward and its backward is refused by autograd, as torch.optim.AdamW's is; adamw_step on
+    a leaf that requires grad, with grad mode on, is refused as any in-place update of it is."""
+    for cls in (torch.optim.AdamW, liger_gen.optim.AdamW):
+        lin = torch.nn.Linear(4, 4).to(device)
+        opt = cls(lin.parameters(), lr=0.1)
+        x = torch.randn(2, 4, device=device, requires_grad=True)  # so the forward saves the weight
+        lin(x).sum().backward()
+        out = lin(x).square().sum()
+        before = lin.weight._version
+        opt.step()
+        assert lin.weight._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+    p, g, m, v, _ = _state(8, torch.float32, device, seed=0)
+    with pytest.raises(RuntimeError, match="leaf that requires grad"):
+        adamw_step(p.requires_grad_(), g, m, v, step=1.0, lr=1e-3)
+
+
+def test_a_step_that_raises_changes_nothing(device):
+    """A bad state tensor on the last parameter: the step raises before the first parameter moves."""
+    lin = torch.nn.Linear(3, 3).to(device)
+    extra = torch.nn.Parameter(torch.zeros(5, device=device))
+    opt = liger_gen.optim.AdamW(list(lin.parameters()) + [extra], lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        (lin(torch.ones(1, 3, device=device)).sum() + extra.sum()).backward()
+        if opt.state:
+            opt.state[extra]["exp_avg"] = torch.zeros(6, device=device)
+            weight = lin.weight.detach().clone()
+            with pytest.raises(ValueError, match=r"exp_avg must have param's shape \(5,\); got exp_avg of shape"):
+                opt.step()
+            assert torch.equal(lin.weight, weight)
+            assert all(opt.state[p]["step"].item() == 1 for p in lin.parameters())
+        else:
+            opt.step()
+
+
+def test_state_dicts_leave_foreach_and_fused_to_the_loader(device):
+    """The state dict records foreach and fused as None (torch's own default), not as False."""
+    lin = torch.nn.Linear(3, 3).to(device)
+    opt = liger_gen.optim.AdamW(lin.parameters())
+    group = opt.state_dict()["param_groups"][0]
+    assert group["foreach"] is None and group["fused"] is None
 
 
 # ------------------------------------------------------------------------------------------------ errors

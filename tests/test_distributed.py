@@ -268,3 +268,40 @@ def test_ranks_with_unequal_shapes_no_labels_or_only_ignored_labels(tmp_path):
     out = _run_script(tmp_path, "ranks", RANK_CASES, interpret="1")
     cases = [line.split() for line in out.splitlines() if line.startswith("CASE")]
     assert len(cases) == 2 * 4 and all(ok == "True" for *_, ok in cases), cases
+
+
+def test_liger_gen_adamw_steps_fsdp2_shards_as_torch_adamw(tmp_path):
+    """FSDP2 on 2 ranks, kernels in Triton's interpreter: liger_gen.optim.AdamW updates each rank's local shards
+    with its kernel (parameters, gradients and state are DTensors placed alike), and three steps end where
+    torch.optim.AdamW's end."""
+    body = """
+from torch.distributed.fsdp import fully_shard
+import liger_gen
+import liger_gen.optim as lo
+calls = []
+kernel = lo.adamw_step_unchecked
+lo.adamw_step_unchecked = lambda *args, **kwargs: calls.append(args[0].shape) or kernel(*args, **kwargs)
+results = []
+for cls in (torch.optim.AdamW, liger_gen.optim.AdamW):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for layer in m:
+        fully_shard(layer)
+    fully_shard(m)
+    opt = cls(m.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        opt.step()
+    results.append([p.full_tensor() for p in m.parameters()])
+worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
+say("KERNEL", dist.get_rank(), len(calls), tuple(calls[0]))
+say("WORST", dist.get_rank(), worst)
+"""
+    out = _run_script(tmp_path, "adamw_fsdp", body, nproc=2, interpret="1")
+    kernel = [line.split() for line in out.splitlines() if line.startswith("KERNEL")]
+    worst = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("WORST")]
+    assert len(kernel) == 2 and all(k[2] == "12" for k in kernel), out  # 4 parameters x 3 steps, each rank
+    assert all(k[3:] == ["(8,", "8)"] for k in kernel), out  # the local shard: half of the (16, 8) weight
+    assert len(worst) == 2 and max(worst) < 1e-5, out

@@ -80,8 +80,9 @@ class AdamWSpace(Space):
     the op is not differentiable.
 
     Four tensors stream in and three out; about six fp32 values per element stay live. The heuristic gives each
-    thread 8 elements (16-byte accesses in bf16) at 4 warps, smaller only for parameters smaller than one block:
-    analytic, not a measurement."""
+    thread 8 elements (16-byte accesses in bf16) at 4 warps whatever the parameter's size (a table entry has no
+    dims, so the heuristic cannot see the size; a smaller parameter masks the rest of its one block): analytic,
+    not a measurement."""
 
     op = "adamw"
     template = "adamw"
@@ -230,12 +231,27 @@ adamw_step_op = Kernel("adamw_step", _impl, lambda *args: None,
 
 def adamw_step_unchecked(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
                          step, maximize) -> None:
-    """``adamw_step`` without the checks, for callers that checked the tensors once (``liger_gen.optim.AdamW``):
-    contiguous tensors of one shape on one device, kernel dtypes."""
+    """``adamw_step`` without the argument checks, for callers that checked the tensors once
+    (``liger_gen.optim.AdamW``): contiguous tensors of one shape on one device, kernel dtypes. As any in-place
+    PyTorch update, it refuses to write a leaf that requires grad while grad mode is on, or an inference tensor
+    outside inference mode, and it moves the version counters of the tensors it writes (autograd then refuses a
+    backward through a graph that saved one of them)."""
     args = (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), float(step), bool(maximize))
-    # a graph being recorded, or a torch.func transform, takes the custom op
-    (adamw_step_op.op if use_custom_op() or transforms_active() else _impl)(*args)
+    if use_custom_op() or transforms_active():  # a graph being recorded, or a torch.func transform
+        adamw_step_op.op(*args)
+        return
+    written = [t for t in (param, exp_avg, exp_avg_sq, max_exp_avg_sq) if t is not None]
+    for name, t in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), written):
+        if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+            raise RuntimeError(f"adamw_step: {describe(name, t)} is a leaf that requires grad, updated in place "
+                               f"while grad mode is on; call it under torch.no_grad()")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"adamw_step: {describe(name, t)} is an inference tensor, updated in place outside "
+                               f"torch.inference_mode()")
+    _impl(*args)
+    for t in written:
+        torch.autograd.graph.increment_version(t)
 
 
 # ------------------------------------------------------------------------------------------------ public op
