@@ -90,12 +90,13 @@ def test_half_precision_state_is_rounded_once(dtype, device):
 
 
 def _assert_state_close(sa: dict, sb: dict) -> None:
-    """Two AdamW states alike: the same keys, dtypes and devices, values within fp32 roundoff of each tensor's
-    own scale."""
+    """Two AdamW states alike: the same keys, dtypes and devices, values within ten steps of fp32 roundoff of
+    each tensor's own scale (each step's gradients come from the last step's parameters, so the roundoff of the
+    two implementations compounds: on an H100, up to 1.4e-5 relative in the second moment after ten steps)."""
     assert sorted(sa) == sorted(sb)
     for key in sa:
         assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device, key
-        torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6 * float(sb[key].abs().max()))
+        torch.testing.assert_close(sa[key], sb[key], rtol=1e-4, atol=1e-5 * float(sb[key].abs().max()))
 
 
 @pytest.mark.parametrize("options", [{}, {"amsgrad": True, "betas": (0.9, 0.5)}, {"maximize": True},
