@@ -67,7 +67,8 @@ def main() -> None:
                           "Hugging Face config.json.", single=True)
 @click.option("--ops", default=",".join(OPS), show_default=True, callback=csv_ops, help="Comma-separated ops.")
 @click.option("--rows", default=DEFAULT_ROWS, show_default=True, callback=csv_ints,
-              help="Token counts (rows) to tune; the runtime picks the nearest in log distance.")
+              help="Token counts (rows) to tune; the runtime picks the nearest in log distance (adamw is tuned at "
+                   "the model's parameter sizes instead).")
 @click.option("--dtype", "dtypes", default="bfloat16", show_default=True, callback=csv_dtypes,
               help="Comma-separated dtypes: bfloat16, float16, float32.")
 @click.option("--trials", default=24, show_default=True, type=click.IntRange(1, 10_000),
@@ -475,8 +476,8 @@ def verify(gpu, model_name, rows, dtypes, ops, fp8, allow_heuristic, require_com
 @click.option("--ops", default=None, callback=csv_bench_ops,
               help="Comma-separated ops. Default: every op with a benchmark case.")
 @click.option("--rows", default=None, type=click.IntRange(1),
-              help="Token count of every op. Default: 16384 (norms, RoPE, GLUs), 8192 (cross-entropy, FLCE, "
-                   "KL, JSD) on CUDA; 64 on the CPU.")
+              help="Token count of every op (adamw: the parameter's element count). Default: 16384 (norms, RoPE, "
+                   "GLUs), 8192 (cross-entropy, FLCE, KL, JSD), 2^26 (adamw) on CUDA; 64 on the CPU.")
 @click.option("--providers", default=None,
               help="Comma-separated subset of liger-gen, liger-gen-heuristic, torch-eager, torch-compile, "
                    "liger-kernel, cut-cross-entropy, torchao. Default: all.")

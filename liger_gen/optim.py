@@ -29,8 +29,9 @@ class AdamW(torch.optim.AdamW):
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (checked as it checks them, at
             construction; any of them may be a tensor, read as a Python float each step).
         foreach, fused: accepted for drop-in use only as None or False: this optimizer is its own fused
-            implementation. Its state dict records them as None, so a ``torch.optim.AdamW`` that loads it picks
-            its own default.
+            implementation. Its parameter groups record them as None (torch's default), so a ``torch.optim.AdamW``
+            that loads its state dict picks its own; values loaded from another optimizer's state dict are kept
+            in the groups and do not change how this one steps.
         capturable, differentiable: must be False.
 
     Each element is computed in fp32 (float64 for float64 parameters) and stored once in its tensor's dtype, as

@@ -52,8 +52,8 @@ def test_every_launched_template_kernel_is_liger_gen():
     quantize = {"quantize_rows_kernel", "column_amax_kernel", "quantize_cols_kernel", "amax_kernel",
                 "amax_tiles_kernel", "cast_transpose_kernel"}
     assert quantize <= launched and profile.quantize_kernel_names() == quantize
-    for name in sorted(launched):
-        want = "quantize" if name in quantize else "liger_gen"
+    for name in sorted(launched):  # the optimizer's kernel counts as an optimizer, whoever's it is
+        want = "quantize" if name in quantize else "optimizer" if name == "adamw_kernel" else "liger_gen"
         assert profile.classify_kernel(name) == want, name
         # Tritons before 3.0 appended the argument specialisation to the name
         assert profile.classify_kernel(name + "_0d1d2d3de") == want, name

@@ -74,6 +74,20 @@ def test_show_without_gpu_needs_a_name(runner):
     assert result.exit_code == 1 and "--gpu" in result.output
 
 
+def test_show_of_an_op_without_a_table_says_it_runs_its_heuristic(runner, tmp_path, monkeypatch):
+    """The GPU has tables, not of the op asked for: the message says so instead of 'no tables for h200'."""
+    from liger_gen.ops.norms.rms_norm import RMSNormSpace
+
+    monkeypatch.setattr(tables, "table_roots", lambda: [("user", tmp_path)])
+    t = tables.new_table(RMSNormSpace, "h200", "NVIDIA H200", "9.0")
+    tables.write_table(tables.table_path(tmp_path, "h200", "rms_norm"), t)
+    result = runner.invoke(main, ["show", "--gpu", "h200", "--ops", "adamw"], terminal_width=200)
+    assert result.exit_code == 1
+    assert "no tuned table of adamw for 'h200'" in result.output and "runs its heuristic" in result.output
+    other = runner.invoke(main, ["show", "--gpu", "h100", "--ops", "adamw"], terminal_width=200)
+    assert other.exit_code == 1 and "no tuned tables for 'h100'" in other.output
+
+
 def test_bad_model_and_ops_are_usage_errors(runner):
     result = runner.invoke(main, ["tune", "--gpu", "h200", "--model", "gpt-17"])
     assert result.exit_code == 2 and "unknown model 'gpt-17'" in result.output

@@ -73,12 +73,13 @@ def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> 
     0. ``quantize``: FP8 quantization, liger-gen's quantize kernels (``quantize_kernel_names()``) or an Inductor
        kernel whose name holds ``amax``, ``float8`` or ``fp8`` (a bf16 model's compiled step has none: its reductions are sums and
        means), so the quantization's share of an FP8 step is one figure whoever fused it.
-    1. ``liger_gen``: a liger-gen template kernel (``liger_gen_kernel_names()``), optionally with a suffix that
+    1. ``optimizer``: ``multi_tensor_apply`` kernels (fused AdamW, foreach ops) and anything named adam,
+       liger-gen's ``adamw_kernel`` included, so an optimizer step is one figure whoever runs it.
+    2. ``liger_gen``: a liger-gen template kernel (``liger_gen_kernel_names()``), optionally with a suffix that
        older Tritons appended (``rms_norm_fwd_kernel_0d1d2d``).
-    2. Inductor kernels (``triton_*``): its matmul templates (``triton_tem_fused_mm...``) are ``gemm``, the
+    3. Inductor kernels (``triton_*``): its matmul templates (``triton_tem_fused_mm...``) are ``gemm``, the
        rest ``triton_other`` (checked before attention: a fused pointwise kernel may carry an SDPA op name).
-    3. ``attention``: flash / fmha / sdpa / efficient_attention (before GEMM: ``fmha_cutlassF...`` is attention).
-    4. ``optimizer``: ``multi_tensor_apply`` kernels (fused AdamW, foreach ops) and anything named adam.
+    4. ``attention``: flash / fmha / sdpa / efficient_attention (before GEMM: ``fmha_cutlassF...`` is attention).
     5. ``gemm``: cuBLAS / cuBLASLt / CUTLASS kernels (gemm, gemv, cutlass, cublas, xmma, nvjet, splitKreduce).
     6. ``triton_other``: any other bare identifier (Triton kernels are named after a Python function, e.g.
        Liger-Kernel's ``_rms_norm_forward_kernel``; CUDA C++ kernels are reported with ``void ...<...>(...)``).
@@ -90,14 +91,14 @@ def classify_kernel(name: str, liger_gen_names: Iterable[str] | None = None) -> 
     base = name.strip()
     if _QUANTIZE.match(base) or _named(base, _quantize_names()):
         return "quantize"
+    if _OPTIMIZER.search(base) and not base.startswith("triton_"):
+        return "optimizer"
     if _named(base, names):
         return "liger_gen"
     if base.startswith("triton_"):
         return "gemm" if _INDUCTOR_GEMM.match(base) else "triton_other"
     if _ATTENTION.search(base):
         return "attention"
-    if _OPTIMIZER.search(base):
-        return "optimizer"
     if _GEMM.search(base):
         return "gemm"
     if _BARE_NAME.match(base):

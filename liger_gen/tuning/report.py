@@ -287,7 +287,12 @@ def show_tables(gpu: str, specs: Sequence[Any], *, show_trials: bool = False,
         console.print(Text(f"each table's times and configs: liger-gen show --gpu {safe_text(gpu)}"
                            + (f" --ops {','.join(ops)}" if ops else "") + " --detail"))
     if not found:
-        console.print(Text(safe_text(tables.no_tables_message(gpu, spaces)) + "; looked up: "
+        if ops and gpu in tables.gpus_with_tables(spaces):  # the GPU has tables, none of the ops asked for
+            message = (f"no tuned table of {', '.join(ops)} for {gpu!r} in any folder looked up: "
+                       f"{'it runs its' if len(ops) == 1 else 'they run their'} heuristic there")
+        else:
+            message = tables.no_tables_message(gpu, spaces)
+        console.print(Text(safe_text(message) + "; looked up: "
                            + ", ".join(safe_text(r) for _, r in tables.table_roots())))
     return found
 
