@@ -34,7 +34,7 @@ from liger_gen.codegen.problems import IGNORE_INDEX, Inputs, Problem
 from liger_gen.models import PRESETS, ModelShape, resolve_model
 from liger_gen.ops import get_spec
 from liger_gen.ops.fp8.linear import Fp8LinearProblem
-from liger_gen.ops.optim.adamw import adamw_torch
+from liger_gen.ops.optim.adamw import adamw_torch, hyperparameters
 from liger_gen.reference import (clamped_swiglu_gate_up_torch, cross_entropy_torch, fused_add_rms_norm_torch,
                                  fused_linear_jsd_torch, geglu_torch, glu_torch, jsd_torch, kl_div_torch,
                                  layer_norm_torch, moe_permute_torch, moe_unpermute_torch, rms_norm_torch, rope_torch,
@@ -473,15 +473,13 @@ def _adamw_eager(t, o):
 
 def _adamw_plain(t, o):
     p, g, m, v, vmax = _adamw_state(t)
-    adamw_torch(p, g, m, v, vmax, lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
-                weight_decay=o["weight_decay"], step=o["step"], maximize=o["maximize"])
+    adamw_torch(p, g, m, v, vmax, **hyperparameters(o))
     return p, m, v
 
 
 def _adamw_lg(t, o):
     p, g, m, v, vmax = _adamw_state(t)
-    lg.adamw_step(p, g, m, v, vmax, lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
-                  weight_decay=o["weight_decay"], step=o["step"], maximize=o["maximize"])
+    lg.adamw_step(p, g, m, v, vmax, **hyperparameters(o))
     return p, m, v
 
 

@@ -139,7 +139,7 @@ class AdamWProblem(Problem):
     def reference(cls, inputs: Inputs) -> dict[str, torch.Tensor]:
         t, o = inputs.tensors, inputs.options
         outs = adamw_float64(*(t[k] for k in ("param", "grad", "exp_avg", "exp_avg_sq")), t.get("max_exp_avg_sq"),
-                             **_hyper(o))
+                             **hyperparameters(o))
         return dict(zip(cls.OUTPUTS + ("max_exp_avg_sq",), outs))
 
     @classmethod
@@ -152,7 +152,7 @@ class AdamWProblem(Problem):
         inputs = self.make_inputs(self.problem_dims, dtype, self.device, self.device_generator, options)
         self.originals = {k: t for k, t in inputs.tensors.items() if t is not None}
         self.buffers = {k: t.clone() for k, t in self.originals.items()}
-        self.hyper = _hyper(options)
+        self.hyper = hyperparameters(options)
         self.ref = {k: v.float() for k, v in self.reference(inputs).items()}
         self.tol = {name: REL_TOL[dtype] for name in self.OUTPUTS}
         self.outputs = {"fwd": self.OUTPUTS}
@@ -180,7 +180,8 @@ class AdamWProblem(Problem):
         return None
 
 
-def _hyper(options) -> dict:
+def hyperparameters(options) -> dict:
+    """The keyword arguments of ``adamw_step`` (and of the references) among a problem's ``options``."""
     return {k: options[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "maximize")}
 
 
