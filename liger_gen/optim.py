@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from liger_gen.ops.optim.adamw import STATE, adamw_step_unchecked, adamw_torch, check_adamw_tensors
+from liger_gen.ops.optim.adamw import (STATE, adamw_step_unchecked, adamw_torch, check_adamw_tensors,
+                                       check_writable)
 from liger_gen.runtime.ops import KERNEL_DTYPES, uses_triton
 
 __all__ = ["AdamW"]
@@ -37,8 +38,9 @@ class AdamW(torch.optim.AdamW):
     Each element is computed in fp32 (float64 for float64 parameters) and stored once in its tensor's dtype, as
     torch's fused AdamW does; the state has the parameter's dtype and layout. The step count stays on the host as
     a CPU tensor (``torch.optim.AdamW``'s non-fused layout; a state dict with device step counts is read back to
-    the host once), so a step never synchronises with the GPU. A step checks every parameter with a gradient
-    before it updates any, so one that raises changes nothing. The parameters' version counters move as for an
+    the host once), so a step never synchronises with the GPU (unless a hyperparameter is a CUDA tensor, read each
+    step). A step checks every parameter with a gradient before it updates any, so one that raises on bad input
+    changes nothing. The parameters' version counters move as for an
     in-place PyTorch update, so autograd refuses a backward through a graph that saved a parameter the step
     changed.
 
@@ -50,8 +52,12 @@ class AdamW(torch.optim.AdamW):
     Raises:
         ValueError: at construction, a hyperparameter out of ``torch.optim.AdamW``'s ranges, ``capturable`` or
             ``differentiable`` set, ``foreach`` or ``fused`` True. At ``step``, a gradient or state tensor whose
-            shape or device differs from its parameter's.
-        TypeError: at ``step``, a sparse or complex (not floating-point) gradient, parameter or state.
+            shape or device differs from its parameter's, or a state without ``step``, ``exp_avg`` or
+            ``exp_avg_sq``.
+        TypeError: at ``step``, a sparse or complex (not floating-point) gradient, parameter or state; DTensors
+            for some of a parameter, its gradient and its state but not all.
+        RuntimeError: at ``step``, a parameter or state tensor that is an inference tensor (outside inference
+            mode).
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -80,9 +86,7 @@ class AdamW(torch.optim.AdamW):
                  "weight_decay": float(group["weight_decay"])}
             for p in group["params"]:
                 if p.grad is not None:
-                    state = self.state.get(p) or {}
-                    check_adamw_tensors("liger_gen.optim.AdamW", p, p.grad,
-                                        {name: state.get(name) for name in STATE if name in state})
+                    _check(p, self.state.get(p) or {})
                     plan.append((p, group["amsgrad"], group["maximize"], h))
         for p, amsgrad, maximize, h in plan:
             self._update(p, amsgrad, maximize, h)
@@ -98,15 +102,39 @@ class AdamW(torch.optim.AdamW):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if state["step"].device.type != "cpu":  # a state dict saved by a fused or capturable torch optimizer
             state["step"] = state["step"].detach().to("cpu", _scalar_dtype())
-        state["step"] += 1
-        step = state["step"].item()
+        step = state["step"].item() + 1  # counted once the update is written
         tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["max_exp_avg_sq"]] if amsgrad else [])
         local = _local_tensors(tensors)
         if local is not None and uses_triton(local[0]) and all(t.dtype in KERNEL_DTYPES and t.is_contiguous()
                                                               for t in local):
             adamw_step_unchecked(*local[:4], local[4] if amsgrad else None, step=step, maximize=maximize, **h)
+            if local is not tensors:  # DTensors: their own version counters move too, not only their shards'
+                for t in tensors[:1] + tensors[2:]:
+                    torch.autograd.graph.increment_version(t)
         else:  # another device or dtype, or a strided layout: the same update in plain PyTorch
             adamw_torch(*tensors[:4], tensors[4] if amsgrad else None, step=step, maximize=maximize, **h)
+        state["step"] += 1
+
+
+def _check(p: torch.Tensor, state: dict) -> None:
+    """What ``AdamW.step`` checks of a parameter with a gradient before it updates anything: the tensors
+    (``check_adamw_tensors``), a state holding all of torch.optim.AdamW's entries or none, tensors it may write
+    in place outside inference mode, and DTensors for all of param, grad and state or for none."""
+    op = "liger_gen.optim.AdamW"
+    if state:
+        missing = [name for name in ("step",) + STATE[:2] if name not in state]
+        if missing:
+            raise ValueError(f"{op}: the state of the parameter of shape {tuple(p.shape)} lacks {', '.join(missing)} "
+                             f"(holds {', '.join(sorted(state))})")
+    present = {name: state[name] for name in STATE if name in state}
+    check_adamw_tensors(op, p, p.grad, present)
+    check_writable(op, {"param": p, **present})
+    named = {"param": p, "grad": p.grad, **present}
+    kinds = {name: type(t).__name__ == "DTensor" for name, t in named.items()}
+    if len(set(kinds.values())) > 1:
+        raise TypeError(f"{op}: {', '.join(n for n, d in kinds.items() if d)} of the parameter of shape "
+                        f"{tuple(p.shape)} are DTensors and {', '.join(n for n, d in kinds.items() if not d)} are "
+                        f"not; they must all be DTensors or none")
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -127,4 +155,5 @@ def _local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     if not all(distributed) or any(t.placements != tensors[0].placements or t.device_mesh != tensors[0].device_mesh
                                    for t in tensors):
         return None
-    return [t.to_local() for t in tensors]
+    local = [t.to_local() for t in tensors]
+    return local if all(t.shape == local[0].shape for t in local) else None

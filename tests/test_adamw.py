@@ -240,8 +240,14 @@ def test_a_step_moves_version_counters_as_an_in_place_update(device):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()
     p, g, m, v, _ = _state(8, torch.float32, device, seed=0)
-    with pytest.raises(RuntimeError, match="leaf that requires grad"):
-        adamw_step(p.requires_grad_(), g, m, v, step=1.0, lr=1e-3)
+    leaf = p.clone().requires_grad_()
+    for target in (leaf, leaf.view(8), leaf * 1):  # a leaf, a view of it, a tensor of its graph
+        with pytest.raises(RuntimeError, match="requires grad and would be updated in place"):
+            adamw_step(target, g, m, v, step=1.0, lr=1e-3)
+    with torch.inference_mode():
+        frozen = torch.zeros_like(m)
+    with pytest.raises(RuntimeError, match="exp_avg of shape \\(8,\\).* is an inference tensor"):
+        adamw_step(p, g, frozen, v, step=1.0, lr=1e-3)
 
 
 def test_a_step_that_raises_changes_nothing(device):
@@ -261,6 +267,30 @@ def test_a_step_that_raises_changes_nothing(device):
             assert all(opt.state[p]["step"].item() == 1 for p in lin.parameters())
         else:
             opt.step()
+
+
+def test_a_step_with_bad_state_raises_before_anything_moves(device):
+    """State that cannot be written (an inference tensor) or is incomplete, on the second parameter: the first
+    parameter, and every step count, are as before the step."""
+    lin = torch.nn.Linear(3, 3, bias=False).to(device)
+    extra = torch.nn.Parameter(torch.ones(2, device=device))
+    opt = liger_gen.optim.AdamW([lin.weight, extra], lr=0.1)
+    for bad, match in ((lambda s: s.__setitem__("exp_avg", _inference_zeros(extra)), "is an inference tensor"),
+                       (lambda s: s.pop("exp_avg_sq"), "lacks exp_avg_sq")):
+        opt.zero_grad()
+        (lin(torch.ones(1, 3, device=device)).sum() + extra.sum()).backward()
+        opt.step()
+        bad(opt.state[extra])
+        weight, steps = lin.weight.detach().clone(), [s["step"].item() for s in opt.state.values()]
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            opt.step()
+        assert torch.equal(lin.weight, weight) and [s["step"].item() for s in opt.state.values()] == steps
+        opt.state[extra].clear()
+
+
+def _inference_zeros(t):
+    with torch.inference_mode():
+        return torch.zeros_like(t)
 
 
 def test_state_dicts_leave_foreach_and_fused_to_the_loader(device):

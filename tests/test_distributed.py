@@ -273,7 +273,7 @@ def test_ranks_with_unequal_shapes_no_labels_or_only_ignored_labels(tmp_path):
 def test_liger_gen_adamw_steps_fsdp2_shards_as_torch_adamw(tmp_path):
     """FSDP2 on 2 ranks, kernels in Triton's interpreter: liger_gen.optim.AdamW updates each rank's local shards
     with its kernel (parameters, gradients and state are DTensors placed alike), and three steps end where
-    torch.optim.AdamW's end."""
+    torch.optim.AdamW's end; a DTensor parameter with a plain gradient is refused before anything moves."""
     body = """
 from torch.distributed.fsdp import fully_shard
 import liger_gen
@@ -298,6 +298,16 @@ for cls in (torch.optim.AdamW, liger_gen.optim.AdamW):
 worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
 say("KERNEL", dist.get_rank(), len(calls), tuple(calls[0]))
 say("WORST", dist.get_rank(), worst)
+# a DTensor parameter given a plain gradient: refused before the plain parameter beside it moves
+from torch.distributed.tensor import Replicate, distribute_tensor
+plain = torch.nn.Parameter(torch.ones(4))
+sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4), m[0].weight.device_mesh, [Replicate()]))
+opt = liger_gen.optim.AdamW([plain, sharded], lr=0.1)
+plain.grad, sharded.grad = torch.ones(4), torch.ones(4)
+try:
+    opt.step()
+except TypeError as exc:
+    say("MIXED", dist.get_rank(), "grad are not" in str(exc), torch.equal(plain.detach(), torch.ones(4)), len(opt.state))
 """
     out = _run_script(tmp_path, "adamw_fsdp", body, nproc=2, interpret="1")
     kernel = [line.split() for line in out.splitlines() if line.startswith("KERNEL")]
@@ -305,3 +315,5 @@ say("WORST", dist.get_rank(), worst)
     assert len(kernel) == 2 and all(k[2] == "12" for k in kernel), out  # 4 parameters x 3 steps, each rank
     assert all(k[3:] == ["(8,", "8)"] for k in kernel), out  # the local shard: half of the (16, 8) weight
     assert len(worst) == 2 and max(worst) < 1e-5, out
+    mixed = [line.split()[2:] for line in out.splitlines() if line.startswith("MIXED")]
+    assert mixed == [["True", "True", "0"]] * 2, out

@@ -233,26 +233,36 @@ adamw_step_op = Kernel("adamw_step", _impl, lambda *args: None,
 def adamw_step_unchecked(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
                          step, maximize) -> None:
     """``adamw_step`` without the argument checks, for callers that checked the tensors once
-    (``liger_gen.optim.AdamW``): contiguous tensors of one shape on one device, kernel dtypes. As any in-place
-    PyTorch update, it refuses to write a leaf that requires grad while grad mode is on, or an inference tensor
-    outside inference mode, and it moves the version counters of the tensors it writes (autograd then refuses a
-    backward through a graph that saved one of them)."""
+    (``liger_gen.optim.AdamW``): contiguous tensors of one shape on one device, kernel dtypes. It refuses to
+    write a tensor that requires grad while grad mode is on (the update is not differentiable) or an inference
+    tensor outside inference mode, and it moves the version counters of the tensors it writes, as an in-place
+    PyTorch update does (autograd then refuses a backward through a graph that saved one of them)."""
     args = (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), float(step), bool(maximize))
     if use_custom_op() or transforms_active():  # a graph being recorded, or a torch.func transform
         adamw_step_op.op(*args)
         return
-    written = [t for t in (param, exp_avg, exp_avg_sq, max_exp_avg_sq) if t is not None]
-    for name, t in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), written):
-        if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
-            raise RuntimeError(f"adamw_step: {describe(name, t)} is a leaf that requires grad, updated in place "
-                               f"while grad mode is on; call it under torch.no_grad()")
-        if t.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"adamw_step: {describe(name, t)} is an inference tensor, updated in place outside "
-                               f"torch.inference_mode()")
+    written = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
+    check_writable("adamw_step", written)
     _impl(*args)
-    for t in written:
-        torch.autograd.graph.increment_version(t)
+    for t in written.values():
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+def check_writable(op: str, written: dict) -> None:
+    """RuntimeError for a tensor of ``written`` (name → tensor or None) that the update may not write in place: one
+    that requires grad while grad mode is on (the update is not differentiable), or an inference tensor outside
+    inference mode."""
+    for name, t in written.items():
+        if t is None:
+            continue
+        if t.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{op}: {describe(name, t)} requires grad and would be updated in place while grad "
+                               f"mode is on (the update is not differentiable); call it under torch.no_grad()")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{op}: {describe(name, t)} is an inference tensor, updated in place outside "
+                               f"torch.inference_mode()")
 
 
 # ------------------------------------------------------------------------------------------------ public op
@@ -323,10 +333,13 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         TypeError: a non-tensor, a non-floating, sparse or complex tensor, float64 on the kernel path, or a
             hyperparameter that is not a number.
         ValueError: a tensor whose shape or device differs from param's; a hyperparameter out of range.
+        RuntimeError: a tensor to update that requires grad while grad mode is on, or an inference tensor outside
+            inference mode.
     """
     h = check_hyperparameters("adamw_step", lr, beta1, beta2, eps, weight_decay, step)
     state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
     check_adamw_tensors("adamw_step", param, grad, state)
+    check_writable("adamw_step", {"param": param, **state})  # on both paths, which then behave alike
     if not uses_triton(param):
         adamw_torch(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, **h, maximize=bool(maximize))
         return
