@@ -253,7 +253,10 @@ def adamw_step_unchecked(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, b
 def check_writable(op: str, written: dict) -> None:
     """RuntimeError for a tensor of ``written`` (name → tensor or None) that the update may not write in place: one
     that requires grad while grad mode is on (the update is not differentiable), or an inference tensor outside
-    inference mode."""
+    inference mode. Skipped while torch.compile traces (the custom op's declared mutations are checked there, and
+    Dynamo cannot trace ``is_inference``)."""
+    if torch.compiler.is_compiling():
+        return
     for name, t in written.items():
         if t is None:
             continue
