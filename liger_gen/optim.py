@@ -130,7 +130,8 @@ def _check(p: torch.Tensor, state: dict) -> None:
     check_adamw_tensors(op, p, p.grad, present)
     check_writable(op, {"param": p, **present})
     named = {"param": p, "grad": p.grad, **present}
-    kinds = {name: type(t).__name__ == "DTensor" for name, t in named.items()}
+    dtensor = _dtensor_class()
+    kinds = {name: dtensor is not None and isinstance(t, dtensor) for name, t in named.items()}
     if len(set(kinds.values())) > 1:
         raise TypeError(f"{op}: {', '.join(n for n, d in kinds.items() if d)} of the parameter of shape "
                         f"{tuple(p.shape)} are DTensors and {', '.join(n for n, d in kinds.items() if not d)} are "
@@ -145,11 +146,10 @@ def _scalar_dtype() -> torch.dtype:
 def _local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """The tensors the kernel updates: the tensors themselves, or, where all are DTensors placed alike (FSDP2's
     parameters, gradients and state), their local shards; None for a mix the kernel cannot take."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
+    dtensor = _dtensor_class()
+    if dtensor is None:
         return tensors
-    distributed = [isinstance(t, DTensor) for t in tensors]
+    distributed = [isinstance(t, dtensor) for t in tensors]
     if not any(distributed):
         return tensors
     if not all(distributed) or any(t.placements != tensors[0].placements or t.device_mesh != tensors[0].device_mesh
@@ -157,3 +157,12 @@ def _local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         return None
     local = [t.to_local() for t in tensors]
     return local if all(t.shape == local[0].shape for t in local) else None
+
+
+def _dtensor_class():
+    """``torch.distributed.tensor.DTensor``, or None in a torch built without distributed."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor

@@ -233,19 +233,17 @@ adamw_step_op = Kernel("adamw_step", _impl, lambda *args: None,
 def adamw_step_unchecked(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
                          step, maximize) -> None:
     """``adamw_step`` without the argument checks, for callers that checked the tensors once
-    (``liger_gen.optim.AdamW``): contiguous tensors of one shape on one device, kernel dtypes. It refuses to
-    write a tensor that requires grad while grad mode is on (the update is not differentiable) or an inference
-    tensor outside inference mode, and it moves the version counters of the tensors it writes, as an in-place
-    PyTorch update does (autograd then refuses a backward through a graph that saved one of them)."""
+    (``liger_gen.optim.AdamW``): contiguous tensors of one shape on one device, kernel dtypes, each writable
+    (``check_writable``, which both callers run first). It moves the version counters of the tensors it writes,
+    as an in-place PyTorch update does (autograd then refuses a backward through a graph that saved one of
+    them)."""
     args = (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), float(step), bool(maximize))
     if use_custom_op() or transforms_active():  # a graph being recorded, or a torch.func transform
         adamw_step_op.op(*args)
         return
-    written = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
-    check_writable("adamw_step", written)
     _impl(*args)
-    for t in written.values():
+    for t in (param, exp_avg, exp_avg_sq, max_exp_avg_sq):
         if t is not None:
             torch.autograd.graph.increment_version(t)
 
